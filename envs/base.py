@@ -1,0 +1,163 @@
+"""The environment interface: a small async class driven by the rollout on rank 0.
+
+An environment sees one trajectory at a time:
+
+    obs = await env.reset(sample)          # first state: text, token ids, or None (use the sample's prompt)
+    result = await env.step(action)        # next state (or None), reward, done, info
+    await env.close()                      # when the pool drops the env
+
+Observations are text or token ids. Text is tokenized by the framework on its own and
+concatenated as tokens; token ids are used as they are. Blocking environments (subprocess
+sandboxes, HTTP clients without asyncio, slow reward functions) subclass `SyncEnv` and are
+wrapped in `SyncEnvAdapter`, which runs every call in a thread pool so the event loop that
+drives hundreds of trajectories never stalls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import inspect
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Union
+
+Observation = Union[str, list[int]]
+
+
+@dataclass
+class Action:
+    """What the policy did this turn: the engine's token ids and the framework's decode of them."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str = "stop"
+
+
+@dataclass
+class StepResult:
+    """The env's answer to an action. `observation=None` means there is no next state."""
+
+    observation: Observation | None
+    reward: float = 0.0
+    done: bool = False
+    info: dict = field(default_factory=dict)
+
+
+class Env:
+    """Async environment. Subclass and implement `reset` and `step`; `close` is optional.
+
+    Constructor arguments come from the config (`env.kwargs`), so keep them plain values.
+    One instance serves many trajectories in turn (the pool reuses it), so `reset` must
+    clear any per-trajectory state.
+    """
+
+    async def reset(self, sample: dict) -> Observation | None:
+        """Start a trajectory for one dataset row; return the first state (None: use the sample's prompt)."""
+        raise NotImplementedError
+
+    async def step(self, action: Action) -> StepResult:
+        """Apply the policy's action and return the next state, the reward it earned and `done`."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """Release resources (processes, connections). Called once, when the pool drops the env."""
+
+
+class SyncEnv:
+    """Blocking twin of `Env`, for environments written without asyncio.
+
+    Same methods, without `async`. Wrap an instance in `SyncEnvAdapter` (the env factory does
+    this for you) so each call runs in a worker thread.
+    """
+
+    def reset(self, sample: dict) -> Observation | None:
+        raise NotImplementedError
+
+    def step(self, action: Action) -> StepResult:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def make_executor(max_workers: int = 8) -> ThreadPoolExecutor:
+    """Thread pool for blocking env calls; size it to the env's real concurrency (e.g. num_envs)."""
+    if max_workers < 1:
+        raise ValueError(f"env executor needs max_workers >= 1, got {max_workers}")
+    return ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="env-worker")
+
+
+async def run_blocking(executor: Executor | None, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Run a blocking function (env call, rule-based reward) in `executor` and await its result."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(executor, functools.partial(fn, *args, **kwargs))
+
+
+class SyncEnvAdapter(Env):
+    """Presents a `SyncEnv` as an async `Env` by running each of its calls in a thread pool."""
+
+    def __init__(self, env: SyncEnv, executor: Executor):
+        self.env = env
+        self.executor = executor
+
+    async def reset(self, sample: dict) -> Observation | None:
+        return await run_blocking(self.executor, self.env.reset, sample)
+
+    async def step(self, action: Action) -> StepResult:
+        return await run_blocking(self.executor, self.env.step, action)
+
+    async def close(self) -> None:
+        await run_blocking(self.executor, self.env.close)
+
+
+def load_env_class(import_path: str) -> type:
+    """Import an env class from "pkg.module:ClassName" or "pkg.module.ClassName".
+
+    The class must subclass `Env` or `SyncEnv`; anything else is refused with a message that
+    says what was found and what is expected.
+    """
+    if not isinstance(import_path, str) or not import_path.strip():
+        raise ValueError(f"env class path must be a non-empty string like 'envs.sentiment:SentimentEnv', got {import_path!r}")
+    module_name, sep, class_name = import_path.partition(":")
+    if not sep:
+        module_name, _, class_name = import_path.rpartition(".")
+    if not module_name or not class_name:
+        raise ValueError(f"env class path {import_path!r} must look like 'pkg.module:ClassName' or 'pkg.module.ClassName'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ImportError(
+            f"cannot import module {module_name!r} for env {import_path!r}: {err}. "
+            "Check the spelling and that the package is installed or on PYTHONPATH."
+        ) from err
+    env_cls = getattr(module, class_name, None)
+    if env_cls is None:
+        raise ImportError(f"module {module_name!r} has no attribute {class_name!r} (env {import_path!r})")
+    if not (inspect.isclass(env_cls) and issubclass(env_cls, (Env, SyncEnv))):
+        raise TypeError(
+            f"{import_path!r} is {env_cls!r}, not an environment class: "
+            "subclass envs.base.Env (async) or envs.base.SyncEnv (blocking)"
+        )
+    return env_cls
+
+
+def make_env_factory(env_cls: type | str, env_kwargs: dict | None = None,
+                     executor: Executor | None = None) -> Callable[[], Env]:
+    """A zero-argument callable building one async `Env` per call (for `EnvPool`).
+
+    `env_cls` may be a class or an import path. `SyncEnv` classes are wrapped in
+    `SyncEnvAdapter` running on `executor` (required for them).
+    """
+    if isinstance(env_cls, str):
+        env_cls = load_env_class(env_cls)
+    kwargs = dict(env_kwargs or {})
+    if issubclass(env_cls, SyncEnv) and executor is None:
+        raise ValueError(f"{env_cls.__name__} is a blocking SyncEnv: pass an executor (envs.base.make_executor(n))")
+
+    def build() -> Env:
+        env = env_cls(**kwargs)
+        return SyncEnvAdapter(env, executor) if isinstance(env, SyncEnv) else env
+
+    return build

@@ -1,0 +1,160 @@
+"""Process utilities shared by the engine and router launchers.
+
+Every child runs in its own process group (so one signal reaches all its descendants), writes
+stdout and stderr to one log file, and gets SIGTERM from the kernel if its parent dies
+(Linux PR_SET_PDEATHSIG), so no server outlives the job that started it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Mapping, Sequence
+
+PR_SET_PDEATHSIG = 1
+
+
+class ProcessStartError(RuntimeError):
+    """A child process died or did not answer in time while starting."""
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: ask the kernel to SIGTERM this child when the parent thread exits."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_process(argv: Sequence[str], log_path: str | Path,
+                  env: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """Start `argv` in its own process group with stdout+stderr appended to `log_path`."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log_file:
+        # The child keeps its own copy of the descriptor; ours can close right away.
+        return subprocess.Popen(
+            list(argv), stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=dict(env) if env is not None else None,
+            start_new_session=True, preexec_fn=_die_with_parent,
+        )
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:
+    """SIGTERM the child's process group, then SIGKILL after `timeout` seconds; reap it."""
+    # The group is signalled even when the leader already exited: its children may live on.
+    _signal_group(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout)
+    _signal_group(proc.pid, signal.SIGKILL)
+    return proc.returncode
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(log_path: str | Path | None, max_chars: int = 3000) -> str:
+    """The last `max_chars` characters of a log file, or a note when there is none."""
+    if log_path is None:
+        return "(no log file)"
+    try:
+        data = Path(log_path).read_bytes()
+    except OSError as err:
+        return f"(cannot read {log_path}: {err})"
+    return data[-max_chars:].decode("utf-8", errors="replace")
+
+
+def wait_http_ok(url: str, deadline_s: float, proc: subprocess.Popen | None = None,
+                 log_path: str | Path | None = None, name: str | None = None) -> None:
+    """Poll `url` until it answers HTTP 200; raise ProcessStartError if `proc` exits or time runs out."""
+    name = name or (f"process {proc.pid}" if proc is not None else url)
+    give_up_at = time.monotonic() + deadline_s
+    last_error = "no answer yet"
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise ProcessStartError(
+                f"{name} exited with code {proc.returncode} before {url} answered; "
+                f"log {log_path}:\n{log_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as response:
+                if response.status == 200:
+                    return
+                last_error = f"HTTP {response.status}"
+        except urllib.error.HTTPError as err:
+            last_error = f"HTTP {err.code}"
+        except (urllib.error.URLError, OSError) as err:
+            last_error = str(err)
+        if time.monotonic() > give_up_at:
+            raise ProcessStartError(
+                f"{name} did not answer 200 on {url} within {deadline_s:.0f}s ({last_error}); "
+                f"log {log_path}:\n{log_tail(log_path)}")
+        time.sleep(0.1)
+
+
+class ManagedProcesses:
+    """Owns the child processes a launcher starts and stops all of them on exit.
+
+    Use as a context manager; for signals, the caller installs
+    `signal.signal(signal.SIGTERM, procs.handle_signal)` so that a killed job still cleans up.
+    """
+
+    def __init__(self, stop_timeout: float = 10.0):
+        self.stop_timeout = stop_timeout
+        self._owned: list[tuple[str, subprocess.Popen, Path]] = []
+
+    def start(self, name: str, argv: Sequence[str], log_path: str | Path,
+              env: Mapping[str, str] | None = None) -> subprocess.Popen:
+        proc = start_process(argv, log_path, env)
+        self._owned.append((name, proc, Path(log_path)))
+        return proc
+
+    def adopt(self, name: str, proc: subprocess.Popen, log_path: str | Path) -> None:
+        """Take ownership of a process started elsewhere."""
+        self._owned.append((name, proc, Path(log_path)))
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid for _, proc, _ in self._owned]
+
+    def stop(self, proc: subprocess.Popen) -> None:
+        """Stop one owned process and forget it."""
+        stop_process(proc, self.stop_timeout)
+        self._owned = [entry for entry in self._owned if entry[1] is not proc]
+
+    def stop_all(self) -> None:
+        """Stop every owned process, newest first (the router before its workers)."""
+        while self._owned:
+            _, proc, _ = self._owned.pop()
+            stop_process(proc, self.stop_timeout)
+
+    def handle_signal(self, signum: int, frame=None) -> None:
+        """Signal handler: stop everything, then exit as the signal would have."""
+        self.stop_all()
+        raise SystemExit(128 + signum)
+
+    def __enter__(self) -> "ManagedProcesses":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop_all()
