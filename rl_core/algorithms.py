@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 KLKind = Literal["k1", "k2", "k3"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
@@ -92,7 +91,8 @@ def compute_gae(
     if mask is None:
         mask = torch.ones_like(rewards, dtype=torch.bool)
     if rewards.shape != values.shape:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and values {tuple(values.shape)} must have the same [B, T] shape")
+        raise ValueError(f"rewards {tuple(rewards.shape)} and values {tuple(values.shape)} "
+                         "must have the same [B, T] shape")
     _check_same_shape(rewards, mask)
     if rewards.dim() != 2:
         raise ValueError(f"compute_gae expects [B, T] tensors, got {rewards.dim()} dimensions")
@@ -221,8 +221,10 @@ def _truncation_hits(tokens: torch.Tensor, truncate_token: int, truncate_after: 
     return (tokens == truncate_token) & (positions >= truncate_after)
 
 
-def truncate_response(tokens: torch.Tensor, truncate_token: int, truncate_after: int, pad_token_id: int) -> torch.Tensor:
-    """Pad everything after the first ``truncate_token`` at index ``>= truncate_after`` (detail "rejection sampling")."""
+def truncate_response(
+    tokens: torch.Tensor, truncate_token: int, truncate_after: int, pad_token_id: int
+) -> torch.Tensor:
+    """Pad everything after the first ``truncate_token`` at index ``>= truncate_after`` (rejection-sampling detail)."""
     hits = _truncation_hits(tokens, truncate_token, truncate_after).long()
     # Exclusive cumsum: positions strictly after the first hit; the truncate token itself stays.
     after_first_hit = (hits.cumsum(dim=1) - hits) > 0

@@ -29,7 +29,8 @@ class TFAdam(torch.optim.Optimizer):
         weight_decay: float = 0.0,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"TFAdam needs lr, eps, weight_decay >= 0, got lr={lr}, eps={eps}, weight_decay={weight_decay}")
+            raise ValueError(f"TFAdam needs lr, eps, weight_decay >= 0, "
+                             f"got lr={lr}, eps={eps}, weight_decay={weight_decay}")
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"TFAdam betas must lie in [0, 1), got {betas}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
