@@ -1,0 +1,261 @@
+"""FSDP2 plumbing for the trainers on every rank: process group, sharding, full weights, one trainable model.
+
+Loss-scaling rule (the caller applies it): ranks hold different numbers of sequences after
+balancing, so each rank sums its losses, divides by the *global* count and multiplies by
+``dp_size``; FSDP averages gradients over ranks, so the result equals the single-process
+gradient of the whole minibatch.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from datetime import timedelta
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+SEED_STRIDE = 100003
+MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+
+
+# --------------------------------------------------------------------------- process group and seeds
+
+
+def device_for_rank() -> torch.device:
+    """``cuda:LOCAL_RANK`` when a GPU is present, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join the default process group (env:// from torchrun) and return ``(rank, world_size)``.
+
+    gloo on CPU, nccl on CUDA. The timeout bounds every collective, so a dead rank brings the
+    whole job down instead of hanging it.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}; set trainer.collective_timeout_s")
+    if not dist.is_initialized():
+        device = device_for_rank()
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        timeout = timedelta(seconds=timeout_s)
+        if "WORLD_SIZE" in os.environ:  # launched by torchrun (or a test that sets env://)
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:  # a plain `python` run: a one-rank group, so the same code path serves both
+            dist.init_process_group(backend=backend, timeout=timeout, rank=0, world_size=1,
+                                    init_method=f"tcp://127.0.0.1:{_free_port()}")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """One seed per rank (OpenAI detail: ``seed + rank * 100003``), so ranks sample differently."""
+    return seed + rank * SEED_STRIDE
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# --------------------------------------------------------------------------- sharding
+
+
+def find_transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks: HF's ``_no_split_modules`` classes, else the largest ModuleList."""
+    block_names: set[str] = set()
+    for module in model.modules():
+        block_names.update(getattr(module, "_no_split_modules", None) or ())
+    blocks = [module for module in model.modules() if type(module).__name__ in block_names]
+    if blocks:
+        return blocks
+    module_lists = [module for module in model.modules() if isinstance(module, nn.ModuleList) and len(module) > 0]
+    if not module_lists:
+        raise ValueError(f"found no transformer blocks in {type(model).__name__}: it has no ModuleList "
+                         "and no _no_split_modules; shard it as a single unit with blocks=[]")
+    largest = max(module_lists, key=lambda blocks: sum(p.numel() for p in blocks.parameters()))
+    return list(largest)
+
+
+def _fsdp_options(mixed_precision: str | None, cpu_offload: bool) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if mixed_precision is not None:
+        if mixed_precision not in MIXED_PRECISION_DTYPES:
+            raise ValueError(f"mixed_precision={mixed_precision!r}; choose one of "
+                             f"{sorted(MIXED_PRECISION_DTYPES)} or None")
+        # Gradients are reduced in float32: summing many low-precision shards loses accuracy.
+        options["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=MIXED_PRECISION_DTYPES[mixed_precision], reduce_dtype=torch.float32
+        )
+    if cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    return options
+
+
+def shard_model(
+    model: nn.Module,
+    mesh=None,
+    mixed_precision: str | None = None,
+    cpu_offload: bool = False,
+    blocks: list[nn.Module] | None = None,
+) -> nn.Module:
+    """FSDP2: ``fully_shard`` each transformer block, then the root (which holds embeddings and heads).
+
+    ``mesh=None`` uses the default 1-D mesh over all ranks. Works on CPU with gloo.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("shard_model needs a process group; call init_distributed() first")
+    if cpu_offload and not torch.cuda.is_available():
+        raise ValueError("cpu_offload=True only makes sense with a GPU; set it to False on CPU")
+    options = _fsdp_options(mixed_precision, cpu_offload)
+    if mesh is not None:
+        options["mesh"] = mesh
+    for block in find_transformer_blocks(model) if blocks is None else blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def iter_full_state_dict(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full CPU tensor)`` one parameter at a time, on every rank.
+
+    Gathering tensor by tensor keeps the device memory peak at one full parameter, which is what
+    streaming weights into an engine needs. Collective: every rank must consume the whole iterator.
+    """
+    for name, tensor in get_model_state_dict(model).items():
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        yield name, tensor.detach().cpu()
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded CPU state dict with Hugging Face names, on every rank (collective)."""
+    return dict(iter_full_state_dict(model))
+
+
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load a full (unsharded) state dict present on every rank into a sharded model."""
+    # A shallow copy: set_model_state_dict replaces the dict's entries with DTensor shards in place.
+    set_model_state_dict(model, dict(state_dict), options=StateDictOptions(full_state_dict=True, strict=True))
+
+
+# --------------------------------------------------------------------------- trainable model
+
+
+def _check_same_count_on_all_ranks(count: int) -> None:
+    """Each backward is a collective, so every rank must run the same number of micro-batches."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    counts = torch.tensor([count, -count], dtype=torch.int64, device=device_for_rank())
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    if counts[0].item() != count or -counts[1].item() != count:
+        raise ValueError(f"ranks hold different numbers of micro-batches (this rank {count}, max "
+                         f"{counts[0].item()}, min {-counts[1].item()}); balance into a multiple of dp_size")
+
+
+def _as_float(value: Any) -> float:
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+class TrainableModel:
+    """A sharded model with its optimizer, LR schedule and gradient clipping.
+
+    Build the optimizer *after* sharding, so it holds the sharded (DTensor) parameters.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        build_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+        build_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        max_grad_norm: float | None = 1.0,
+    ):
+        self.model = model
+        self.optimizer = build_optimizer(model)
+        self.scheduler = build_scheduler(self.optimizer) if build_scheduler is not None else None
+        self.max_grad_norm = max_grad_norm
+
+    def forward_backward(self, micro_batches: Iterable[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, list[float]]:
+        """Accumulate gradients over micro-batches; ``loss_fn`` returns an already-scaled loss.
+
+        Returns each metric as a list with one entry per micro-batch (``loss`` included).
+        """
+        micro_batches = list(micro_batches)
+        _check_same_count_on_all_ranks(len(micro_batches))
+        self.model.train()
+        metrics: dict[str, list[float]] = {}
+        for micro_batch in micro_batches:
+            loss, micro_metrics = loss_fn(self.model, micro_batch)
+            loss.backward()
+            for key, value in {"loss": loss.detach(), **micro_metrics}.items():
+                metrics.setdefault(key, []).append(_as_float(value))
+        return metrics
+
+    def step(self) -> float:
+        """Clip, step optimizer and schedule, zero grads; returns the pre-clip global grad norm.
+
+        A non-finite norm skips the update (the gradients are dropped) rather than corrupting weights.
+        """
+        max_norm = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
+        grad_norm = _as_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        if np.isfinite(grad_norm):
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sharded model + optimizer (+ scheduler) state, ready for ``dcp.save`` / as a ``dcp.load`` template."""
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    def save_checkpoint(self, checkpoint_dir: str) -> None:
+        """Collective: every rank writes its shards with torch.distributed.checkpoint."""
+        dcp.save(self.state_dict(), checkpoint_id=checkpoint_dir)
+
+    def load_checkpoint(self, checkpoint_dir: str) -> None:
+        """Collective: reshards on load, so the world size may differ from the one that saved."""
+        state = self.state_dict()
+        dcp.load(state, checkpoint_id=checkpoint_dir)
+        self.load_state_dict(state)

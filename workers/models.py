@@ -1,0 +1,346 @@
+"""Model loading and the per-token quantities the trainer needs (logprobs, entropy, values, rewards).
+
+Batch convention (the trainer relies on it): a micro-batch is a dict of ``[b, T]`` tensors with
+right-padded rows: ``input_ids``, ``attention_mask`` (1 on real tokens), ``position_ids``
+(exclusive cumsum of ``attention_mask``) and ``action_mask`` (1 on engine-generated tokens).
+Everything per-token is aligned to token positions: ``logprobs[:, t]`` is
+``log p(input_ids[:, t] | tokens < t)`` and ``values[:, t]`` is the critic's value of the state
+just before token ``t``; position 0 holds 0. Every quantity is therefore masked by
+``action_mask`` directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+
+from rl_core.algorithms import entropy_from_logits, logprobs_from_logits
+
+logger = logging.getLogger(__name__)
+
+PAD_TOKEN = "[PAD]"
+VALUE_HEAD_FILE = "value_head.safetensors"
+REQUIRED_BATCH_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+# --------------------------------------------------------------------------- tokenizer and policy
+
+
+def load_tokenizer(path: str):
+    """Load a tokenizer; add a ``[PAD]`` token when it has none.
+
+    OpenAI detail: the pad token is distinct from EOS, so padding never reads as end-of-text.
+    Adding it grows the vocabulary: pass ``vocab_size=len(tokenizer)`` to the model loaders.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+        logger.warning("tokenizer at %s had no pad token: added %r (id %d); models must resize "
+                       "their embeddings to %d rows", path, PAD_TOKEN, tokenizer.pad_token_id, len(tokenizer))
+    return tokenizer
+
+
+def _config_without_dropout(path: str, **overrides: Any) -> PretrainedConfig:
+    """The checkpoint's config with every dropout probability set to 0 (OpenAI detail: no dropout)."""
+    config = AutoConfig.from_pretrained(path, **overrides)
+    for name, value in list(config.to_dict().items()):
+        is_dropout = name.endswith("pdrop") or "dropout" in name
+        if is_dropout and isinstance(value, float):
+            setattr(config, name, 0.0)
+    return config
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Set every ``nn.Dropout`` to p=0 so train mode and eval mode give the same outputs."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+    return model
+
+
+def _resize_embeddings(model: PreTrainedModel, vocab_size: int | None) -> None:
+    if vocab_size is not None and vocab_size > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(vocab_size)
+        model.config.vocab_size = vocab_size
+
+
+def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, vocab_size: int | None = None) -> PreTrainedModel:
+    """A causal LM with dropout off everywhere; embeddings grown to ``vocab_size`` if larger."""
+    config = _config_without_dropout(path)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+    _resize_embeddings(model, vocab_size)
+    return disable_dropout(model)
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def prepare_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model inputs of a micro-batch, with pad positions' ids replaced by 0.
+
+    OpenAI detail: the pad id may lie outside the pretrained vocabulary, so it must never reach
+    the embedding; pad positions are masked out anyway.
+    """
+    missing = [key for key in REQUIRED_BATCH_KEYS if key not in batch]
+    if missing:
+        raise ValueError(f"micro-batch lacks {missing}; build it with make_micro_batch()")
+    attention_mask = batch["attention_mask"]
+    input_ids = batch["input_ids"].masked_fill(~attention_mask.bool(), 0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": batch["position_ids"]}
+
+
+def exclusive_cumsum(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that skip padding anywhere in a row (OpenAI detail: pads don't shift positions)."""
+    mask = attention_mask.long()
+    return mask.cumsum(dim=-1) - mask
+
+
+def _pad_rows(rows: Sequence[Sequence[float]], length: int, value: float, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.full((len(rows), length), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.as_tensor(row, dtype=dtype)
+    return out
+
+
+def make_micro_batch(rows: list[dict[str, list]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Collate rows into right-padded ``[b, T]`` tensors.
+
+    Each row needs ``input_ids`` and ``action_mask`` (same length); any other key is a per-token
+    float list of the same length (``old_logprobs``, ``advantages``, ...) and is padded with 0.
+    ``attention_mask`` may be given per row (e.g. a left-padded query inside the row); otherwise
+    every listed token is real.
+    """
+    if not rows:
+        raise ValueError("make_micro_batch got no rows; a micro-batch needs at least one sequence")
+    keys = set(rows[0])
+    for i, row in enumerate(rows):
+        if set(row) != keys:
+            raise ValueError(f"row {i} has keys {sorted(row)} but row 0 has {sorted(keys)}; all rows need the same keys")
+        if "input_ids" not in row or "action_mask" not in row:
+            raise ValueError(f"row {i} needs 'input_ids' and 'action_mask'")
+        length = len(row["input_ids"])
+        bad = [key for key in row if len(row[key]) != length]
+        if length == 0 or bad:
+            raise ValueError(f"row {i}: every per-token list must have len(input_ids)={length} > 0; wrong: {bad}")
+    length = max(len(row["input_ids"]) for row in rows)
+    batch = {"input_ids": _pad_rows([r["input_ids"] for r in rows], length, pad_token_id, torch.long)}
+    for key in ("action_mask", "attention_mask"):
+        if key in keys:
+            batch[key] = _pad_rows([r[key] for r in rows], length, 0, torch.long)
+    if "attention_mask" not in batch:
+        batch["attention_mask"] = _pad_rows([[1] * len(r["input_ids"]) for r in rows], length, 0, torch.long)
+    batch["action_mask"] = batch["action_mask"] * batch["attention_mask"]
+    batch["position_ids"] = exclusive_cumsum(batch["attention_mask"])
+    for key in sorted(keys - set(batch)):
+        batch[key] = _pad_rows([r[key] for r in rows], length, 0.0, torch.float32)
+    return batch
+
+
+def padding_fraction(batch: dict[str, torch.Tensor]) -> float:
+    """Share of the ``[b, T]`` grid that is padding (wasted compute)."""
+    mask = batch["attention_mask"]
+    return 1.0 - mask.sum().item() / mask.numel()
+
+
+def _prepend_zero(next_token_values: torch.Tensor) -> torch.Tensor:
+    """``[b, T-1]`` quantities about tokens 1..T-1 -> ``[b, T]`` aligned to token positions (0 at t=0)."""
+    return torch.nn.functional.pad(next_token_values, (1, 0), value=0.0)
+
+
+# --------------------------------------------------------------------------- policy quantities
+
+
+def _scaled_next_token_logits(model: nn.Module, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}; use the sampling temperature")
+    logits = model(**prepare_inputs(batch)).logits[:, :-1]
+    # OpenAI detail: logprobs come from logits / sampling temperature, matching the sampler.
+    return logits / temperature
+
+
+def token_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    """``[b, T]``: ``log p(input_ids[:, t] | < t)`` at temperature; 0 at t=0."""
+    logits = _scaled_next_token_logits(model, batch, temperature)
+    return _prepend_zero(logprobs_from_logits(logits, batch["input_ids"][:, 1:]))
+
+
+def token_logprobs_and_entropy(
+    model: nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[b, T]`` logprobs and entropies of the distribution each token was drawn from."""
+    logits = _scaled_next_token_logits(model, batch, temperature)
+    logprobs = logprobs_from_logits(logits, batch["input_ids"][:, 1:])
+    return _prepend_zero(logprobs), _prepend_zero(entropy_from_logits(logits))
+
+
+# --------------------------------------------------------------------------- critic
+
+
+class ValueModel(nn.Module):
+    """A base transformer with a scalar head: one value per position.
+
+    OpenAI detail: the value head starts at zero (weight and bias), so initial values are 0.
+    """
+
+    def __init__(self, backbone: PreTrainedModel):
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(backbone.config.hidden_size, 1, dtype=backbone.dtype)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, vocab_size: int | None = None) -> "ValueModel":
+        """Backbone from a causal-LM or value checkpoint; head from ``value_head.safetensors`` if present."""
+        config = _config_without_dropout(path)
+        backbone = AutoModel.from_pretrained(path, config=config, dtype=dtype)
+        _resize_embeddings(backbone, vocab_size)
+        model = cls(disable_dropout(backbone))
+        head_file = Path(path) / VALUE_HEAD_FILE
+        if head_file.exists():
+            from safetensors.torch import load_file
+
+            model.head.load_state_dict(load_file(str(head_file)))
+        return model
+
+    def save_pretrained(self, out_dir: str | Path) -> None:
+        """Backbone as a Hugging Face checkpoint plus the head as ``value_head.safetensors``."""
+        from safetensors.torch import save_file
+
+        self.backbone.save_pretrained(str(out_dir))
+        head = {name: tensor.detach().cpu().contiguous() for name, tensor in self.head.state_dict().items()}
+        save_file(head, str(Path(out_dir) / VALUE_HEAD_FILE))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)
+
+
+def token_values(value_model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[b, T]``: ``values[:, t]`` is the critic output at t-1 (value before action token t)."""
+    return _prepend_zero(value_model(**prepare_inputs(batch))[:, :-1])
+
+
+# --------------------------------------------------------------------------- reward model
+
+
+def _score_head(model: PreTrainedModel) -> nn.Module:
+    for name in ("score", "classifier"):
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Module):
+            return head
+    raise ValueError(f"{type(model).__name__} has no 'score' or 'classifier' head; "
+                     "use an AutoModelForSequenceClassification checkpoint with num_labels=1")
+
+
+def _ensure_gain_bias(model: PreTrainedModel) -> PreTrainedModel:
+    """Default gain 1 / bias 0 so any HF sequence-classification checkpoint loads."""
+    model.config.reward_gain = float(getattr(model.config, "reward_gain", 1.0))
+    model.config.reward_bias = float(getattr(model.config, "reward_bias", 0.0))
+    return model
+
+
+def _set_pad_token_id(model: PreTrainedModel, pad_token_id: int | None) -> None:
+    if pad_token_id is not None:
+        model.config.pad_token_id = pad_token_id
+
+
+def init_reward_model(
+    policy_path: str,
+    dtype: torch.dtype = torch.float32,
+    vocab_size: int | None = None,
+    pad_token_id: int | None = None,
+    seed: int | None = None,
+) -> PreTrainedModel:
+    """A fresh reward model (scalar sequence classifier) on top of a causal-LM checkpoint.
+
+    OpenAI detail: head weight ~ N(0, 1/sqrt(d_model + 1)), bias 0; gain 1 and bias 0 until fitted.
+    """
+    config = _config_without_dropout(policy_path, num_labels=1)
+    model = AutoModelForSequenceClassification.from_pretrained(policy_path, config=config, dtype=dtype)
+    _resize_embeddings(model, vocab_size)
+    _set_pad_token_id(model, pad_token_id)
+    head = _score_head(model)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    d_model = head.weight.shape[1]
+    with torch.no_grad():
+        init = torch.randn(head.weight.shape, generator=generator) / (d_model + 1) ** 0.5
+        head.weight.copy_(init.to(head.weight.dtype))
+        if head.bias is not None:
+            head.bias.zero_()
+    set_reward_gain_bias(model, 1.0, 0.0)
+    return disable_dropout(model)
+
+
+def load_reward_model(path: str, dtype: torch.dtype = torch.float32, pad_token_id: int | None = None) -> PreTrainedModel:
+    """A trained reward model (any HF seq-cls checkpoint with one label); gain/bias from its config."""
+    config = _config_without_dropout(path)
+    if config.num_labels != 1:
+        raise ValueError(f"reward model at {path} has num_labels={config.num_labels}; a scalar reward needs 1")
+    model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype)
+    _set_pad_token_id(model, pad_token_id)
+    return disable_dropout(_ensure_gain_bias(model))
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[b]`` index of each row's last attended token (rows may hold padding on both sides)."""
+    positions = torch.arange(attention_mask.shape[-1], device=attention_mask.device).expand_as(attention_mask)
+    last = torch.where(attention_mask.bool(), positions, -1).max(dim=-1).values
+    if (last < 0).any():
+        raise ValueError("a row has no attended token; every sequence needs at least one real token")
+    return last
+
+
+def raw_reward_scores(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+) -> torch.Tensor:
+    """``[b]`` head output at each row's last real token, before gain/bias.
+
+    OpenAI detail: the reward is the score of the last token of query+response. The index comes
+    from ``attention_mask`` (not HF's pad-id search), so any pad id and padding side work. The
+    head's per-position output is captured inside the model's own forward, so FSDP2's hooks
+    gather the head and backbone exactly as in training.
+    """
+    if model.config.pad_token_id is None:
+        raise ValueError("reward model config has no pad_token_id (HF's seq-cls forward needs one for "
+                         "batches); pass pad_token_id=tokenizer.pad_token_id to init/load_reward_model")
+    inputs = prepare_inputs({"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids})
+    captured: list[torch.Tensor] = []
+    handle = _score_head(model).register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        model(**inputs)
+    finally:
+        handle.remove()
+    per_position = captured[0].squeeze(-1)
+    rows = torch.arange(per_position.shape[0], device=per_position.device)
+    return per_position[rows, last_token_index(attention_mask).to(per_position.device)]
+
+
+def reward_scores(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+) -> torch.Tensor:
+    """``[b]`` last-token scores, affinely normalised: ``raw * reward_gain + reward_bias``."""
+    raw = raw_reward_scores(model, input_ids, attention_mask, position_ids)
+    gain = getattr(model.config, "reward_gain", 1.0)
+    bias = getattr(model.config, "reward_bias", 0.0)
+    return raw * gain + bias
+
+
+def set_reward_gain_bias(model: PreTrainedModel, gain: float, bias: float) -> None:
+    """Store the normalisation in the config so ``save_pretrained`` carries it."""
+    model.config.reward_gain, model.config.reward_bias = float(gain), float(bias)
