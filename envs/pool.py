@@ -80,6 +80,10 @@ class EnvLease:
         finally:
             self.env_time_s += time.perf_counter() - start
 
+    def reject(self, what: str, detail: str) -> None:
+        """Fail the trajectory for an env output the framework cannot use (e.g. a malformed observation)."""
+        self._fail(what, detail)
+
     def _fail(self, what: str, detail: str) -> None:
         self.error = f"{type(self.env).__name__}.{what} {detail}"
         raise EnvFailure(self.error)

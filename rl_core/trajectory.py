@@ -1,0 +1,220 @@
+"""Token-level trajectories: what the trainer trains on, built from the engine's own token ids.
+
+Tokens, never text, cross the engine boundary: `tokenize(a) + tokenize(b)` is in general not
+`tokenize(a + b)`, so re-tokenizing decoded text would train on ids the engine never sampled.
+The builder therefore keeps the engine's `output_ids` exactly and tokenizes only what the
+framework adds (prompt, env observations), each piece on its own.
+
+Left padding of a token-id state (OpenAI's fixed-length queries, pad distinct from EOS) gets
+attention_mask 0: the trainer masks it and uses position ids = exclusive cumsum of the mask,
+which makes the padded query equivalent to the unpadded one the engine is sent.
+
+Multi-turn rule (the env's next state s' versus the current state s plus action a):
+  * text observation that starts with text(s) + text(a): only the new suffix is tokenized and
+    appended to the same sequence (KV cache reuse at rollout, one sequence at training);
+  * token-id observation that starts with all ids of the current sequence: only the new ids
+    are appended to the same sequence;
+  * anything else is a fresh state: a new sequence starts with it (text tokenized on its own,
+    ids used as given).
+A trajectory may thus be several sequences; advantages run over all its generated tokens in
+order (`Trajectory.action_chain`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence as Seq
+
+Observation = str | list[int]
+
+
+@dataclass
+class Sequence:
+    """One model input. Per-token lists all have `len(input_ids)` entries."""
+
+    input_ids: list[int] = field(default_factory=list)
+    action_mask: list[int] = field(default_factory=list)  # 1 on engine-generated tokens
+    behaviour_logprobs: list[float] = field(default_factory=list)  # engine logprob on generated tokens, else 0
+    versions: list[int] = field(default_factory=list)  # policy version per generated token, else -1
+    token_rewards: list[float] = field(default_factory=list)  # env reward on the last token of the action that earned it
+    attention_mask: list[int] = field(default_factory=list)  # 0 only on the left padding of a padded state
+
+    @property
+    def real_ids(self) -> list[int]:
+        """The ids without padding: what the engine is sent (equivalent under exclusive-cumsum positions)."""
+        return [i for i, m in zip(self.input_ids, self.attention_mask) if m]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_action_tokens(self) -> int:
+        return sum(self.action_mask)
+
+    def extend_context(self, ids: Seq[int], num_padding: int = 0) -> None:
+        """Append tokens the policy did not generate (prompt, observation); the first `num_padding` are pads."""
+        n = len(ids)
+        self.input_ids.extend(int(i) for i in ids)
+        self.attention_mask.extend([0] * num_padding + [1] * (n - num_padding))
+        self.action_mask.extend([0] * n)
+        self.behaviour_logprobs.extend([0.0] * n)
+        self.versions.extend([-1] * n)
+        self.token_rewards.extend([0.0] * n)
+
+    def extend_action(self, ids: Seq[int], logprobs: Seq[float], versions: Seq[int]) -> None:
+        """Append engine-generated tokens with their behaviour logprobs and policy versions."""
+        n = len(ids)
+        self.input_ids.extend(int(i) for i in ids)
+        self.attention_mask.extend([1] * n)
+        self.action_mask.extend([1] * n)
+        self.behaviour_logprobs.extend(float(x) for x in logprobs)
+        self.versions.extend(int(v) for v in versions)
+        self.token_rewards.extend([0.0] * n)
+
+
+@dataclass
+class Trajectory:
+    """Everything one env episode produced, ready for scoring and advantages."""
+
+    sequences: list[Sequence]
+    sample: dict
+    env_reward: float = 0.0
+    finish_reasons: list[str] = field(default_factory=list)  # one per engine call, plus "length" on a budget stop
+    failed: bool = False
+    error: str | None = None
+    num_turns: int = 0
+    info: dict = field(default_factory=dict)
+
+    def action_chain(self) -> list[tuple[int, int]]:
+        """(sequence index, position) of every generated token, in generation order: the GAE chain."""
+        return [(s, t) for s, seq in enumerate(self.sequences) for t, m in enumerate(seq.action_mask) if m]
+
+    @property
+    def num_action_tokens(self) -> int:
+        return sum(seq.num_action_tokens for seq in self.sequences)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(seq) for seq in self.sequences)
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy version that generated any token (-1 when nothing was generated)."""
+        versions = [v for seq in self.sequences for v in seq.versions if v >= 0]
+        return min(versions) if versions else -1
+
+
+def encode_text(tokenizer: Any, text: str, first: bool) -> list[int]:
+    """Tokenize one piece on its own; special tokens (e.g. BOS) only at the start of a sequence."""
+    return list(tokenizer.encode(text, add_special_tokens=first))
+
+
+class TrajectoryBuilder:
+    """Builds a `Trajectory` turn by turn, keeping the engine's ids exactly.
+
+    Usage: `start(first_state)`, then per turn `add_action(...)`, `add_reward(...)`,
+    `add_observation(next_state)`; finally `build(sample)`.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        pad, eos = getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)
+        self.pad_id = pad if pad != eos else None  # a pad equal to EOS can't be told from a real token
+        self.sequences: list[Sequence] = []
+        self.state_text: str | None = None  # the state as the env sees it: prompt + actions + observation suffixes
+        self.env_reward = 0.0
+        self.unplaced_reward = 0.0
+        self.num_turns = 0
+        self.appended_observations = 0
+        self.new_sequences = 0
+
+    @property
+    def current(self) -> Sequence:
+        if not self.sequences:
+            raise RuntimeError("TrajectoryBuilder.start(first_state) must be called first")
+        return self.sequences[-1]
+
+    def start(self, state: Observation) -> None:
+        """Begin with the first state (prompt text or prompt ids)."""
+        self._new_sequence(state)
+
+    def add_action(self, output_ids: Seq[int], logprobs: Seq[float], version: int | Seq[int]) -> str:
+        """Append the engine's output ids as they are; return their decoded text (the env's action)."""
+        if len(logprobs) != len(output_ids):
+            raise ValueError(f"{len(output_ids)} output ids but {len(logprobs)} logprobs: the engine must return one logprob per id")
+        versions = [version] * len(output_ids) if isinstance(version, int) else list(version)
+        if len(versions) != len(output_ids):
+            raise ValueError(f"{len(output_ids)} output ids but {len(versions)} versions")
+        self.current.extend_action(output_ids, logprobs, versions)
+        text = self.tokenizer.decode(list(output_ids), skip_special_tokens=True)
+        self.state_text = (self.state_text or "") + text
+        return text
+
+    def add_reward(self, reward: float) -> None:
+        """Put an env reward on the last generated token so far (the action that earned it)."""
+        reward = float(reward)
+        self.env_reward += reward
+        for seq in reversed(self.sequences):
+            positions = [t for t, m in enumerate(seq.action_mask) if m]
+            if positions:
+                seq.token_rewards[positions[-1]] += reward
+                return
+        self.unplaced_reward += reward  # no action token yet: kept in the total, nothing to credit
+
+    def add_observation(self, observation: Observation) -> bool:
+        """Add the env's next state; return True if it extended the current sequence, False if one started."""
+        if isinstance(observation, str):
+            if self.state_text is not None and observation.startswith(self.state_text):
+                suffix = observation[len(self.state_text):]
+                self.current.extend_context(encode_text(self.tokenizer, suffix, first=False) if suffix else [])
+                self.state_text = observation
+                self.appended_observations += 1
+                return True
+        else:
+            ids = _as_ids(observation)
+            prefix = self.current.input_ids
+            if len(ids) >= len(prefix) and ids[:len(prefix)] == prefix:
+                self.current.extend_context(ids[len(prefix):])
+                self.state_text = self.tokenizer.decode(ids, skip_special_tokens=False)
+                self.appended_observations += 1
+                return True
+        self._new_sequence(observation)
+        self.new_sequences += 1
+        return False
+
+    def _new_sequence(self, state: Observation) -> None:
+        seq = Sequence()
+        if isinstance(state, str):
+            seq.extend_context(encode_text(self.tokenizer, state, first=True))
+            self.state_text = state
+        else:
+            ids = _as_ids(state)
+            seq.extend_context(ids, num_padding=self._left_padding(ids))
+            self.state_text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        if not seq.input_ids:
+            raise ValueError("a state must not be empty: the env returned an empty observation for a new sequence")
+        self.sequences.append(seq)
+
+    def _left_padding(self, ids: list[int]) -> int:
+        """Leading pad tokens of a left-padded state (OpenAI: fixed-length queries), never all of it."""
+        n = 0
+        while self.pad_id is not None and n < len(ids) - 1 and ids[n] == self.pad_id:
+            n += 1
+        return n
+
+    def build(self, sample: dict, finish_reasons: list[str] | None = None, info: dict | None = None) -> Trajectory:
+        info = dict(info or {})
+        info.update(appended_observations=self.appended_observations, new_sequences=self.new_sequences)
+        if self.unplaced_reward:
+            info["unplaced_reward"] = self.unplaced_reward
+        return Trajectory(sequences=self.sequences, sample=sample, env_reward=self.env_reward,
+                          finish_reasons=list(finish_reasons or []), num_turns=self.num_turns, info=info)
+
+
+def _as_ids(observation: Any) -> list[int]:
+    """Token ids from an observation (list/tuple/array of ints), or a clear error."""
+    try:
+        ids = [int(i) for i in observation]
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"an observation must be text (str) or token ids (list[int]), got {type(observation).__name__}") from err
+    return ids
