@@ -14,6 +14,7 @@ unnoticed. Cost is one pass over the bytes (~30 ms for 4M float32 parameters).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import hashlib
@@ -179,6 +180,19 @@ def serialize_for_engine(obj) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
+def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> dict:
+    """One uint8 buffer plus metadata, the shape of sglang's `FlattenedTensorBucket` payload."""
+    metadata, chunks, offset = [], [], 0
+    for name, tensor in named_tensors:
+        data = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        metadata.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, offset + data.numel(),
+                                                tensor.numel()))
+        chunks.append(data)
+        offset += data.numel()
+    return {"flattened_tensor": torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8),
+            "metadata": metadata}
+
+
 def deserialize_named_tensors(serialized: str) -> list[tuple[str, torch.Tensor]]:
     """Inverse of `serialize_for_engine` for a `(name, tensor)` list or a flattened bucket dict."""
     import torch.multiprocessing.reductions  # noqa: F401
@@ -191,6 +205,17 @@ def deserialize_named_tensors(serialized: str) -> list[tuple[str, torch.Tensor]]
 
 
 # ---------------------------------------------------------------- sync
+
+async def verify_weights(client, expected_checksum: str, version: str) -> None:
+    """Raise WeightSyncError unless the engine reports `version` and `expected_checksum`."""
+    reply = await client.weights_checksum()
+    if reply.get("weight_version") != version:
+        raise WeightSyncError(f"engine {client.base_url} reports weight_version "
+                              f"{reply.get('weight_version')!r} after loading version {version!r}")
+    if reply.get("checksum") != expected_checksum:
+        raise WeightSyncError(f"engine {client.base_url} weights checksum {reply.get('checksum')} != "
+                              f"sent {expected_checksum} for version {version!r}: the update was partial or wrong")
+
 
 async def sync_weights(client, state_dict: Mapping[str, torch.Tensor], version: str,
                        shm_dir: str | Path = DEFAULT_SHM_DIR, dtype: torch.dtype | None = None,
@@ -209,19 +234,16 @@ async def sync_weights(client, state_dict: Mapping[str, torch.Tensor], version: 
     path = Path(shm_dir) / (file_name or f"rl_weights_{os.getpid()}_{abs(hash(client.base_url))}.safetensors")
     write_weights_to_shm(tensors, path)
     written = time.perf_counter()
+    expected = asyncio.create_task(asyncio.to_thread(weights_checksum, tensors))  # overlaps the engine's load
     try:
         await client.update_weights_from_disk(str(path), version)
+    except BaseException:
+        expected.cancel()
+        raise
     finally:
         path.unlink(missing_ok=True)
     loaded = time.perf_counter()
-    expected = weights_checksum(tensors)
-    reply = await client.weights_checksum()
-    if reply.get("weight_version") != version:
-        raise WeightSyncError(f"engine {client.base_url} reports weight_version "
-                              f"{reply.get('weight_version')!r} after loading version {version!r}")
-    if reply.get("checksum") != expected:
-        raise WeightSyncError(f"engine {client.base_url} weights checksum {reply.get('checksum')} != "
-                              f"sent {expected} for version {version!r}: the update was partial or wrong")
+    await verify_weights(client, await expected, version)
     return {"write_s": written - started, "load_s": loaded - written,
             "verify_s": time.perf_counter() - loaded, "total_s": time.perf_counter() - started,
             "num_tensors": len(tensors)}

@@ -1,0 +1,157 @@
+"""Async HTTP client for an SGLang-compatible engine or the router in front of engines.
+
+Every call has a deadline. Failures raise `EngineError` (URL, status, server message) and
+deadlines raise `EngineTimeout` (URL, seconds), so a dead engine surfaces as a clear error
+instead of a hung rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Sequence
+
+import aiohttp
+
+
+class EngineError(RuntimeError):
+    """An engine or router answered with an error, or could not be reached."""
+
+    def __init__(self, url: str, status: int | None, message: str):
+        self.url, self.status, self.message = url, status, message
+        where = f"HTTP {status}" if status is not None else "no HTTP answer"
+        super().__init__(f"{url}: {where}: {message}")
+
+
+class EngineTimeout(EngineError):
+    """A call did not finish within its deadline."""
+
+    def __init__(self, url: str, deadline_s: float):
+        self.deadline_s = deadline_s
+        super().__init__(url, None, f"no answer within the {deadline_s:g}s deadline")
+
+
+def _error_message(body: str) -> str:
+    """SGLang errors look like {"error": {"message": ...}} or {"message": ...}; else raw text."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.strip()[:2000]
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "message" in data:
+            return str(data["message"])
+    return body.strip()[:2000]
+
+
+class EngineClient:
+    """One pooled aiohttp session per client; create and use it inside a running event loop."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0, control_timeout_s: float = 60.0,
+                 max_connections: int = 1024):
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=self.max_connections)
+            self._session = aiohttp.ClientSession(connector=connector)
+        return self._session
+
+    async def request(self, method: str, path: str, payload: Any = None,
+                      timeout_s: float | None = None) -> Any:
+        """Send one request; return the JSON body (or text when it is not JSON)."""
+        url = f"{self.base_url}{path}"
+        deadline = timeout_s if timeout_s is not None else self.control_timeout_s
+        try:
+            timeout = aiohttp.ClientTimeout(total=deadline)
+            async with self._get_session().request(method, url, json=payload, timeout=timeout) as response:
+                body = await response.text()
+        except asyncio.TimeoutError:
+            raise EngineTimeout(url, deadline) from None
+        except aiohttp.ClientError as err:
+            raise EngineError(url, None, f"{type(err).__name__}: {err}") from err
+        if response.status >= 400:
+            raise EngineError(url, response.status, _error_message(body))
+        try:
+            return json.loads(body) if body else None
+        except ValueError:
+            return body
+
+    async def post(self, path: str, payload: Any = None, timeout_s: float | None = None) -> Any:
+        return await self.request("POST", path, payload if payload is not None else {}, timeout_s)
+
+    async def get(self, path: str, timeout_s: float | None = None) -> Any:
+        return await self.request("GET", path, None, timeout_s)
+
+    # ------------------------------------------------------------ generation
+
+    async def generate(self, input_ids: Sequence[int] | Sequence[Sequence[int]], sampling_params: dict,
+                       return_logprob: bool = True, rid: str | list[str] | None = None,
+                       timeout_s: float | None = None) -> dict | list[dict]:
+        """POST /generate with token ids; a list of lists gives a list of results in order."""
+        payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
+                                   "return_logprob": return_logprob}
+        if rid is not None:
+            payload["rid"] = rid
+        return await self.post("/generate", payload, timeout_s if timeout_s is not None else self.timeout_s)
+
+    # ------------------------------------------------------------ info and control
+
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        await self.get("/health", timeout_s)
+        return True
+
+    async def model_info(self) -> dict:
+        return await self.get("/get_model_info")
+
+    async def server_info(self) -> dict:
+        return await self.get("/get_server_info")
+
+    async def flush_cache(self) -> Any:
+        return await self.post("/flush_cache")
+
+    async def pause(self, mode: str = "abort") -> Any:
+        return await self.post("/pause_generation", {"mode": mode})
+
+    async def resume(self) -> Any:
+        """Continue generation after `pause` (SGLang's /continue_generation)."""
+        return await self.post("/continue_generation")
+
+    async def release_memory(self, tags: list[str] | None = None) -> Any:
+        return await self.post("/release_memory_occupation", {"tags": tags} if tags else {})
+
+    async def resume_memory(self, tags: list[str] | None = None) -> Any:
+        return await self.post("/resume_memory_occupation", {"tags": tags} if tags else {})
+
+    async def update_weights_from_disk(self, path: str, version: str | None = None,
+                                       timeout_s: float | None = None) -> dict:
+        payload: dict[str, Any] = {"model_path": path}
+        if version is not None:
+            payload["weight_version"] = version
+        reply = await self.post("/update_weights_from_disk", payload, timeout_s or self.timeout_s)
+        if isinstance(reply, dict) and reply.get("success") is False:
+            raise EngineError(f"{self.base_url}/update_weights_from_disk", 200, reply.get("message", ""))
+        return reply
+
+    async def weights_checksum(self, timeout_s: float | None = None) -> dict:
+        return await self.get("/weights_checksum", timeout_s or self.timeout_s)
+
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> Any:
+        return await self.post("/abort_request", {"rid": rid or "", "abort_all": abort_all})
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> "EngineClient":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
