@@ -74,7 +74,7 @@ class RolloutConfig:
 
 @dataclass
 class EnvConfig:
-    cls: str = "envs.sentiment:StylisticContinuationEnv"
+    cls: str = "envs.sentiment:SentimentEnv"
     kwargs: dict = field(default_factory=dict)
     num_envs: int = 64
     step_timeout_s: float = 60.0

@@ -228,7 +228,9 @@ class ValueModel(nn.Module):
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
         ).last_hidden_state
-        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)
+        # A fresh tensor, not a squeeze view: FSDP2 hooks the module output for backward, and a
+        # view would let a later in-place op bypass that hook.
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).clone()
 
 
 def token_values(value_model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
