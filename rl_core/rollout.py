@@ -137,7 +137,8 @@ class _Rollout:
                 finish_reasons.append("length")
                 truncated = True
                 break
-            action = await self._act(builder, room)
+            seed = sample.get("sampling_seed")  # reproducible sampling, e.g. across a resume
+            action = await self._act(builder, room, None if seed is None else seed + 7919 * builder.num_turns)
             builder.num_turns += 1
             finish_reasons.append(action.finish_reason)
             result = await env.step(action)
@@ -162,7 +163,7 @@ class _Rollout:
             return 1 << 30
         return self.max_total_tokens - sequence_length
 
-    async def _act(self, builder: TrajectoryBuilder, room: int) -> Action:
+    async def _act(self, builder: TrajectoryBuilder, room: int, seed: int | None = None) -> Action:
         """Generate one action; an `abort` (engine paused for a weight update) continues where it stopped."""
         ids: list[int] = []
         logprobs: list[float] = []
@@ -171,6 +172,8 @@ class _Rollout:
         rid = uuid.uuid4().hex
         for attempt in range(self.max_abort_retries + 1):
             params = dict(self.sampling_params, max_new_tokens=wanted - len(ids))
+            if seed is not None:
+                params["sampling_seed"] = seed + attempt
             answer = await self.client.generate(builder.current.real_ids + ids, params,
                                                 return_logprob=True, rid=f"{rid}-{attempt}")
             gen = parse_generation(answer, self.policy_version)

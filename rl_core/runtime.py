@@ -219,7 +219,7 @@ class JobRuntime:
             print(f"skipped {dataset.skipped} malformed prompt rows in {dataset.source}")
         processor = QueryProcessor(self.tokenizer, data.query_length, data.start_text, data.end_text)
         loader = PromptLoader(dataset, batch_size // group_size, seed=self.cfg.seed, processor=processor)
-        return PromptSamples(loader, group_size)
+        return PromptSamples(loader, group_size, self.cfg.seed)
 
     def export_policy(self, model_state: dict[str, torch.Tensor], out_dir: Path) -> None:
         """The final policy in Hugging Face format (save_pretrained + tokenizer), loadable by SGLang."""
@@ -239,21 +239,29 @@ class PromptSamples:
     from the exclusive cumsum of the mask, OpenAI's fixed-length left padding changes no logit,
     so padding happens only when micro-batches are collated."""
 
-    def __init__(self, loader, group_size: int):
-        self.loader, self.group_size = loader, group_size
+    def __init__(self, loader, group_size: int, seed: int):
+        self.loader, self.group_size, self.seed = loader, group_size, seed
+        self.served = 0  # samples handed out so far: each gets its own engine sampling seed
 
     def __iter__(self):
         return self
 
     def __next__(self) -> list[dict]:
-        return [{"prompt_ids": item.query.unpadded_ids, "index": item.index}
-                for item in self.loader.next_batch() for _ in range(self.group_size)]
+        samples = []
+        for item in self.loader.next_batch():
+            for _ in range(self.group_size):
+                # A per-sample seed makes a resumed run sample what the uninterrupted run would have.
+                seed = (self.seed * 1_000_003 + self.served * 7_919) % (2**31 - 1)
+                samples.append({"prompt_ids": item.query.unpadded_ids, "index": item.index, "sampling_seed": seed})
+                self.served += 1
+        return samples
 
     def state_dict(self) -> dict:
-        return self.loader.state_dict()
+        return {"loader": self.loader.state_dict(), "served": self.served}
 
     def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state)
+        self.loader.load_state_dict(state["loader"])
+        self.served = state["served"]
 
 
 def model_max_positions(path: str) -> int | None:

@@ -1,0 +1,136 @@
+"""The PPO job end to end: torchrun, 2 ranks on gloo, real embedded engines and router, small settings."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REQUIRED_METRICS = ("step", "reward/score_mean", "reward/total_mean", "kl/mean", "kl/coef", "policy/entropy",
+                    "policy/clipfrac", "value/loss", "perf/rollout_s", "perf/train_s", "perf/step_s",
+                    "perf/tokens_per_s")
+
+
+@pytest.fixture(scope="module")
+def small_job(tmp_path_factory):
+    """Small offline assets and a randomly initialised reward model (the plumbing, not the learning)."""
+    from rl_core.assets import ensure_tiny_assets
+    from workers.models import init_reward_model, load_tokenizer
+
+    root = tmp_path_factory.mktemp("train_assets")
+    paths = ensure_tiny_assets(root=root, small=True, log=lambda *_: None)
+    tokenizer = load_tokenizer(str(paths.model_dir))
+    rm_dir = root / "rm"
+    init_reward_model(str(paths.model_dir), pad_token_id=tokenizer.pad_token_id).save_pretrained(rm_dir)
+    tokenizer.save_pretrained(rm_dir)
+    return {"root": root, "overrides": [
+        f"model.path={paths.model_dir}", f"reward.model_path={rm_dir}", f"data.train_path={paths.train_prompts}",
+        "data.query_length=12", "rollout.response_length=6", "reward.truncate_after=2",
+        "algorithm.batch_size=8", "algorithm.noptepochs=2", "algorithm.lr=3e-4", "trainer.progress=false",
+        "env.num_envs=4"]}
+
+
+def torchrun_argv(overrides):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+            "-m", "rl_core.train", "--config", "ppo_sentiment.yaml", *overrides]
+
+
+def run_job(small_job, run_dir, *extra, timeout=420):
+    overrides = small_job["overrides"] + [f"trainer.run_dir={run_dir}", *extra]
+    # Own session, so a timeout kills torchrun *and* its ranks (no orphans left for later tests).
+    proc = subprocess.Popen(torchrun_argv(overrides), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the job did not finish within {timeout}s:\n{output[-5000:]}")
+    assert proc.returncode == 0, output[-6000:]
+    return output
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def project_processes(marker: str) -> list[int]:
+    """Pids of live processes whose command line mentions `marker` (engines, router, ranks)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline and ("workers.engines" in cmdline or "sglang" in cmdline or "rl_core.train" in cmdline):
+            pids.append(int(entry.name))
+    return pids
+
+
+def wait_gone(marker: str, seconds: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while project_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return project_processes(marker)
+
+
+@pytest.mark.timeout(600)
+def test_sync_steps_write_metrics_checkpoint_and_hf_export(small_job, tmp_path):
+    run_dir = tmp_path / "sync"
+    run_job(small_job, run_dir, "trainer.total_episodes=16", "trainer.save_every=1")
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2]
+    for key in REQUIRED_METRICS:
+        assert all(key in m for m in metrics), key
+    assert metrics[1]["kl/mean"] != 0.0  # the policy moved away from the reference after one update
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "tensorboard").is_dir()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    assert AutoTokenizer.from_pretrained(run_dir / "final").pad_token == "[PAD]"
+    assert wait_gone(str(small_job["root"])) == []
+
+
+@pytest.mark.timeout(600)
+def test_async_mode_respects_staleness_bound(small_job, tmp_path):
+    run_dir = tmp_path / "async"
+    run_job(small_job, run_dir, "trainer.total_episodes=32", "trainer.mode=async", "async.max_staleness=1")
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert all(m["async/staleness_max"] <= 1 for m in metrics)
+    assert wait_gone(str(small_job["root"])) == []
+
+
+@pytest.mark.timeout(900)
+def test_resume_after_sigterm_continues_step_count_and_reproduces_metrics(small_job, tmp_path):
+    common = ["trainer.total_episodes=24", "trainer.save_every=1"]
+    reference_dir = tmp_path / "uninterrupted"
+    run_job(small_job, reference_dir, *common)
+    reference = read_metrics(reference_dir)
+
+    run_dir = tmp_path / "killed"
+    overrides = small_job["overrides"] + [f"trainer.run_dir={run_dir}", *common]
+    proc = subprocess.Popen(torchrun_argv(overrides), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoint = run_dir / "checkpoints" / "step_00000002"
+    deadline = time.monotonic() + 400
+    while not checkpoint.is_dir() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert checkpoint.is_dir(), "the run never wrote its second checkpoint"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    assert wait_gone(str(small_job["root"])) == [], "engines or router outlived SIGTERM"
+
+    run_job(small_job, run_dir, *common, "trainer.resume=auto")
+    resumed = read_metrics(run_dir)
+    steps = [m["step"] for m in resumed]
+    assert steps[-1] == 3 and steps.count(3) == 1  # continued at step 3, not from 1
+    last, expected = resumed[-1], reference[-1]
+    for key in ("reward/score_mean", "kl/mean", "policy/entropy"):
+        assert last[key] == pytest.approx(expected[key], rel=0.05, abs=1e-3), key
