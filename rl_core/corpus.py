@@ -50,9 +50,9 @@ DESCRIPTIVE = ("old", "small", "tall", "red", "green", "blue", "wooden", "quiet"
                "narrow", "golden", "shiny", "soft", "heavy", "round", "tiny", "wide", "long",
                "yellow", "white", "black", "brown", "silver", "empty", "wet", "deep", "thin",
                "huge", "ancient", "little", "crooked", "striped", "stone", "painted", "rusty")
-DESCRIPTIVE_PARTS = ("a red roof", "a broken handle", "long green leaves", "a silver lid",
-                     "tiny blue flowers", "a wooden frame", "a crooked chimney", "thick walls",
-                     "a narrow door", "white curtains", "a golden ribbon", "a painted sign")
+DESCRIPTIVE_PARTS = ("a red ribbon", "a broken handle", "a long crack", "a silver lid",
+                     "tiny blue flowers on it", "a wooden frame", "a golden edge", "a torn corner",
+                     "a small hole", "white stripes", "a brass clasp", "a faded label")
 
 # Sentiment words that VADER scores strongly.
 POS_FEELINGS = ("happy", "glad", "proud", "grateful", "excited", "cheerful", "joyful",
@@ -85,6 +85,8 @@ NEG_QUOTES = ("I hate this place", "what a terrible day", "this is awful", "leav
 NEUTRAL_QUOTES = ("where are we going", "it is getting late", "let us go to the river",
                   "the bus leaves at noon", "put the box on the table", "I will be back soon",
                   "we need more bread", "the door is open")
+ANIMAL_POS = ("seemed happy", "wagged its tail happily", "looked content", "played joyfully")
+ANIMAL_NEG = ("seemed sad", "looked scared", "was hurt", "ran away in fear")
 OPENERS = ("Once upon a time", "One day", "Long ago", "Early that morning", "Last summer",
            "Every Sunday", "Years later", "That night", "In a small town", "One cold morning")
 
@@ -111,9 +113,13 @@ def _a_or_an(word: str) -> str:
     return "an" if word[:1].lower() in "aeiou" else "a"
 
 
+def _with_article(phrase: str) -> str:
+    return f"{_a_or_an(phrase)} {phrase}"
+
+
 def _adjectives(rng: random.Random, mood: str, max_count: int = 2) -> list[str]:
     """0-2 adjectives: descriptive ones, plus a sentiment one matching the mood now and then."""
-    count = rng.choice((0, 0, 1, 1, 1, 2))[:max_count] if False else min(rng.choice((0, 0, 1, 1, 1, 2)), max_count)
+    count = min(rng.choice((0, 0, 1, 1, 1, 2)), max_count)
     words = rng.sample(DESCRIPTIVE, count)
     if mood == "positive" and rng.random() < 0.3:
         words.insert(0, rng.choice(POS_ADJECTIVES))
@@ -122,12 +128,13 @@ def _adjectives(rng: random.Random, mood: str, max_count: int = 2) -> list[str]:
     return words
 
 
-def _noun_phrase(rng: random.Random, noun: str, mood: str, article: str = "the") -> str:
+def _noun_phrase(rng: random.Random, noun: str, mood: str, article: str = "the",
+                 with_detail: bool = True) -> str:
     words = _adjectives(rng, mood) + [noun]
     phrase = " ".join(words)
     if article == "a":
         article = _a_or_an(phrase)
-    detail = f" with {rng.choice(DESCRIPTIVE_PARTS)}" if rng.random() < 0.12 else ""
+    detail = f" with {rng.choice(DESCRIPTIVE_PARTS)}" if with_detail and rng.random() < 0.12 else ""
     return f"{article} {phrase}{detail}"
 
 
@@ -135,7 +142,7 @@ def _place(rng: random.Random, mood: str) -> str:
     place = rng.choice(PLACES)
     if rng.random() < 0.3:
         noun = place.split(" ", 1)[1]
-        return _noun_phrase(rng, noun, mood)
+        return _noun_phrase(rng, noun, mood, with_detail=False)
     return place
 
 
@@ -179,7 +186,8 @@ def _neutral_clause(rng: random.Random, who: str, me: Character, mood: str) -> s
     return rng.choice(choices)()
 
 
-def _feeling_clause(rng: random.Random, who: str, me: Character, mood: str) -> str:
+def _feeling_clause(rng: random.Random, who: str, me: Character, mood: str, about_subject: bool) -> str:
+    """A clause carrying the mood; `about_subject` keeps `who` as its grammatical subject."""
     pos = mood == "positive"
     feelings = POS_FEELINGS if pos else NEG_FEELINGS
     adjectives = POS_ADJECTIVES if pos else NEG_ADJECTIVES
@@ -187,18 +195,21 @@ def _feeling_clause(rng: random.Random, who: str, me: Character, mood: str) -> s
     actions = POS_ACTIONS if pos else NEG_ACTIONS
     events = POS_EVENTS if pos else NEG_EVENTS
     very = rng.choice(("", "", "very ", "so ", "really "))
-    choices = (
+    about_who = (
         lambda: f"{who} felt {very}{rng.choice(feelings)}",
         lambda: f"{who} {_be(me)} {very}{rng.choice(feelings)} {rng.choice(TIMES)}",
         lambda: f"{who} {rng.choice(actions)}",
         lambda: f"{who} {rng.choice(actions)} at {_place(rng, mood)}",
         lambda: f"{who} {rng.choice(verbs)} {_noun_phrase(rng, rng.choice(THINGS), mood)}",
         lambda: f"{who} {rng.choice(events)}",
-        lambda: f"it was {_a_or_an(very or 'x')} {very}{rng.choice(adjectives)} {rng.choice(DAY_WORDS)}".replace("an x", "a").replace("a x", "a"),
+    )
+    about_scene = (
+        lambda: f"it was {_with_article(very + rng.choice(adjectives))} {rng.choice(DAY_WORDS)}",
         lambda: f"the {rng.choice(THINGS)} was {very}{rng.choice(adjectives)}",
-        lambda: f"{me.possessive} {rng.choice(ANIMALS)} {rng.choice(actions).split(' ')[0]} too",
+        lambda: f"{me.possessive} {rng.choice(ANIMALS)} {rng.choice(ANIMAL_POS if pos else ANIMAL_NEG)}",
         lambda: f"{_place(rng, mood)} looked {rng.choice(adjectives)} and {rng.choice(adjectives)}",
     )
+    choices = about_who if about_subject else about_who + about_scene
     return rng.choice(choices)()
 
 
@@ -209,21 +220,23 @@ def _quote_sentence(rng: random.Random, me: Character, mood: str) -> str:
     return f"\"{_capitalize(rng.choice(quotes))},\" {verb} {speaker}."
 
 
+def _clause(rng: random.Random, who: str, me: Character, mood: str, about_subject: bool) -> str:
+    if mood != "neutral" and rng.random() < 0.6:
+        return _feeling_clause(rng, who, me, mood, about_subject)
+    return _neutral_clause(rng, who, me, mood)
+
+
 def _sentence(rng: random.Random, me: Character, mood: str, first: bool) -> str:
-    """One sentence about `me`, ending with a period."""
+    """One sentence about `me`, ending with a period; the first one names the character."""
     who = me.name if first or rng.random() < 0.25 else me.subject
     if not first and rng.random() < 0.12:
         return _quote_sentence(rng, me, mood)
-    emotional = mood != "neutral" and rng.random() < 0.6
-    clause = (_feeling_clause if emotional else _neutral_clause)(rng, who, me, mood)
+    clause = _clause(rng, who, me, mood, about_subject=first)
     if rng.random() < 0.25:
-        joiner = rng.choice((", and ", ", but ", " because ", " so ", ", then "))
-        # "but" often turns the mood, which keeps the story from being uniformly one tone.
+        joiner = rng.choice((", and ", ", but ", ", and then ", " so ", ", then "))
+        # "but" turns the mood, which keeps a story from being uniformly one tone.
         next_mood = _other_mood(rng, mood) if joiner == ", but " else mood
-        other = me.subject
-        second = (_feeling_clause if next_mood != "neutral" and rng.random() < 0.6 else _neutral_clause)(
-            rng, other, me, next_mood)
-        clause = f"{clause}{joiner}{second}"
+        clause = f"{clause}{joiner}{_clause(rng, me.subject, me, next_mood, about_subject=False)}"
     if first and rng.random() < 0.4:
         clause = f"{rng.choice(OPENERS)}, {clause}"
     return _capitalize(clause) + "."

@@ -1,0 +1,380 @@
+"""Prompt datasets: loading and validation, OpenAI-style query preprocessing, a resumable loader.
+
+Rank 0 drives the rollout, so nothing here is distributed: one `PromptLoader` yields batches
+of prompts in a seeded order, and its `state_dict()` goes into the checkpoint so a resumed run
+continues with the very next prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+LOADERS_BY_SUFFIX = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+MALFORMED_POLICIES = ("error", "skip")
+
+
+class PromptDataError(ValueError):
+    """A prompt file or dataset that cannot be used as it is; the message says how to fix it."""
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+@dataclass
+class PromptDataset:
+    """Valid prompt rows (every row has a non-empty string under `text_key`)."""
+
+    rows: Any  # datasets.Dataset
+    source: str
+    text_key: str = "text"
+    skipped: int = 0  # malformed rows dropped when loaded with on_malformed="skip"
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.rows[index]
+
+    def texts(self) -> list[str]:
+        return list(self.rows[self.text_key])
+
+
+def load_prompt_dataset(path_or_name: str | Path, split: str = "train", text_key: str = "text",
+                        on_malformed: str = "error") -> PromptDataset:
+    """Load prompts from a local .jsonl/.json/.csv/.parquet file, or a hub dataset when online.
+
+    `split` applies to hub datasets only (a local file is one split). With
+    `on_malformed="skip"`, rows without a usable text (and unparseable JSON lines) are dropped
+    and counted in `.skipped` instead of stopping the job.
+    """
+    if on_malformed not in MALFORMED_POLICIES:
+        raise PromptDataError(f"on_malformed={on_malformed!r} is not one of {MALFORMED_POLICIES}")
+    path = Path(path_or_name).expanduser()
+    if path.is_file():
+        rows, skipped = _load_local(path, text_key, on_malformed)
+        source = str(path)
+    elif _looks_like_a_path(str(path_or_name)):
+        raise PromptDataError(f"prompt file {path} does not exist (resolved to {path.resolve()}); "
+                              "check data.path or build the default prompts with "
+                              "scripts/bootstrap_assets.py")
+    else:
+        rows, skipped, source = _load_from_hub(str(path_or_name), split), 0, str(path_or_name)
+        source = f"{source} (hub, split {split})"
+    dataset, dropped = _validate_rows(rows, source, text_key, on_malformed)
+    dataset = PromptDataset(dataset, source, text_key, skipped + dropped)
+    if len(dataset) == 0:
+        raise PromptDataError(f"{source} has no usable prompt rows ({dataset.skipped} malformed "
+                              f"skipped); every row needs a non-empty string field '{text_key}'")
+    return dataset
+
+
+def _looks_like_a_path(name: str) -> bool:
+    return Path(name).suffix.lower() in LOADERS_BY_SUFFIX or name.startswith((".", "/", "~"))
+
+
+def _load_local(path: Path, text_key: str, on_malformed: str):
+    """(datasets.Dataset, rows skipped while parsing) for one local file."""
+    import datasets
+
+    loader = LOADERS_BY_SUFFIX.get(path.suffix.lower())
+    if loader is None:
+        raise PromptDataError(f"{path}: unsupported extension '{path.suffix}'; "
+                              f"use one of {sorted(LOADERS_BY_SUFFIX)}")
+    if loader != "parquet" and not path.read_text(encoding="utf-8", errors="replace").strip():
+        raise PromptDataError(f"{path} is empty; add prompt rows with a '{text_key}' field")
+    try:
+        return datasets.load_dataset(loader, data_files=str(path), split="train"), 0
+    except Exception as error:  # noqa: BLE001 - re-raised below with the file and line
+        if loader == "json":
+            return _load_json_by_hand(path, text_key, on_malformed, error)
+        if loader == "csv" and _count_nonblank_lines(path) <= 1:
+            raise PromptDataError(f"{path} has a header but no rows; add prompt rows") from error
+        raise PromptDataError(f"could not read {path} as {loader}: {error}") from error
+
+
+def _count_nonblank_lines(path: Path) -> int:
+    return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+
+
+def _load_json_by_hand(path: Path, text_key: str, on_malformed: str, error: Exception):
+    """The `datasets` JSON reader failed: find the bad line ourselves and say which it is."""
+    import datasets
+
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):  # one JSON document: a bad line cannot be skipped
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as bad:
+            raise PromptDataError(f"{path}, line {bad.lineno}: invalid JSON ({bad.msg}); "
+                                  "fix that line") from error
+        raise PromptDataError(f"could not read {path} as JSON: {error}") from error
+    rows, skipped = [], 0
+    for line_number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as bad:
+            if on_malformed == "skip":
+                skipped += 1
+                continue
+            raise PromptDataError(f"{path}, line {line_number}: invalid JSON ({bad.msg}); fix or "
+                                  "remove that line, or load with on_malformed='skip'") from error
+        rows.append(row if isinstance(row, dict) else {})
+    # Drop rows without a usable text here: Arrow cannot hold a column of mixed types.
+    good = []
+    for index, row in enumerate(rows):
+        problem = _row_problem(row.get(text_key), text_key)
+        if problem is None:
+            good.append(row)
+        elif on_malformed == "error":
+            raise PromptDataError(f"{path}, row {index + 1}: {problem}; give every row a "
+                                  f"non-empty string '{text_key}'") from error
+    skipped += len(rows) - len(good)
+    try:
+        return datasets.Dataset.from_list(good), skipped
+    except Exception:  # noqa: BLE001 - other fields of mixed types: keep the prompt text only
+        return datasets.Dataset.from_list([{text_key: row[text_key]} for row in good]), skipped
+
+
+def _load_from_hub(name: str, split: str):
+    import datasets
+
+    try:
+        return datasets.load_dataset(name, split=split)
+    except Exception as error:  # noqa: BLE001 - offline, unknown name, unknown split
+        raise PromptDataError(
+            f"'{name}' is not an existing local file, and loading it from the Hugging Face hub "
+            f"failed ({type(error).__name__}: {error}); the hub may be unreachable (offline). "
+            "Give a local .jsonl/.json/.csv/.parquet path instead") from error
+
+
+def _row_problem(value: Any, text_key: str) -> str | None:
+    if value is None:
+        return f"missing '{text_key}'"
+    if not isinstance(value, str):
+        return f"'{text_key}' is a {type(value).__name__}, not a string"
+    if not value.strip():
+        return f"'{text_key}' is empty"
+    return None
+
+
+def _validate_rows(rows, source: str, text_key: str, on_malformed: str):
+    """Keep rows whose `text_key` is a non-empty string; error on the first bad one unless skipping."""
+    if len(rows) == 0:
+        return rows, 0
+    if text_key not in rows.column_names:
+        raise PromptDataError(f"{source} has no '{text_key}' field in any row (fields: "
+                              f"{rows.column_names}); set the text key to one of them")
+    keep = []
+    for index, value in enumerate(rows[text_key]):
+        problem = _row_problem(value, text_key)
+        if problem is None:
+            keep.append(index)
+        elif on_malformed == "error":
+            raise PromptDataError(f"{source}, row {index + 1}: {problem}; give every row a "
+                                  f"non-empty string '{text_key}', or load with "
+                                  "on_malformed='skip' to drop such rows")
+    if len(keep) == len(rows):
+        return rows, 0
+    return rows.select(keep), len(rows) - len(keep)
+
+
+# --- query preprocessing (OpenAI lm-human-preferences) -------------------------------------------
+
+
+@dataclass(frozen=True)
+class Query:
+    """A query of fixed length: `input_ids` padded with [PAD], `unpadded_ids` without."""
+
+    input_ids: list[int]
+    unpadded_ids: list[int]
+
+
+def _find(tokens: list[int], pattern: list[int], last: bool = False) -> int:
+    """Index of the first (or last) occurrence of `pattern` in `tokens`, or -1."""
+    starts = range(len(tokens) - len(pattern), -1, -1) if last else range(len(tokens) - len(pattern) + 1)
+    for start in starts:
+        if tokens[start:start + len(pattern)] == pattern:
+            return start
+    return -1
+
+
+class QueryProcessor:
+    """Text -> fixed-length query ids, as OpenAI's `lm-human-preferences` builds its queries.
+
+    Steps: keep tokens after the first `start_text`; truncate to `query_length` (keeping the
+    beginning by default, as OpenAI does); keep tokens up to and including the last `end_text`;
+    pad with the [PAD] token (distinct from EOS) to exactly `query_length`. Left padding is the
+    default so every query ends where generation starts. A text lacking a configured
+    start/end text gives `None` (OpenAI skips such samples).
+    """
+
+    def __init__(self, tokenizer, query_length: int, start_text: str | None = None,
+                 end_text: str | None = None, truncate_side: str = "right", pad_side: str = "left"):
+        if query_length < 1:
+            raise ValueError(f"query_length must be >= 1, got {query_length}")
+        if truncate_side not in ("left", "right"):
+            raise ValueError(f"truncate_side must be 'left' or 'right', got {truncate_side!r}")
+        if pad_side not in ("left", "right"):
+            raise ValueError(f"pad_side must be 'left' or 'right', got {pad_side!r}")
+        pad_id = tokenizer.pad_token_id
+        if pad_id is None or pad_id == tokenizer.eos_token_id:
+            raise ValueError("the tokenizer needs a pad token distinct from EOS (OpenAI detail); "
+                             "add one with tokenizer.add_special_tokens({'pad_token': '[PAD]'})")
+        self.tokenizer = tokenizer
+        self.query_length = query_length
+        self.pad_id = pad_id
+        self.truncate_side = truncate_side
+        self.pad_side = pad_side
+        self.start_ids = self._marker_ids(start_text, "start_text")
+        self.end_ids = self._marker_ids(end_text, "end_text")
+
+    def _marker_ids(self, text: str | None, name: str) -> list[int] | None:
+        if text is None:
+            return None
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"{name}={text!r} tokenizes to nothing; use None or a visible text")
+        return ids
+
+    def __call__(self, text: str) -> Query | None:
+        return self.from_ids(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def process_batch(self, texts: Sequence[str]) -> list[Query | None]:
+        encoded = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        return [self.from_ids(ids) for ids in encoded]
+
+    def from_ids(self, tokens: list[int]) -> Query | None:
+        tokens = list(tokens)
+        if self.start_ids is not None:
+            start = _find(tokens, self.start_ids)
+            if start < 0:
+                return None
+            after = start + len(self.start_ids)
+            if after < len(tokens):  # as OpenAI: nothing after the marker keeps the text whole
+                tokens = tokens[after:]
+        if self.truncate_side == "right":
+            tokens = tokens[:self.query_length]
+        else:
+            tokens = tokens[-self.query_length:]
+        if self.end_ids is not None:
+            end = _find(tokens, self.end_ids, last=True)
+            if end < 0:
+                return None
+            tokens = tokens[:end + len(self.end_ids)]
+        if not tokens:
+            return None
+        padding = [self.pad_id] * (self.query_length - len(tokens))
+        padded = padding + tokens if self.pad_side == "left" else tokens + padding
+        return Query(input_ids=padded, unpadded_ids=tokens)
+
+
+# --- deterministic, resumable prompt batches -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt of a batch: its dataset index, its row, and its query when a processor is set."""
+
+    index: int
+    row: dict
+    query: Query | None = None
+
+
+@dataclass
+class _Position:
+    epoch: int = 0
+    position: int = 0
+    skipped: int = 0
+    order: list[int] = field(default_factory=list)
+
+
+class PromptLoader:
+    """Endless batches of prompts in a seeded order, reshuffled every epoch, resumable.
+
+    Batches run across epoch boundaries so every batch is full. With a `processor`, rows that
+    yield no query (missing start/end text) are skipped and counted in `skipped`.
+    """
+
+    def __init__(self, dataset: PromptDataset | Sequence[dict], batch_size: int, seed: int,
+                 processor: QueryProcessor | None = None, shuffle: bool = True,
+                 text_key: str | None = None):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if len(dataset) == 0:
+            raise PromptDataError("the prompt dataset is empty")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = seed
+        self.processor = processor
+        self.shuffle = shuffle
+        self.text_key = text_key or getattr(dataset, "text_key", "text")
+        self._state = _Position(order=self._order(0))
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            # A string seed is hashed with SHA-512: the same order in every process and Python run.
+            random.Random(f"prompts:{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    @property
+    def epoch(self) -> int:
+        return self._state.epoch
+
+    @property
+    def skipped(self) -> int:
+        return self._state.skipped
+
+    def _next_index(self) -> int:
+        state = self._state
+        if state.position == len(state.order):
+            state.epoch += 1
+            state.position = 0
+            state.order = self._order(state.epoch)
+        state.position += 1
+        return state.order[state.position - 1]
+
+    def next_batch(self) -> list[PromptItem]:
+        batch, misses = [], 0
+        while len(batch) < self.batch_size:
+            index = self._next_index()
+            row = self.dataset[index]
+            query = None
+            if self.processor is not None:
+                query = self.processor(row[self.text_key])
+                if query is None:
+                    self._state.skipped += 1
+                    misses += 1
+                    if misses > len(self.dataset):
+                        raise PromptDataError(
+                            "no prompt yields a query: every row lacks the configured "
+                            "start_text/end_text; fix the dataset or set them to None")
+                    continue
+            batch.append(PromptItem(index=index, row=row, query=query))
+        return batch
+
+    def __iter__(self) -> Iterator[list[PromptItem]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict:
+        state = self._state
+        return {"seed": self.seed, "epoch": state.epoch, "position": state.position,
+                "skipped": state.skipped, "dataset_size": len(self.dataset),
+                "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["dataset_size"] != len(self.dataset):
+            raise PromptDataError(
+                f"the checkpoint's prompt loader saw {state['dataset_size']} rows but the dataset "
+                f"now has {len(self.dataset)}; resume with the same prompt file")
+        self.seed = state["seed"]
+        self.shuffle = state["shuffle"]
+        self._state = _Position(epoch=state["epoch"], position=state["position"],
+                                skipped=state["skipped"], order=self._order(state["epoch"]))

@@ -1,0 +1,223 @@
+"""Prompt loading and validation, OpenAI query preprocessing, and the resumable prompt loader."""
+
+import csv
+import json
+
+import pytest
+
+from rl_core.data import (PromptDataError, PromptLoader, QueryProcessor, load_prompt_dataset)
+
+TEXTS = ["The old man walked to the market.", "She smiled at the sun.", "It was a sad day."]
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def test_every_supported_format_loads_the_same_prompts(tmp_path):
+    import datasets
+
+    rows = [{"text": text, "id": index} for index, text in enumerate(TEXTS)]
+    files = [_write_jsonl(tmp_path / "p.jsonl", rows)]
+    (tmp_path / "p.json").write_text(json.dumps(rows))
+    files.append(tmp_path / "p.json")
+    with open(tmp_path / "p.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["text", "id"])
+        writer.writeheader()
+        writer.writerows(rows)
+    files.append(tmp_path / "p.csv")
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "p.parquet"))
+    files.append(tmp_path / "p.parquet")
+    for path in files:
+        dataset = load_prompt_dataset(path)
+        assert dataset.texts() == TEXTS, path
+        assert dataset[1]["id"] == 1 and dataset.skipped == 0
+
+
+@pytest.mark.parametrize("bad_row, problem", [
+    ({"other": "no text here"}, "missing 'text'"),
+    ({"text": 42}, "int, not a string"),
+    ({"text": "   "}, "is empty"),
+])
+def test_malformed_row_names_file_row_and_fix(tmp_path, bad_row, problem):
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"text": TEXTS[0]}, {"text": TEXTS[1]}, bad_row])
+    with pytest.raises(PromptDataError) as error:
+        load_prompt_dataset(path)
+    message = str(error.value)
+    assert str(path) in message and "row 3" in message and problem in message
+    assert "on_malformed='skip'" in message
+
+
+def test_bad_json_line_names_file_and_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"text": TEXTS[0]}) + "\n" + '{"text": "unclosed"\n'
+                    + json.dumps({"text": TEXTS[1]}) + "\n")
+    with pytest.raises(PromptDataError, match=r"p\.jsonl, line 2: invalid JSON"):
+        load_prompt_dataset(path)
+
+
+def test_skip_mode_drops_and_counts_every_kind_of_malformed_row(tmp_path):
+    path = tmp_path / "p.jsonl"
+    lines = [json.dumps({"text": TEXTS[0]}), '{"text": oops}', json.dumps({"text": 7}),
+             json.dumps({"title": "x"}), json.dumps({"text": TEXTS[2]})]
+    path.write_text("\n".join(lines) + "\n")
+    dataset = load_prompt_dataset(path, on_malformed="skip")
+    assert dataset.texts() == [TEXTS[0], TEXTS[2]]
+    assert dataset.skipped == 3
+
+
+def test_skip_mode_without_parse_errors_keeps_datasets_path(tmp_path):
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"text": TEXTS[0]}, {"text": ""}, {"text": TEXTS[1]}])
+    dataset = load_prompt_dataset(path, on_malformed="skip")
+    assert dataset.texts() == TEXTS[:2] and dataset.skipped == 1
+
+
+def test_empty_files_and_datasets_are_refused(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(PromptDataError, match="empty"):
+        load_prompt_dataset(tmp_path / "empty.jsonl")
+    (tmp_path / "header.csv").write_text("text\n")
+    with pytest.raises(PromptDataError, match="no rows"):
+        load_prompt_dataset(tmp_path / "header.csv")
+    _write_jsonl(tmp_path / "all_bad.jsonl", [{"text": ""}, {"text": None}])
+    with pytest.raises(PromptDataError, match="no usable prompt rows"):
+        load_prompt_dataset(tmp_path / "all_bad.jsonl", on_malformed="skip")
+
+
+def test_missing_file_and_unknown_field_are_explained(tmp_path):
+    missing = tmp_path / "nowhere" / "prompts.jsonl"
+    with pytest.raises(PromptDataError, match="does not exist") as error:
+        load_prompt_dataset(missing)
+    assert str(missing) in str(error.value)
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": TEXTS[0]}])
+    with pytest.raises(PromptDataError, match=r"no 'text' field.*\['prompt'\]"):
+        load_prompt_dataset(path)
+    assert load_prompt_dataset(path, text_key="prompt").texts() == [TEXTS[0]]
+
+
+def test_hub_name_while_offline_says_so(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(PromptDataError, match="not an existing local file.*hub"):
+        load_prompt_dataset("nobody/no-such-prompt-dataset")
+
+
+def test_unsupported_extension_and_policy_are_refused(tmp_path):
+    (tmp_path / "p.txt").write_text("hello\n")
+    with pytest.raises(PromptDataError, match="unsupported extension"):
+        load_prompt_dataset(tmp_path / "p.txt")
+    with pytest.raises(PromptDataError, match="on_malformed"):
+        load_prompt_dataset(tmp_path / "p.txt", on_malformed="ignore")
+
+
+# --- query preprocessing ---------------------------------------------------------------------------
+
+
+def _ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_query_is_left_padded_with_pad_to_a_fixed_length(tokenizer):
+    text = "she smiled at the sun."
+    ids = _ids(tokenizer, text)
+    length = len(ids) + 5
+    query = QueryProcessor(tokenizer, query_length=length)(text)
+    assert len(query.input_ids) == length
+    assert query.unpadded_ids == ids
+    assert query.input_ids == [tokenizer.pad_token_id] * 5 + ids
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    right = QueryProcessor(tokenizer, query_length=length, pad_side="right")(text)
+    assert right.input_ids == ids + [tokenizer.pad_token_id] * 5
+
+
+def test_long_query_is_truncated(tokenizer):
+    text = "the dark room was cold and sad. " * 4
+    ids = _ids(tokenizer, text)
+    keep_start = QueryProcessor(tokenizer, query_length=5)(text)
+    assert keep_start.input_ids == keep_start.unpadded_ids == ids[:5]
+    keep_end = QueryProcessor(tokenizer, query_length=5, truncate_side="left")(text)
+    assert keep_end.input_ids == ids[-5:]
+
+
+def test_start_and_end_text_select_the_sentence_between(tokenizer):
+    processor = QueryProcessor(tokenizer, query_length=64, start_text=".", end_text=".")
+    query = processor("he laughed. she smiled at the sun. and then")
+    assert query.unpadded_ids == _ids(tokenizer, " she smiled at the sun.")
+    # OpenAI truncates before looking for the last end_text.
+    short = QueryProcessor(tokenizer, query_length=len(_ids(tokenizer, "a sad day. the cold")),
+                           end_text=".")
+    assert short("a sad day. the cold room. x").unpadded_ids == _ids(tokenizer, "a sad day.")
+    assert processor("no period anywhere") is None
+
+
+def test_query_processor_refuses_a_tokenizer_whose_pad_is_eos(tokenizer):
+    class PadIsEos:
+        pad_token_id = tokenizer.eos_token_id
+        eos_token_id = tokenizer.eos_token_id
+
+    with pytest.raises(ValueError, match=r"\[PAD\]"):
+        QueryProcessor(PadIsEos(), query_length=8)
+
+
+def test_batch_processing_matches_one_by_one(tokenizer):
+    processor = QueryProcessor(tokenizer, query_length=24, end_text=".")
+    texts = TEXTS + ["no period"]
+    assert processor.process_batch(texts) == [processor(text) for text in texts]
+
+
+# --- loader ----------------------------------------------------------------------------------------
+
+
+def _rows(count):
+    return [{"text": f"prompt number {index}."} for index in range(count)]
+
+
+def _indices(loader, batches):
+    return [[item.index for item in loader.next_batch()] for _ in range(batches)]
+
+
+def test_loader_order_is_seeded_and_each_epoch_is_a_permutation():
+    rows = _rows(12)
+    first = _indices(PromptLoader(rows, batch_size=4, seed=3), 9)
+    assert first == _indices(PromptLoader(rows, batch_size=4, seed=3), 9)
+    assert first != _indices(PromptLoader(rows, batch_size=4, seed=4), 9)
+    epochs = [sum(first[i:i + 3], []) for i in (0, 3, 6)]
+    assert all(sorted(epoch) == list(range(12)) for epoch in epochs)
+    assert epochs[0] != epochs[1]  # reshuffled every epoch
+
+
+def test_loader_resumes_from_its_state_dict():
+    rows = _rows(10)
+    loader = PromptLoader(rows, batch_size=3, seed=7)
+    _indices(loader, 5)  # crosses an epoch boundary mid-batch
+    state = json.loads(json.dumps(loader.state_dict()))  # survives a JSON checkpoint
+    expected = _indices(loader, 6)
+    resumed = PromptLoader(rows, batch_size=3, seed=0)
+    resumed.load_state_dict(state)
+    assert _indices(resumed, 6) == expected
+    assert resumed.epoch == loader.epoch
+    with pytest.raises(PromptDataError, match="same prompt file"):
+        PromptLoader(_rows(11), batch_size=3, seed=7).load_state_dict(state)
+
+
+def test_loader_with_processor_skips_rows_without_a_query(tokenizer):
+    rows = [{"text": "one. two."}, {"text": "no period"}, {"text": "three. four."}]
+    processor = QueryProcessor(tokenizer, query_length=24, end_text=".")
+    loader = PromptLoader(rows, batch_size=4, seed=1, processor=processor)
+    batch = loader.next_batch()
+    assert len(batch) == 4 and all(item.index != 1 for item in batch)
+    assert all(len(item.query.input_ids) == 24 for item in batch)
+    assert loader.skipped >= 1
+    hopeless = PromptLoader([{"text": "no period"}], batch_size=1, seed=1, processor=processor)
+    with pytest.raises(PromptDataError, match="no prompt yields a query"):
+        hopeless.next_batch()
