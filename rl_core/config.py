@@ -35,8 +35,9 @@ class ModelConfig:
 
 @dataclass
 class RewardConfig:
-    # "tiny" = the offline sentiment reward model; otherwise an AutoModelForSequenceClassification checkpoint.
-    model_path: str = "tiny"
+    # "tiny" = the offline sentiment reward model; otherwise an AutoModelForSequenceClassification
+    # checkpoint; null = no learned reward (the env's rewards only).
+    model_path: Optional[str] = "tiny"
     # OpenAI rejection sampling: cut at the first truncate_token at/after truncate_after, else fixed penalty.
     truncate_token: Optional[str] = "."
     truncate_after: int = 16

@@ -252,7 +252,8 @@ class PromptSamples:
             for _ in range(self.group_size):
                 # A per-sample seed makes a resumed run sample what the uninterrupted run would have.
                 seed = (self.seed * 1_000_003 + self.served * 7_919) % (2**31 - 1)
-                samples.append({"prompt_ids": item.query.unpadded_ids, "index": item.index, "sampling_seed": seed})
+                samples.append({**item.row, "prompt_ids": item.query.unpadded_ids, "index": item.index,
+                                "sampling_seed": seed})
                 self.served += 1
         return samples
 

@@ -216,6 +216,7 @@ class PPOTrainer:
 
         metrics = self.actor.forward_backward(micro, policy_loss_fn)
         out = {k: sum(v) / len(v) for k, v in metrics.items() if k != "loss"}
+        out["perf/padding_fraction"] = sum(models.padding_fraction(b) for b in micro) / len(micro)
         out["policy/loss"] = sum(metrics["loss"])
         out["policy/grad_norm"] = self.actor.step()
         if self.critic is not None:

@@ -96,6 +96,8 @@ def test_sync_steps_write_metrics_checkpoint_and_hf_export(small_job, tmp_path):
     AutoModelForCausalLM.from_pretrained(run_dir / "final")
     assert AutoTokenizer.from_pretrained(run_dir / "final").pad_token == "[PAD]"
     assert wait_gone(str(small_job["root"])) == []
+    subprocess.run([sys.executable, str(Path(__file__).parents[1] / "scripts" / "plot_metrics.py"), str(run_dir)], check=True, timeout=120)
+    assert (run_dir / "learning_curves.png").stat().st_size > 10_000
 
 
 @pytest.mark.timeout(600)
