@@ -5,6 +5,7 @@ assets, and the clean-up that leaves no process behind on any exit.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import sys
@@ -131,6 +132,10 @@ class JobRuntime:
             self.router = launch_router(host, None, self.engine_urls, log_path=self.log_dir / "router.log",
                                         policy=cfg.router_policy, processes=self.procs)
             self.router_url = self.router.url
+            # What the router actually registered, for whoever debugs a multi-node launch.
+            workers = [{"url": w.get("url"), "healthy": w.get("is_healthy"), "log": self.engine_logs.get(w.get("url"))}
+                       for w in self.router.workers()]
+            (self.log_dir / "engines.json").write_text(json.dumps({"router": self.router_url, "workers": workers}, indent=1))
         dist.barrier()
 
     def start_rollout_service(self):

@@ -136,3 +136,37 @@ def test_resume_after_sigterm_continues_step_count_and_reproduces_metrics(small_
     last, expected = resumed[-1], reference[-1]
     for key in ("reward/score_mean", "kl/mean", "policy/entropy"):
         assert last[key] == pytest.approx(expected[key], rel=0.05, abs=1e-3), key
+
+
+@pytest.mark.timeout(600)
+def test_two_nodes_on_one_machine_share_the_router(small_job, tmp_path):
+    """Two torchrun launches (node 0 and node 1) rendezvous on localhost; rank 1's engine registers
+    with rank 0's router. Engines bind the node address given by rollout.multi_node_host."""
+    from workers.procs import free_port
+
+    run_dir = tmp_path / "multinode"
+    port = free_port()
+    overrides = small_job["overrides"] + [f"trainer.run_dir={run_dir}", "trainer.total_episodes=16",
+                                          "rollout.multi_node_host=127.0.0.1"]
+    nodes = []
+    for node_rank in (0, 1):
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", str(port),
+                "-m", "rl_core.train", "--config", "ppo_sentiment.yaml", *overrides]
+        nodes.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    outputs = []
+    try:
+        for proc in nodes:
+            outputs.append(proc.communicate(timeout=420)[0])
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2]
+    registered = json.loads((run_dir / "logs" / "engines.json").read_text())
+    urls = sorted(w["url"] for w in registered["workers"])
+    assert len(set(urls)) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls), registered
+    assert sorted(Path(w["log"]).name for w in registered["workers"]) == ["engine-rank0.log", "engine-rank1.log"]
+    assert wait_gone(str(small_job["root"])) == []
