@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from rl_core.config import JobConfig
-from workers.engines.client import EngineClient
+from workers.engines.client import EngineClient, EngineError
 from workers.engines.weights import sync_weights
 from workers.fsdp import device_for_rank, init_distributed
 from workers.procs import ManagedProcesses, free_port, wait_http_ok
@@ -138,6 +138,21 @@ class JobRuntime:
             (self.log_dir / "engines.json").write_text(json.dumps({"router": self.router_url, "workers": workers}, indent=1))
         dist.barrier()
 
+    def dead_engines(self) -> list[str]:
+        """Engines (with their log files) that no longer answer /health: the usual cause of a rollout error."""
+        import urllib.request
+
+        dead = []
+        for url in self.engine_urls:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        continue
+            except OSError:
+                pass
+            dead.append(f"engine {url} (log {self.engine_logs.get(url)})")
+        return dead
+
     def start_rollout_service(self):
         from envs.base import make_env_factory, make_executor
         from rl_core.rollout_service import RolloutService
@@ -168,7 +183,11 @@ class JobRuntime:
                         await client.resume()
                 return await sync_weights(client, state_dict, str(version))
 
-        timings = self.run(push(), self.cfg.rollout.engine_timeout_s)
+        try:
+            timings = self.run(push(), self.cfg.rollout.engine_timeout_s)
+        except (EngineError, asyncio.TimeoutError) as err:
+            raise RuntimeError(f"weight sync into engine {self.engine_url} failed ({err}); its log: "
+                               f"{self.engine_logs.get(self.engine_url)}") from err
         self.engine_version = version
         dist.barrier()
         return timings

@@ -27,6 +27,7 @@ from rl_core.optim import build_optimizer, linear_anneal_schedule
 from rl_core.logger import MetricsLogger
 from rl_core.runtime import JobRuntime, print_step, sample_rows
 from workers import models
+from workers.engines.client import EngineError
 from workers.fsdp import TrainableModel, full_state_dict, rank_seed, seed_everything, shard_model
 
 
@@ -261,10 +262,15 @@ def train(cfg: JobConfig, rt: JobRuntime) -> None:
         step_start = time.perf_counter()
         trajectories, rollout_metrics = None, {}
         if rt.rank == 0:
-            if cfg.trainer.mode == "sync":
-                result, dropped = service.collect(next(prompts), version), 0
-            else:
-                result, dropped = service.next_batch(batch_size, version, cfg.async_.max_staleness)
+            try:
+                if cfg.trainer.mode == "sync":
+                    result, dropped = service.collect(next(prompts), version), 0
+                else:
+                    result, dropped = service.next_batch(batch_size, version, cfg.async_.max_staleness)
+            except EngineError as err:
+                dead = rt.dead_engines()
+                raise RuntimeError(f"rollout failed: {'; '.join(dead) + ' stopped answering' if dead else err}"
+                                   ) from err
             trajectories, rollout_metrics = result.trajectories, dict(result.metrics)
             rollout_metrics["async/dropped_stale"] = dropped
             rollout_metrics["async/staleness_max"] = max((version - t.min_version for t in trajectories), default=0)

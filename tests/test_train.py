@@ -170,3 +170,32 @@ def test_two_nodes_on_one_machine_share_the_router(small_job, tmp_path):
     assert len(set(urls)) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls), registered
     assert sorted(Path(w["log"]).name for w in registered["workers"]) == ["engine-rank0.log", "engine-rank1.log"]
     assert wait_gone(str(small_job["root"])) == []
+
+
+@pytest.mark.timeout(600)
+def test_dead_engine_stops_the_job_with_its_name_and_log(small_job, tmp_path):
+    run_dir = tmp_path / "dead_engine"
+    overrides = small_job["overrides"] + [f"trainer.run_dir={run_dir}", "trainer.total_episodes=4000"]
+    proc = subprocess.Popen(torchrun_argv(overrides), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        metrics_file = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 400
+        while not (metrics_file.is_file() and metrics_file.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        registered = json.loads((run_dir / "logs" / "engines.json").read_text())
+        victim = next(w for w in registered["workers"] if w["log"].endswith("engine-rank1.log"))
+        port = victim["url"].rsplit(":", 1)[1]
+        engine_pids = [pid for pid in project_processes(str(small_job["root"]))
+                       if f"--port {port} " in (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()]
+        assert len(engine_pids) == 1
+        killed_at = time.monotonic()
+        os.kill(engine_pids[0], signal.SIGKILL)
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert time.monotonic() - killed_at < 240, "the job took too long to notice the dead engine"
+    assert victim["url"] in output and "engine-rank1.log" in output, output[-4000:]
+    assert wait_gone(str(small_job["root"])) == []
