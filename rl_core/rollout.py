@@ -51,7 +51,7 @@ class Generation:
 
     output_ids: list[int]
     logprobs: list[float]
-    version: int
+    versions: list[int]  # policy version of each token
     finish_reason: str
 
 
@@ -65,7 +65,14 @@ def parse_generation(answer: dict, fallback_version: int) -> Generation:
     if [int(t[1]) for t in triples] != ids:
         raise EngineOutputError(f"engine output_ids {ids[:8]}... differ from the ids in output_token_logprobs")
     reason = (meta.get("finish_reason") or {}).get("type") or "unknown"
-    return Generation(ids, [float(t[0]) for t in triples], _int_or(meta.get("weight_version"), fallback_version), reason)
+    # Per-token versions when the engine reports them (a weight update may land mid-request),
+    # else the answer's weight_version for every token.
+    per_token = meta.get("output_token_versions")
+    if per_token is not None and len(per_token) == len(ids):
+        versions = [_int_or(v, fallback_version) for v in per_token]
+    else:
+        versions = [_int_or(meta.get("weight_version"), fallback_version)] * len(ids)
+    return Generation(ids, [float(t[0]) for t in triples], versions, reason)
 
 
 def _int_or(value: Any, fallback: int) -> int:
@@ -179,7 +186,7 @@ class _Rollout:
             gen = parse_generation(answer, self.policy_version)
             ids += gen.output_ids
             logprobs += gen.logprobs
-            versions += [gen.version] * len(gen.output_ids)
+            versions += gen.versions
             if gen.finish_reason != "abort" or len(ids) >= wanted:
                 break
         if self.bar is not None:

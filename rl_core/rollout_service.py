@@ -17,6 +17,28 @@ from rl_core.rollout import RolloutResult, rollout
 from workers.engines.client import EngineClient
 
 
+class GatedClient:
+    """An EngineClient whose new generate calls wait while the gate is closed."""
+
+    def __init__(self, client: EngineClient):
+        self.client = client
+        self.open = asyncio.Event()
+        self.open.set()
+
+    async def generate(self, *args, **kwargs):
+        await self.open.wait()
+        return await self.client.generate(*args, **kwargs)
+
+    async def hold(self) -> None:
+        self.open.clear()
+
+    async def release(self) -> None:
+        self.open.set()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
 class RolloutService:
     def __init__(self, *, router_url: str, tokenizer, env_factory, num_envs: int, step_timeout_s: float,
                  max_failed_ratio: float, sampling_params: dict, max_turns: int, concurrency: int,
@@ -32,7 +54,7 @@ class RolloutService:
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True)
         self.thread.start()
         # aiohttp sessions and the pool's semaphore belong to the loop they are created on.
-        self.client = self._call(self._make(EngineClient, router_url, timeout_s=timeout_s))
+        self.client = self._call(self._make(GatedClient, EngineClient(router_url, timeout_s=timeout_s)))
         self.env_pool = self._call(self._make(EnvPool, env_factory, num_envs=num_envs, step_timeout_s=step_timeout_s,
                                               max_failed_ratio=max_failed_ratio))
         self.batches: queue.Queue = queue.Queue()
@@ -57,6 +79,13 @@ class RolloutService:
         return self._call(self._rollout(samples, version))
 
     # ------------------------------------------------------------------ async mode
+
+    def hold(self) -> None:
+        """Stop sending new engine calls (running ones finish): engines drain before a weight update."""
+        self._call(self.client.hold())
+
+    def release(self) -> None:
+        self._call(self.client.release())
 
     def start_producer(self, sample_batches: Iterator[list[dict]], current_version: Callable[[], int],
                        max_queued: int) -> None:

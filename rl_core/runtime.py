@@ -181,8 +181,15 @@ class JobRuntime:
                         return await sync_weights(client, state_dict, str(version))
                     finally:
                         await client.resume()
+                if self.cfg.trainer.mode == "async":
+                    await wait_idle(client, self.cfg.rollout.engine_timeout_s)  # requests finish on the old weights
                 return await sync_weights(client, state_dict, str(version))
 
+        holding = (self.rank == 0 and self.service is not None and self.cfg.trainer.mode == "async"
+                   and not self.cfg.async_.partial_rollout)
+        if holding:
+            self.service.hold()  # no new requests until every engine has its new weights
+        dist.barrier()
         try:
             timings = self.run(push(), self.cfg.rollout.engine_timeout_s)
         except (EngineError, asyncio.TimeoutError) as err:
@@ -190,6 +197,8 @@ class JobRuntime:
                                f"{self.engine_logs.get(self.engine_url)}") from err
         self.engine_version = version
         dist.barrier()
+        if holding:
+            self.service.release()
         return timings
 
     def release_engine_memory(self) -> None:
@@ -287,6 +296,19 @@ class PromptSamples:
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state["loader"])
         self.served = state["served"]
+
+
+async def wait_idle(client: EngineClient, deadline_s: float) -> None:
+    """Poll until the engine has no running or queued request (async mode without partial rollout)."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + deadline_s
+    while True:
+        info = await client.server_info()
+        if not info.get("running") and not info.get("queued"):
+            return
+        if loop.time() > give_up:
+            raise EngineError(client.base_url, None, f"still busy after {deadline_s:g}s waiting to update weights")
+        await asyncio.sleep(0.01)
 
 
 def model_max_positions(path: str) -> int | None:

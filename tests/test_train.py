@@ -101,9 +101,11 @@ def test_sync_steps_write_metrics_checkpoint_and_hf_export(small_job, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_async_mode_respects_staleness_bound(small_job, tmp_path):
+@pytest.mark.parametrize("partial", ["false", "true"])
+def test_async_mode_respects_staleness_bound(small_job, tmp_path, partial):
     run_dir = tmp_path / "async"
-    run_job(small_job, run_dir, "trainer.total_episodes=32", "trainer.mode=async", "async.max_staleness=1")
+    run_job(small_job, run_dir, "trainer.total_episodes=32", "trainer.mode=async", "async.max_staleness=1",
+            f"async.partial_rollout={partial}")
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert all(m["async/staleness_max"] <= 1 for m in metrics)

@@ -123,6 +123,7 @@ class GenRequest:
     admitted: bool = False  # set by the decode thread once the request is in the batch
     finished: bool = False
     generator: torch.Generator | None = None  # own RNG when sampling_seed is set
+    versions: list[str] = dataclasses.field(default_factory=list)  # weight version that produced each token
 
 
 # ---------------------------------------------------------------- model runner (worker thread)
@@ -146,6 +147,8 @@ class ModelRunner:
         self.eos_ids = self._eos_ids()
         self.rng = torch.Generator().manual_seed(seed)
         self.forward_lock = threading.Lock()  # weight updates never interleave with a forward
+        self.weight_version = "default"  # changed under forward_lock, so every forward knows its weights
+        self.forward_version = self.weight_version
         self.step_gate = threading.Event()  # cleared by pause in_place/retract: decoding waits
         self.step_gate.set()
         self.stats = {"batches_run": 0, "forward_steps": 0, "max_batch_seen": 0, "rows_run": 0,
@@ -254,6 +257,7 @@ class ModelRunner:
         for row, request in enumerate(batch.requests):
             request.output_ids.append(int(tokens[row]))
             request.logprobs.append(float(logprobs[row]))
+            request.versions.append(self.forward_version)
             self.stats["tokens_generated"] += 1
             if not self._finish_if_done(request, on_finish):
                 keep.append(row)
@@ -278,6 +282,7 @@ class ModelRunner:
 
     def _forward(self, input_ids, mask, positions, cache):
         with self.forward_lock:
+            self.forward_version = self.weight_version
             out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
                              position_ids=positions.to(self.device), past_key_values=cache, use_cache=True)
         self.stats["forward_steps"] += 1
@@ -342,7 +347,6 @@ class EmbeddedEngine:
         self.runner = runner
         self.max_batch_size = max_batch_size
         self.collect_window_s = collect_window_s
-        self.weight_version = "default"
         self.paused = False
         self.unpaused = asyncio.Event()
         self.unpaused.set()
@@ -427,10 +431,13 @@ class EmbeddedEngine:
         meta: dict[str, Any] = {
             "id": request.rid, "finish_reason": reason, "prompt_tokens": len(request.prompt_ids),
             "completion_tokens": len(request.output_ids), "cached_tokens": 0,
-            "e2e_latency": time.perf_counter() - request.created, "weight_version": self.weight_version,
+            "e2e_latency": time.perf_counter() - request.created, "weight_version": self.runner.weight_version,
         }
         if request.return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(request.logprobs, request.output_ids)]
+        # Our extension: a weight update can land mid-request (partial rollout), so each token
+        # says which weights sampled it; async training bounds staleness from the oldest one.
+        meta["output_token_versions"] = list(request.versions)
         text = tokenizer.decode(request.output_ids, skip_special_tokens=request.params.skip_special_tokens)
         return {"text": text, "output_ids": list(request.output_ids), "meta_info": meta}
 
@@ -525,14 +532,14 @@ class EmbeddedEngine:
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": self.runner.model_path, "is_generation": True,
-                                  "weight_version": self.weight_version, "tokenizer_path": self.runner.model_path})
+                                  "weight_version": self.runner.weight_version, "tokenizer_path": self.runner.model_path})
 
     async def server_info(self, request: web.Request) -> web.Response:
         runner = self.runner
         return web.json_response({
             "version": "embedded", "model_path": runner.model_path, "device": str(runner.device),
             "dtype": str(runner.dtype).removeprefix("torch."), "context_length": runner.context_len,
-            "max_batch_size": self.max_batch_size, "weight_version": self.weight_version, "paused": self.paused,
+            "max_batch_size": self.max_batch_size, "weight_version": self.runner.weight_version, "paused": self.paused,
             "released_tags": sorted(self.released_tags), "queued": sum(not r.admitted for r in self.live),
             "running": sum(r.admitted for r in self.live), **runner.stats,
         })
@@ -646,7 +653,10 @@ class EmbeddedEngine:
                         for name, tensor in state_dict.items():
                             own[name].copy_(tensor.to(own[name].device, own[name].dtype))
                     return len(state_dict)
-                return weight_io.load_into_model(self.runner.model, state_dict)
+                count = weight_io.load_into_model(self.runner.model, state_dict)
+                if body.get("weight_version") is not None:  # under the lock: no forward sees new weights with the old label
+                    self.runner.weight_version = str(body["weight_version"])
+                return count
 
         try:
             count = await asyncio.to_thread(load)
@@ -654,17 +664,17 @@ class EmbeddedEngine:
             LOG.error("weight update from %s failed: %s", source, err)
             return web.json_response({"success": False, "message": f"weight update failed: {err}"}, status=400)
         if body.get("weight_version") is not None:
-            self.weight_version = str(body["weight_version"])
+            self.runner.weight_version = str(body["weight_version"])
         LOG.info("loaded %d tensors from %s in %.3fs, weight_version=%s",
-                 count, source, time.perf_counter() - started, self.weight_version)
+                 count, source, time.perf_counter() - started, self.runner.weight_version)
         return web.json_response({"success": True, "message": f"loaded {count} tensors",
-                                  "num_tensors": count, "weight_version": self.weight_version})
+                                  "num_tensors": count, "weight_version": self.runner.weight_version})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         version = (await self._json(request)).get("new_version")
         if version is None:
             return error_response("new_version is required")
-        self.weight_version = str(version)
+        self.runner.weight_version = str(version)
         LOG.info("update_weight_version %s", version)
         return web.json_response({"success": True, "message": f"weight_version={version}"})
 
@@ -673,7 +683,7 @@ class EmbeddedEngine:
             with self.runner.forward_lock:
                 return weight_io.weights_checksum(self.runner.model)
 
-        return web.json_response({"weight_version": self.weight_version, "checksum": await asyncio.to_thread(compute)})
+        return web.json_response({"weight_version": self.runner.weight_version, "checksum": await asyncio.to_thread(compute)})
 
     @staticmethod
     async def _json(request: web.Request) -> dict:
