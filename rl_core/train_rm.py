@@ -608,19 +608,19 @@ class TinyRMSettings:
     """Everything that determines the offline labels and the tiny reward model built from them."""
 
     seed: int = 4321
-    train_pairs_per_query: int = 2  # rounds of 2 samples per assets train prompt
-    test_pairs_per_query: int = 2
+    train_samples_per_query: int = 4  # continuations per train prompt; every pair is labelled
+    test_pairs_per_query: int = 2  # independent held-out pairs per test prompt
     query_length: int = 64
     response_length: int = 24
     temperature: float = 1.0
     noise: float = 0.0
     batch_size: int = 32
-    lr: float = 3e-4
+    lr: float = 1e-3
     num_samples: int = 512  # normalisation / fresh-sample size
 
 
 # Small (test) assets have a 64-token context and few prompts: a build of a few seconds.
-SMALL_RM_SETTINGS = TinyRMSettings(train_pairs_per_query=1, test_pairs_per_query=1, query_length=32,
+SMALL_RM_SETTINGS = TinyRMSettings(train_samples_per_query=2, test_pairs_per_query=1, query_length=32,
                                    response_length=16, num_samples=32, batch_size=8, lr=1e-3)
 
 
@@ -682,38 +682,52 @@ def _preference_settings(paths, task: str, settings: TinyRMSettings) -> dict:
                if k not in ("batch_size", "lr", "num_samples")}}
 
 
-def _query_texts(path: Path, tokenizer, query_length: int, rounds: int) -> list[str]:
-    """Each prompt cut to query_length tokens (as the policy sees it), repeated ``rounds`` times."""
-    queries = load_queries(path, "text", tokenizer, query_length)
-    return tokenizer.batch_decode(queries) * rounds
+def _write_pairs(path: Path, queries: list[str], groups: list[list[str]], labeler) -> int:
+    """Pairwise rows for every pair within each group of continuations, labelled one by one."""
+    written = 0
+    with open(path, "w", encoding="utf-8") as handle:
+        for query, group in zip(queries, groups):
+            for first, second in itertools.combinations(group, 2):
+                if not first.strip() or not second.strip():
+                    continue  # a rater cannot judge an empty continuation
+                best = labeler.label_pair(query, [first, second])
+                chosen, rejected = (first, second) if best == 0 else (second, first)
+                handle.write(json.dumps({"prompt": query, "chosen": chosen, "rejected": rejected},
+                                        ensure_ascii=False) + "\n")
+                written += 1
+    return written
 
 
 def _build_preferences(paths, task: str, settings: TinyRMSettings) -> dict:
-    """Sample pairs from the tiny policy, label them, write both jsonl files then the marker."""
-    from rl_core.labeler import build_preference_file, get_labeler
+    """Sample groups from the tiny policy, label their pairs, write both jsonl files then the marker.
+
+    Train groups hold ``train_samples_per_query`` continuations and give every pair among them
+    (InstructGPT's K-choose-2): many more comparisons per sampled token, which the tiny reward
+    model needs to learn within its single epoch. Test groups hold 2, so held-out pairs are independent.
+    """
+    from rl_core.labeler import get_labeler
     from workers.models import load_causal_lm, load_tokenizer
 
     train_file, test_file, marker = _preference_files(paths, task)
     tokenizer = load_tokenizer(str(paths.model_dir))
     policy = load_causal_lm(str(paths.model_dir), vocab_size=len(tokenizer)).eval()
-    calls = itertools.count()
-
-    def sample_fn(texts: list[str], n: int) -> list[list[str]]:
-        ids = [row for row in tokenizer(list(texts), add_special_tokens=False)["input_ids"] for _ in range(n)]
-        responses = sample_responses(policy, tokenizer, ids, settings.response_length, settings.temperature,
-                                     seed=settings.seed + next(calls), batch_size=len(ids))
-        decoded = tokenizer.batch_decode(responses, skip_special_tokens=False)
-        return [decoded[i * n:(i + 1) * n] for i in range(len(texts))]
-
     labeler = get_labeler(task, noise=settings.noise, seed=settings.seed)
+    marker.parent.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)
     counts = {}
-    for split, prompts, rounds, out in (("train", paths.train_prompts, settings.train_pairs_per_query, train_file),
-                                        ("test", paths.test_prompts, settings.test_pairs_per_query, test_file)):
+    splits = (("train", paths.train_prompts, settings.train_samples_per_query, train_file),
+              ("test", paths.test_prompts, 2, test_file))
+    for offset, (split, prompts, per_query, out) in enumerate(splits):
+        queries = load_queries(prompts, "text", tokenizer, settings.query_length)
+        if split == "test":
+            queries = queries * settings.test_pairs_per_query
+        repeated = [query for query in queries for _ in range(per_query)]
+        responses = sample_responses(policy, tokenizer, repeated, settings.response_length, settings.temperature,
+                                     seed=settings.seed + offset, batch_size=256)
+        texts = tokenizer.batch_decode(responses, skip_special_tokens=False)
+        groups = [texts[i * per_query:(i + 1) * per_query] for i in range(len(queries))]
         staging = out.with_name(f".{out.name}.{os.getpid()}")
-        queries = _query_texts(prompts, tokenizer, settings.query_length, rounds)
-        counts[split] = build_preference_file(queries, sample_fn, labeler, staging, n_samples=2,
-                                              format="pairwise", batch_size=64)["written"]
+        counts[split] = _write_pairs(staging, tokenizer.batch_decode(queries), groups, labeler)
         os.replace(staging, out)
     marker.write_text(json.dumps({"settings": _preference_settings(paths, task, settings), **counts}, indent=2))
     return counts
