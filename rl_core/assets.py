@@ -158,7 +158,8 @@ def count_parameters(model) -> int:
 
 
 @contextlib.contextmanager
-def _torch_threads(num_threads: int) -> Iterator[None]:
+def torch_threads(num_threads: int) -> Iterator[None]:
+    """Temporarily run torch with `num_threads` intra-op threads."""
     import torch
 
     previous = torch.get_num_threads()
@@ -207,7 +208,7 @@ def pretrain_tiny_gpt2(model, tokenizer, texts: list[str], steps: int, batch_siz
     offsets = torch.arange(seq_len)
     losses = []
     model.train()
-    with _torch_threads(num_threads):
+    with torch_threads(num_threads):
         for step in range(steps):
             for group in optimizer.param_groups:
                 group["lr"] = _learning_rate(step, steps, lr, warmup)

@@ -35,6 +35,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from rl_core.assets import torch_threads
 from rl_core.config import ConfigError, save_config
 
 Log = Callable[[str], None]
@@ -651,16 +652,6 @@ def _staged_directory(final: Path) -> Iterator[Path]:
     staging.rename(final)
 
 
-@contextlib.contextmanager
-def _torch_threads(count: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 def _marker_matches(marker: Path, expected: dict) -> bool:
     try:
         return json.loads(marker.read_text()).get("settings") == expected
@@ -841,7 +832,7 @@ def ensure_tiny_reward_model(paths, log: Log = print, task: str = "sentiment", s
         started = time.perf_counter()
         # One thread: the model is too small to gain from more, and on a shared CPU (ranks,
         # engines) extra threads oversubscribe the cores and run several times slower.
-        with _staged_directory(final) as staging, _torch_threads(1), _quiet_libraries():
+        with _staged_directory(final) as staging, torch_threads(1), _quiet_libraries():
             metrics = _train_tiny_reward_model(paths, task, settings, staging)
             facts = {"settings": expected, "seconds": round(time.perf_counter() - started, 1), **metrics}
             (staging / "build.json").write_text(json.dumps(facts, indent=2))  # the marker, written last

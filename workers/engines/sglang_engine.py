@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping
 
 from workers.engines.client import EngineClient, EngineError
 from workers.procs import ManagedProcesses, free_port, start_process, stop_process, wait_http_ok
