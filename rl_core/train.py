@@ -143,7 +143,6 @@ class PPOTrainer:
         exp.raw_scores = scores.clone()
         # OpenAI rejection sampling: no period after token `truncate_after` -> fixed penalty.
         exp.scores = torch.where(rejected, torch.full_like(scores, self.cfg.reward.penalty), scores)
-        exp.rejected = rejected
         behaviour_gap = [(o - s_b).abs()[m] for o, s_b, m in (
             (exp.old_logprobs[i], torch.tensor(s.behaviour_logprobs), torch.tensor(s.action_mask, dtype=torch.bool))
             for i, s in enumerate(exp.sequences))]

@@ -428,20 +428,6 @@ def preference_loss_fn(global_count: int, dp_size: int):
     return loss_fn
 
 
-def _forward_backward(trainable, micro_batches: list[dict], loss_fn, dp: DataParallel) -> dict[str, list[float]]:
-    if dp.sharded:
-        return trainable.forward_backward(micro_batches, loss_fn)
-    # Alone: no cross-rank check, which would block inside another job's process group.
-    trainable.model.train()
-    metrics: dict[str, list[float]] = {}
-    for batch in micro_batches:
-        loss, extra = loss_fn(trainable.model, batch)
-        loss.backward()
-        for key, value in {"loss": loss.detach(), **extra}.items():
-            metrics.setdefault(key, []).append(float(value))
-    return metrics
-
-
 @torch.no_grad()
 def heldout_metrics(model, examples: list, dp: DataParallel, max_tokens: int, pad_id: int) -> dict[str, float]:
     """Pairwise (best-of-N) accuracy and mean loss over ``examples``, summed over ranks."""
@@ -470,7 +456,7 @@ def train_one_epoch(trainable, examples: list, cfg: RMTrainConfig, dp: DataParal
     for step in range(steps):
         minibatch = [examples[i] for i in order[step * cfg.batch_size:(step + 1) * cfg.batch_size]]
         micro_batches = micro_batches_for_rank(minibatch, dp, cfg.max_tokens_per_device, pad_id)
-        metrics = _forward_backward(trainable, micro_batches, preference_loss_fn(len(minibatch), dp.size), dp)
+        metrics = trainable.forward_backward(micro_batches, preference_loss_fn(len(minibatch), dp.size))
         lr = trainable.current_lr()
         grad_norm = trainable.step()
         loss_sum += sum(metrics["loss_sum"])
@@ -548,6 +534,7 @@ def fit_reward_model(model, policy, tokenizer, train_examples: list, test_exampl
         # OpenAI: one epoch, LR annealed linearly to zero.
         build_scheduler=lambda optimizer: linear_anneal_schedule(optimizer, steps),
         max_grad_norm=cfg.train.max_grad_norm,
+        sharded=dp.sharded,
     )
     # OpenAI: normalise before training too, so the loss sees rewards at unit scale from step one.
     gain_before, _ = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, cfg.seed, dp)

@@ -198,8 +198,12 @@ class TrainableModel:
         build_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
         build_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         max_grad_norm: float | None = 1.0,
+        sharded: bool = True,
     ):
         self.model = model
+        # An unsharded model (e.g. the RM bootstrap inside another job's process group) must not
+        # run the cross-rank micro-batch check: the other ranks are not training it.
+        self.sharded = sharded
         self.optimizer = build_optimizer(model)
         self.scheduler = build_scheduler(self.optimizer) if build_scheduler is not None else None
         self.max_grad_norm = max_grad_norm
@@ -210,7 +214,8 @@ class TrainableModel:
         Returns each metric as a list with one entry per micro-batch (``loss`` included).
         """
         micro_batches = list(micro_batches)
-        _check_same_count_on_all_ranks(len(micro_batches))
+        if self.sharded:
+            _check_same_count_on_all_ranks(len(micro_batches))
         self.model.train()
         metrics: dict[str, list[float]] = {}
         for micro_batch in micro_batches:
