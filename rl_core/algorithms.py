@@ -9,7 +9,7 @@ list in ``shared/seeds/003_353727c49ad7a1e8.txt`` (OpenAI ``lm-human-preferences
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 
@@ -212,35 +212,15 @@ def reward_gain_bias(scores: torch.Tensor, target_mean: float = 0.0, target_std:
 # --------------------------------------------------------------------------- truncation / rejection
 
 
-def _truncation_hits(tokens: torch.Tensor, truncate_token: int, truncate_after: int) -> torch.Tensor:
-    if tokens.dim() != 2:
-        raise ValueError(f"expected response tokens of shape [B, T], got {tuple(tokens.shape)}")
+def truncated_ids(response: Sequence[int], truncate_token: int, truncate_after: int) -> list[int] | None:
+    """One response cut through its first ``truncate_token`` at index ``>= truncate_after``; None if
+    it has none (rejection-sampling detail: such a response is penalised, or not labelled)."""
     if truncate_after < 0:
         raise ValueError(f"truncate_after must be >= 0, got {truncate_after}")
-    positions = torch.arange(tokens.shape[1], device=tokens.device)
-    return (tokens == truncate_token) & (positions >= truncate_after)
-
-
-def truncate_response(
-    tokens: torch.Tensor, truncate_token: int, truncate_after: int, pad_token_id: int
-) -> torch.Tensor:
-    """Pad everything after the first ``truncate_token`` at index ``>= truncate_after`` (rejection-sampling detail)."""
-    hits = _truncation_hits(tokens, truncate_token, truncate_after).long()
-    # Exclusive cumsum: positions strictly after the first hit; the truncate token itself stays.
-    after_first_hit = (hits.cumsum(dim=1) - hits) > 0
-    return torch.where(after_first_hit, torch.full_like(tokens, pad_token_id), tokens)
-
-
-def rejection_penalty(
-    scores: torch.Tensor,
-    truncated_tokens: torch.Tensor,
-    truncate_token: int,
-    truncate_after: int,
-    penalty: float = -1.0,
-) -> torch.Tensor:
-    """Replace the score of rows without ``truncate_token`` at/after ``truncate_after`` by ``penalty``."""
-    valid = _truncation_hits(truncated_tokens, truncate_token, truncate_after).any(dim=1)
-    return torch.where(valid, scores, torch.full_like(scores, penalty))
+    for index in range(truncate_after, len(response)):
+        if response[index] == truncate_token:
+            return list(response[: index + 1])
+    return None
 
 
 # --------------------------------------------------------------------------- logits helpers

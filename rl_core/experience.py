@@ -65,8 +65,8 @@ def final_response(traj: Trajectory) -> tuple[list[int], list[int]]:
     return context, seq.input_ids[start:end]
 
 
-def reward_model_inputs(trajectories: list[Trajectory], truncate_token: int | None, truncate_after: int,
-                        pad_token_id: int) -> tuple[list[list[int]], torch.Tensor]:
+def reward_model_inputs(trajectories: list[Trajectory], truncate_token: int | None,
+                        truncate_after: int) -> tuple[list[list[int]], torch.Tensor]:
     """Query+response ids the reward model scores, and which rows get the rejection penalty.
 
     OpenAI detail (rejection sampling): the response is cut after the first `truncate_token` at
@@ -75,20 +75,12 @@ def reward_model_inputs(trajectories: list[Trajectory], truncate_token: int | No
     still trains on the full sampled response.
     """
     contexts, responses = zip(*(final_response(t) for t in trajectories))
-    if truncate_token is None:
-        return [list(c) + list(r) for c, r in zip(contexts, responses)], torch.zeros(len(trajectories), dtype=torch.bool)
-    width = max(len(r) for r in responses)
-    padded = torch.full((len(responses), width), pad_token_id, dtype=torch.long)
-    for i, r in enumerate(responses):
-        padded[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    truncated = alg.truncate_response(padded, truncate_token, truncate_after, pad_token_id)
-    hits = alg.rejection_penalty(torch.zeros(len(responses)), truncated, truncate_token, truncate_after, penalty=1.0)
-    inputs = []
-    for i, (context, response) in enumerate(zip(contexts, responses)):
-        kept = truncated[i, : len(response)]
-        n_kept = int((kept != pad_token_id).sum()) if hits[i] == 0 else len(response)
-        inputs.append(list(context) + list(response[:n_kept]))
-    return inputs, hits.bool()
+    inputs, rejected = [], []
+    for context, response in zip(contexts, responses):
+        kept = None if truncate_token is None else alg.truncated_ids(response, truncate_token, truncate_after)
+        rejected.append(truncate_token is not None and kept is None)
+        inputs.append(list(context) + list(response if kept is None else kept))
+    return inputs, torch.tensor(rejected, dtype=torch.bool)
 
 
 def _trajectory_rows(exp: Experience, per_seq: list[torch.Tensor], traj_ids: list[int]) -> torch.Tensor:

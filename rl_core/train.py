@@ -71,11 +71,7 @@ class PPOTrainer:
         token = self.cfg.reward.truncate_token
         if token is None or self.reward_model is None:
             return None
-        ids = self.tokenizer.encode(token, add_special_tokens=False)
-        if len(ids) != 1:
-            raise ValueError(f"reward.truncate_token={token!r} is {len(ids)} tokens for this tokenizer; "
-                             "it must be exactly one (e.g. '.')")
-        return ids[0]
+        return models.single_token_id(self.tokenizer, token, "reward.truncate_token")
 
     # ------------------------------------------------------------------ distributed helpers
 
@@ -131,8 +127,7 @@ class PPOTrainer:
         scores = torch.zeros(n_traj)
         rejected = torch.zeros(n_traj, dtype=torch.bool)
         if self.reward_model is not None:
-            rm_ids, rejected = reward_model_inputs(exp.trajectories, self.truncate_id, self.cfg.reward.truncate_after,
-                                                   self.tokenizer.pad_token_id)
+            rm_ids, rejected = reward_model_inputs(exp.trajectories, self.truncate_id, self.cfg.reward.truncate_after)
             rm_rows = [{"input_ids": ids, "action_mask": [0] * len(ids)} for ids in rm_ids]
 
             def rm_forward(batch):

@@ -41,7 +41,7 @@ from rl_core.config import ConfigError, save_config
 Log = Callable[[str], None]
 
 LABELER_NAMES = (None, "sentiment", "descriptiveness")
-RM_BUILD_FORMAT = 1
+RM_BUILD_FORMAT = 2
 
 
 # ----------------------------------------------------------------------------- config schema
@@ -91,6 +91,11 @@ class NormalizeConfig:
     response_length: int = 24
     temperature: float = 1.0
     batch_size: int = 64
+    # OpenAI rejection sampling, as the PPO job applies it before scoring: each response is cut at
+    # its first truncate_token at/after index truncate_after, and one without it is not scored
+    # (PPO gives it a fixed penalty instead). null = score whole responses.
+    truncate_token: Optional[str] = "."
+    truncate_after: int = 16
 
 
 @dataclass
@@ -161,6 +166,9 @@ def validate_rm_config(cfg: RMJobConfig) -> None:
     _require(norm.response_length > 0, "config key 'normalize.response_length' must be > 0")
     _require(norm.temperature > 0, f"config key 'normalize.temperature' must be > 0, got {norm.temperature}")
     _require(norm.batch_size > 0, "config key 'normalize.batch_size' must be > 0")
+    _require(norm.truncate_token is None or 0 <= norm.truncate_after < norm.response_length,
+             f"normalize.truncate_after={norm.truncate_after} must be in [0, normalize.response_length="
+             f"{norm.response_length}) so a response can hold the truncate token; or set normalize.truncate_token=null")
     _require(0.0 <= cfg.labeler.noise <= 1.0,
              f"config key 'labeler.noise' must be a probability in [0, 1], got {cfg.labeler.noise}")
     _require(data.train_path != "tiny" or cfg.labeler.name is not None,
@@ -308,6 +316,27 @@ def sample_responses(policy, tokenizer, queries: list[list[int]], response_lengt
                                   generation_config=config)
             responses.extend(out[:, ids.shape[1]:].tolist())
     return responses
+
+
+def sample_truncated(policy, tokenizer, queries: list[list[int]], cfg: NormalizeConfig,
+                     seed: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Reference-policy responses as the PPO job's reward model reads them, and which are scored.
+
+    OpenAI rejection sampling: each response is cut through its first ``cfg.truncate_token`` at
+    or after ``cfg.truncate_after``; a response without one keeps its full length and is marked
+    not valid (PPO penalises it instead of scoring it).
+    """
+    from rl_core.algorithms import truncated_ids
+    from workers.models import single_token_id
+
+    responses = sample_responses(policy, tokenizer, queries, cfg.response_length, cfg.temperature, seed,
+                                 cfg.batch_size)
+    if cfg.truncate_token is None:
+        return responses, torch.ones(len(responses), dtype=torch.bool)
+    token = single_token_id(tokenizer, cfg.truncate_token, "normalize.truncate_token")
+    cut = [truncated_ids(response, token, cfg.truncate_after) for response in responses]
+    valid = torch.tensor([c is not None for c in cut], dtype=torch.bool)
+    return [c if c is not None else r for c, r in zip(cut, responses)], valid
 
 
 def pick_queries(queries: list[list[int]], num: int, seed: int, dp: DataParallel) -> list[list[int]]:
@@ -470,6 +499,20 @@ def train_one_epoch(trainable, examples: list, cfg: RMTrainConfig, dp: DataParal
     return {"train_loss": loss_sum / seen, "train_accuracy": correct / seen, "train_steps": steps}
 
 
+def _mark_invalid(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """NaN where a sample is not scored; ranks gather equal lengths, then drop the NaNs."""
+    return torch.where(valid, scores, torch.full_like(scores, float("nan")))
+
+
+def _valid_only(scores: torch.Tensor, cfg: NormalizeConfig) -> torch.Tensor:
+    scores = scores[~scores.isnan()]
+    if scores.numel() < 2:
+        raise ValueError(f"only {scores.numel()} of the reference-policy samples had normalize.truncate_token="
+                         f"{cfg.truncate_token!r} at or after token {cfg.truncate_after}; raise normalize.num_samples, "
+                         "lower normalize.truncate_after, or set normalize.truncate_token=null")
+    return scores
+
+
 def normalize_reward(model, policy, tokenizer, queries: list[list[int]], cfg: NormalizeConfig,
                      seed: int, dp: DataParallel) -> tuple[float, float]:
     """Set gain/bias so rewards of reference-policy samples have mean 0, std 1 (OpenAI detail)."""
@@ -478,10 +521,10 @@ def normalize_reward(model, policy, tokenizer, queries: list[list[int]], cfg: No
     from workers.models import set_reward_gain_bias
 
     mine = pick_queries(queries, cfg.num_samples, seed, dp)
-    responses = sample_responses(policy, tokenizer, mine, cfg.response_length, cfg.temperature,
-                                 rank_seed(seed, dp.rank), cfg.batch_size)
+    responses, valid = sample_truncated(policy, tokenizer, mine, cfg, rank_seed(seed, dp.rank))
     sequences = [q + r for q, r in zip(mine, responses)]
-    raw = dp.gather(score_sequences(model, sequences, tokenizer.pad_token_id, dp.device, cfg.batch_size))
+    raw = score_sequences(model, sequences, tokenizer.pad_token_id, dp.device, cfg.batch_size)
+    raw = _valid_only(dp.gather(_mark_invalid(raw, valid)), cfg)
     gain, bias = reward_gain_bias(raw)
     set_reward_gain_bias(model, gain, bias)
     return gain, bias
@@ -494,18 +537,20 @@ def fresh_sample_check(model, policy, tokenizer, queries: list[list[int]], cfg: 
     from workers.fsdp import rank_seed
 
     mine = pick_queries(queries, cfg.num_samples, seed, dp)
-    responses = sample_responses(policy, tokenizer, mine, cfg.response_length, cfg.temperature,
-                                 rank_seed(seed, dp.rank), cfg.batch_size)
+    responses, valid = sample_truncated(policy, tokenizer, mine, cfg, rank_seed(seed, dp.rank))
     sequences = [q + r for q, r in zip(mine, responses)]
-    scores = dp.gather(score_sequences(model, sequences, tokenizer.pad_token_id, dp.device, cfg.batch_size,
-                                       normalized=True))
+    scores = score_sequences(model, sequences, tokenizer.pad_token_id, dp.device, cfg.batch_size, normalized=True)
+    scores = dp.gather(_mark_invalid(scores, valid))
+    kept = ~scores.isnan()
+    scores = _valid_only(scores, cfg)
     result: dict[str, float | None] = {"normalized_mean": scores.mean().item(),
-                                       "normalized_std": scores.std(unbiased=False).item(), "spearman": None}
+                                       "normalized_std": scores.std(unbiased=False).item(),
+                                       "fresh_samples": int(kept.sum()), "spearman": None}
     if labeler is not None:
-        # The rater judges the continuation only, as when labelling (the query is shared).
+        # The rater judges the (truncated) continuation only, as when labelling (the query is shared).
         texts = tokenizer.batch_decode(responses, skip_special_tokens=False)
         judged = dp.gather(torch.tensor(labeler.score(texts), dtype=torch.float32))
-        result["spearman"] = spearman(scores, judged)
+        result["spearman"] = spearman(scores, judged[kept])
     return result
 
 
@@ -596,10 +641,16 @@ class TinyRMSettings:
     """Everything that determines the offline labels and the tiny reward model built from them."""
 
     seed: int = 4321
-    train_samples_per_query: int = 4  # continuations per train prompt; every pair is labelled
-    test_pairs_per_query: int = 2  # independent held-out pairs per test prompt
+    # Samples are drawn, then kept only if they have a period at or after token `truncate_after`
+    # and cut there: OpenAI's rejection sampling, so raters (and the reward model) see what the
+    # PPO job's reward model will score. About half of the tiny policy's samples qualify.
+    train_samples_per_query: int = 8
+    group_size: int = 4  # kept samples per train prompt; every pair among them is labelled
+    test_samples_per_query: int = 12  # kept ones are paired off, so held-out pairs are independent
     query_length: int = 64
     response_length: int = 24
+    truncate_token: Optional[str] = "."  # None: keep whole samples
+    truncate_after: int = 16
     temperature: float = 1.0
     noise: float = 0.0
     batch_size: int = 32
@@ -607,9 +658,11 @@ class TinyRMSettings:
     num_samples: int = 512  # normalisation / fresh-sample size
 
 
-# Small (test) assets have a 64-token context and few prompts: a build of a few seconds.
-SMALL_RM_SETTINGS = TinyRMSettings(train_samples_per_query=2, test_pairs_per_query=1, query_length=32,
-                                   response_length=16, num_samples=32, batch_size=8, lr=1e-3)
+# Small (test) assets have a 64-token context, few prompts and a barely trained policy whose
+# samples seldom hold a period or a sentiment word (most pairs tie): a build of a few seconds.
+SMALL_RM_SETTINGS = TinyRMSettings(train_samples_per_query=4, group_size=4, test_samples_per_query=8,
+                                   query_length=32, response_length=16, truncate_token=None, batch_size=8,
+                                   num_samples=32)
 
 
 @contextlib.contextmanager
@@ -660,53 +713,77 @@ def _preference_settings(paths, task: str, settings: TinyRMSettings) -> dict:
                if k not in ("batch_size", "lr", "num_samples")}}
 
 
-def _write_pairs(path: Path, queries: list[str], groups: list[list[str]], labeler) -> int:
-    """Pairwise rows for every pair within each group of continuations, labelled one by one."""
-    written = 0
+def _write_pairs(path: Path, queries: list[str], pairs: list[tuple[int, str, str]], labeler) -> dict[str, int]:
+    """Pairwise rows, labelled one by one; pairs the rater scores equal are left out (a tie says nothing)."""
+    counts = {"written": 0, "ties": 0}
     with open(path, "w", encoding="utf-8") as handle:
-        for query, group in zip(queries, groups):
-            for first, second in itertools.combinations(group, 2):
-                if not first.strip() or not second.strip():
-                    continue  # a rater cannot judge an empty continuation
-                best = labeler.label_pair(query, [first, second])
-                chosen, rejected = (first, second) if best == 0 else (second, first)
-                handle.write(json.dumps({"prompt": query, "chosen": chosen, "rejected": rejected},
-                                        ensure_ascii=False) + "\n")
-                written += 1
-    return written
+        for query_index, first, second in pairs:
+            first_score, second_score = labeler.score([first, second])
+            if first_score == second_score:
+                counts["ties"] += 1
+                continue
+            query = queries[query_index]
+            best = labeler.label_pair(query, [first, second])
+            chosen, rejected = (first, second) if best == 0 else (second, first)
+            handle.write(json.dumps({"prompt": query, "chosen": chosen, "rejected": rejected},
+                                    ensure_ascii=False) + "\n")
+            counts["written"] += 1
+    return counts
+
+
+def _labelled_pairs(queries: list[list[int]], responses: list[list[int]], draws: int, settings: TinyRMSettings,
+                    truncate_id: int | None, every_pair: bool) -> list[tuple[int, list[int], list[int]]]:
+    """(query index, response, response) pairs among each query's kept (period-truncated) samples.
+
+    ``every_pair``: all pairs among ``group_size`` kept samples (InstructGPT's K-choose-2: more
+    comparisons per sampled token); otherwise kept samples are paired off, each used once.
+    """
+    from rl_core.algorithms import truncated_ids
+
+    pairs = []
+    for index in range(len(queries)):
+        drawn = responses[index * draws:(index + 1) * draws]
+        if truncate_id is None:
+            kept = drawn
+        else:
+            kept = [cut for cut in (truncated_ids(r, truncate_id, settings.truncate_after) for r in drawn) if cut]
+        if every_pair:
+            pairs.extend((index, a, b) for a, b in itertools.combinations(kept[:settings.group_size], 2))
+        else:
+            pairs.extend((index, a, b) for a, b in zip(kept[0::2], kept[1::2]))
+    return pairs
 
 
 def _build_preferences(paths, task: str, settings: TinyRMSettings) -> dict:
-    """Sample groups from the tiny policy, label their pairs, write both jsonl files then the marker.
-
-    Train groups hold ``train_samples_per_query`` continuations and give every pair among them
-    (InstructGPT's K-choose-2): many more comparisons per sampled token, which the tiny reward
-    model needs to learn within its single epoch. Test groups hold 2, so held-out pairs are independent.
-    """
+    """Sample from the tiny policy, keep and cut samples at a period, label pairs, write jsonl + marker."""
     from rl_core.labeler import get_labeler
-    from workers.models import load_causal_lm, load_tokenizer
+    from workers.models import load_causal_lm, load_tokenizer, single_token_id
 
     train_file, test_file, marker = _preference_files(paths, task)
     tokenizer = load_tokenizer(str(paths.model_dir))
     policy = load_causal_lm(str(paths.model_dir), vocab_size=len(tokenizer)).eval()
+    truncate_id = (None if settings.truncate_token is None
+                   else single_token_id(tokenizer, settings.truncate_token, "truncate_token"))
     labeler = get_labeler(task, noise=settings.noise, seed=settings.seed)
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)
     counts = {}
     splits = (("train", paths.train_prompts, settings.train_samples_per_query, train_file),
-              ("test", paths.test_prompts, 2, test_file))
-    for offset, (split, prompts, per_query, out) in enumerate(splits):
+              ("test", paths.test_prompts, settings.test_samples_per_query, test_file))
+    for offset, (split, prompts, draws, out) in enumerate(splits):
         queries = load_queries(prompts, "text", tokenizer, settings.query_length)
-        if split == "test":
-            queries = queries * settings.test_pairs_per_query
-        repeated = [query for query in queries for _ in range(per_query)]
+        repeated = [query for query in queries for _ in range(draws)]
         responses = sample_responses(policy, tokenizer, repeated, settings.response_length, settings.temperature,
                                      seed=settings.seed + offset, batch_size=256)
-        texts = tokenizer.batch_decode(responses, skip_special_tokens=False)
-        groups = [texts[i * per_query:(i + 1) * per_query] for i in range(len(queries))]
+        pairs = _labelled_pairs(queries, responses, draws, settings, truncate_id, every_pair=split == "train")
+        texts = [(index, tokenizer.decode(a), tokenizer.decode(b)) for index, a, b in pairs]
         staging = out.with_name(f".{out.name}.{os.getpid()}")
-        counts[split] = _write_pairs(staging, tokenizer.batch_decode(queries), groups, labeler)
+        written = _write_pairs(staging, tokenizer.batch_decode(queries), texts, labeler)
         os.replace(staging, out)
+        counts[split], counts[f"{split}_ties_left_out"] = written["written"], written["ties"]
+        if written["written"] == 0:
+            raise RuntimeError(f"no {split} comparison could be labelled: the tiny policy's samples have no "
+                               f"'{settings.truncate_token}' at or after token {settings.truncate_after}")
     marker.write_text(json.dumps({"settings": _preference_settings(paths, task, settings), **counts}, indent=2))
     return counts
 
@@ -751,6 +828,8 @@ def tiny_rm_job_config(task: str, settings: TinyRMSettings) -> RMJobConfig:
     cfg.normalize.query_length = settings.query_length
     cfg.normalize.response_length = settings.response_length
     cfg.normalize.temperature = settings.temperature
+    cfg.normalize.truncate_token = settings.truncate_token
+    cfg.normalize.truncate_after = settings.truncate_after
     return cfg
 
 

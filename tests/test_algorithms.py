@@ -164,28 +164,18 @@ def test_reward_gain_bias_normalises_a_known_distribution():
 
 # --------------------------------------------------------------------------- truncation / rejection
 
-PERIOD, PAD = 13, 0
+PERIOD = 13
 
 
-def test_truncate_response_cases():
-    tokens = torch.tensor(
-        [
-            [5, PERIOD, 6, 7, PERIOD, 8, 9],  # period at 1 is before truncate_after=3, ignored; cut after 4
-            [5, 6, 7, PERIOD, 8, PERIOD, 9],  # period exactly at truncate_after is used
-            [5, PERIOD, 6, 7, 8, 9, 4],  # no period at/after 3: untouched
-        ]
-    )
-    out = alg.truncate_response(tokens, PERIOD, truncate_after=3, pad_token_id=PAD)
-    expected = torch.tensor(
-        [
-            [5, PERIOD, 6, 7, PERIOD, PAD, PAD],
-            [5, 6, 7, PERIOD, PAD, PAD, PAD],
-            [5, PERIOD, 6, 7, 8, 9, 4],
-        ]
-    )
-    assert torch.equal(out, expected)
-    scores = alg.rejection_penalty(torch.tensor([0.5, 0.7, 0.9]), out, PERIOD, truncate_after=3)
-    torch.testing.assert_close(scores, torch.tensor([0.5, 0.7, -1.0]))
+def test_truncated_ids_cuts_at_first_token_at_or_after_the_index():
+    # A period before truncate_after is ignored; the first one at or after it ends the response.
+    assert alg.truncated_ids([5, PERIOD, 6, 7, PERIOD, 8, PERIOD], PERIOD, truncate_after=3) == [5, PERIOD, 6, 7, PERIOD]
+    assert alg.truncated_ids([5, 6, 7, PERIOD, 8], PERIOD, truncate_after=3) == [5, 6, 7, PERIOD]
+    # None: no period at/after 3, so OpenAI's rejection sampling penalises (or does not label) it.
+    assert alg.truncated_ids([5, PERIOD, 6, 7, 8], PERIOD, truncate_after=3) is None
+    assert alg.truncated_ids([], PERIOD, truncate_after=0) is None
+    with pytest.raises(ValueError, match="truncate_after"):
+        alg.truncated_ids([PERIOD], PERIOD, truncate_after=-1)
 
 
 # --------------------------------------------------------------------------- logits helpers

@@ -57,6 +57,7 @@ def rm_run(tiny_model_dir, tmp_path_factory):
         f"model.policy_path={tiny_model_dir}", f"data.train_path={tmp / 'train.jsonl'}",
         f"data.test_path={tmp / 'test.jsonl'}", "data.max_length=48", f"normalize.prompts_path={tmp / 'prompts.jsonl'}",
         "normalize.query_length=12", "normalize.response_length=8", "normalize.num_samples=256",
+        "normalize.truncate_token=null",
         "train.batch_size=16", "train.lr=3e-3", "train.max_tokens_per_device=256", f"run_dir={tmp / 'run'}",
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -164,3 +165,61 @@ def test_tiny_reward_model_is_built_once_and_cached(tmp_path):
     stamp = (first / "build.json").stat().st_mtime_ns
     assert ensure_tiny_reward_model(paths, log=logged.append) == first
     assert len(logged) == 1 and (first / "build.json").stat().st_mtime_ns == stamp
+
+
+def test_labelled_pairs_keep_samples_with_a_period_and_cut_there():
+    from rl_core.train_rm import TinyRMSettings, _labelled_pairs
+
+    dot = 9
+    settings = TinyRMSettings(group_size=3, truncate_after=2)
+    responses = [
+        [5, 6, 7, dot, 8], [5, dot, 6, 7, 8], [4, 4, dot, 3, dot], [3, 3, 3, dot, 1],  # query 0: 3 kept
+        [5, 5, dot, 1, 1], [6, 6, 6, 6, 6], [7, 7, 7, dot, 7], [8, 8, 8, 8, dot],  # query 1: 3 kept
+    ]
+    every = _labelled_pairs([[1], [2]], responses, 4, settings, dot, every_pair=True)
+    assert [index for index, _, _ in every] == [0, 0, 0, 1, 1, 1], "all 3 pairs among 3 kept samples"
+    assert (0, [5, 6, 7, dot], [4, 4, dot]) in every, "cut through the first period at/after index 2"
+    disjoint = _labelled_pairs([[1], [2]], responses, 4, settings, dot, every_pair=False)
+    assert disjoint == [(0, [5, 6, 7, dot], [4, 4, dot]), (1, [5, 5, dot], [7, 7, 7, dot])]
+
+
+def test_written_pairs_leave_out_ties_and_follow_the_labeler(tmp_path):
+    from rl_core.labeler import get_labeler
+    from rl_core.train_rm import _write_pairs as write_labelled
+
+    pairs = [(0, " He was very sad and hurt.", " He was so happy and proud."),
+             (0, " He sat down.", " He walked on."),  # both neutral: a tie, left out
+             (1, " What a wonderful day.", " What a terrible day.")]
+    counts = write_labelled(tmp_path / "p.jsonl", ["q0", "q1"], pairs, get_labeler("sentiment"))
+    assert counts == {"written": 2, "ties": 1}
+    rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert [(r["prompt"], r["chosen"]) for r in rows] == [("q0", " He was so happy and proud."),
+                                                           ("q1", " What a wonderful day.")]
+
+
+def test_normalisation_samples_are_cut_at_the_truncate_token_or_left_out(tiny_model_dir):
+    from collections import Counter
+
+    from rl_core.train_rm import NormalizeConfig, _mark_invalid, _valid_only, sample_responses, sample_truncated
+    from workers.models import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    policy = load_causal_lm(tiny_model_dir, vocab_size=len(tokenizer)).eval()
+    queries = [tokenizer.encode("Tom was happy.")] * 24
+    plain = sample_responses(policy, tokenizer, queries, 12, 1.0, seed=3)
+    # The random test model has no favourite '.', so truncate at the token it samples most.
+    counts = Counter(token for response in plain for token in response[1:])
+    token = next(t for t, _ in counts.most_common()
+                 if tokenizer.encode(tokenizer.decode([t]), add_special_tokens=False) == [t])
+    cfg = NormalizeConfig(response_length=12, truncate_after=1, truncate_token=tokenizer.decode([token]))
+    responses, valid = sample_truncated(policy, tokenizer, queries, cfg, seed=3)
+    assert valid.any()
+    for response, full, ok in zip(responses, plain, valid.tolist()):
+        if ok:
+            assert response == full[:len(response)] and response[-1] == token and token not in response[1:-1]
+        else:
+            assert response == full and token not in full[1:]
+    scores = _mark_invalid(torch.arange(24.0), valid)
+    assert torch.equal(_valid_only(scores, cfg), torch.arange(24.0)[valid])
+    with pytest.raises(ValueError, match="normalize.truncate_token"):
+        _valid_only(torch.full((4,), float("nan")), cfg)

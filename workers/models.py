@@ -53,6 +53,15 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
+def single_token_id(tokenizer, text: str, config_key: str) -> int:
+    """The id of ``text``, which must be exactly one token (e.g. the '.' of OpenAI's truncation)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"{config_key}={text!r} is {len(ids)} tokens for this tokenizer; "
+                         "it must be exactly one (e.g. '.')")
+    return ids[0]
+
+
 def _config_without_dropout(path: str, **overrides: Any) -> PretrainedConfig:
     """The checkpoint's config with every dropout probability set to 0 (OpenAI detail: no dropout)."""
     config = AutoConfig.from_pretrained(path, **overrides)
