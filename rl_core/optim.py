@@ -71,11 +71,15 @@ def build_optimizer(
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
 ) -> torch.optim.Optimizer:
-    """Optimizer by config name: ``adam``/``adamw`` are PyTorch's, ``tf_adam`` is :class:`TFAdam`."""
+    """Optimizer by config name: ``adam``/``adamw`` are PyTorch's, ``tf_adam`` is :class:`TFAdam`.
+
+    ``foreach=True``: PyTorch only picks the multi-tensor path by itself on CUDA; on CPU with
+    FSDP2's DTensor parameters the per-parameter loop costs about twice as much per step.
+    """
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
+        return torch.optim.Adam(params, lr=lr, eps=eps, weight_decay=weight_decay, betas=betas, foreach=True)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
+        return torch.optim.AdamW(params, lr=lr, eps=eps, weight_decay=weight_decay, betas=betas, foreach=True)
     if name == "tf_adam":
         return TFAdam(params, lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
     raise ValueError(f"unknown optimizer name={name!r}; choose one of {OPTIMIZER_NAMES}")
