@@ -30,7 +30,8 @@ class Checkpointer:
         done = [p for p in self.root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and not p.name.endswith(".tmp")]
         return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
 
-    def save(self, step: int, trainer, prompts) -> Path:
+    def save(self, step: int, trainer, data_state: dict | None) -> Path:
+        """``data_state``: rank 0's prompt-stream position to resume from (None on other ranks)."""
         final = self.root / f"{PREFIX}{step:08d}"
         tmp = final.with_name(final.name + ".tmp")
         if self.rank == 0:
@@ -45,7 +46,7 @@ class Checkpointer:
                    tmp / f"rng_rank{self.rank}.pt")
         if self.rank == 0:
             state = {"step": step, "kl_controller": trainer.kl_ctl.state_dict(),
-                     "prompts": prompts.state_dict() if prompts is not None else None}
+                     "prompts": data_state}
             (tmp / "trainer_state.json").write_text(json.dumps(state))
         dist.barrier()
         if self.rank == 0:

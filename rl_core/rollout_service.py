@@ -10,11 +10,19 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from typing import Callable, Iterator
+from typing import Callable, Protocol
 
 from envs.pool import EnvPool
 from rl_core.rollout import RolloutResult, rollout
 from workers.engines.client import EngineClient
+
+
+class PromptStream(Protocol):
+    """Prompt batches whose position can be saved and restored (runtime.PromptSamples)."""
+
+    def __next__(self) -> list[dict]: ...
+
+    def state_dict(self) -> dict: ...
 
 
 class GatedClient:
@@ -60,6 +68,10 @@ class RolloutService:
         self.batches: queue.Queue = queue.Queue()
         self.producer: asyncio.Future | None = None
         self.stop_producing = threading.Event()
+        # Async resume point: the prompt stream's state after the last batch the trainer took.
+        # Batches still queued or being generated are not in it, so a resumed run generates them again.
+        self.resume_state: dict | None = None
+        self.batches_taken = 0
 
     @staticmethod
     async def _make(cls, *args, **kwargs):
@@ -87,17 +99,20 @@ class RolloutService:
     def release(self) -> None:
         self._call(self.client.release())
 
-    def start_producer(self, sample_batches: Iterator[list[dict]], current_version: Callable[[], int],
+    def start_producer(self, sample_batches: PromptStream, current_version: Callable[[], int],
                        max_queued: int) -> None:
         """Keep generating batches (at most `max_queued` waiting) until `close`."""
         self.batches = queue.Queue(maxsize=max_queued)
+        self.resume_state = sample_batches.state_dict()
 
         async def produce():
             while not self.stop_producing.is_set():
-                result = await self._rollout(next(sample_batches), current_version())
+                samples = next(sample_batches)
+                position = sample_batches.state_dict()
+                result = await self._rollout(samples, current_version())
                 while not self.stop_producing.is_set():
                     try:
-                        self.batches.put_nowait(result)
+                        self.batches.put_nowait((result, position))
                         break
                     except queue.Full:
                         await asyncio.sleep(0.01)
@@ -108,20 +123,27 @@ class RolloutService:
         """Take `batch_size` fresh-enough trajectories from the producer; returns (batch, dropped count).
 
         Staleness counts from the oldest token of a trajectory (partial rollouts mix versions).
+        Fresh trajectories beyond ``batch_size`` in the last batch taken are discarded and counted
+        in ``async/surplus_discarded``: every batch taken is then fully used, which keeps the
+        resume point exact.
         """
-        kept, failed, metrics, dropped = [], [], {}, 0
+        kept, failed, metrics, dropped, surplus = [], [], {}, 0, 0
         while len(kept) < batch_size:
-            result = self._get_result()
+            result, self.resume_state = self._get_result()
+            self.batches_taken += 1
             for traj in result.trajectories:
                 if current_version - traj.min_version > max_staleness:
                     dropped += 1
                 elif len(kept) < batch_size:
                     kept.append(traj)
+                else:
+                    surplus += 1
             failed += result.failed
-            metrics = result.metrics
+            metrics = dict(result.metrics)
+        metrics.update({"async/surplus_discarded": surplus, "async/batches_taken": self.batches_taken})
         return RolloutResult(kept, failed, metrics), dropped
 
-    def _get_result(self) -> RolloutResult:
+    def _get_result(self) -> tuple[RolloutResult, dict]:
         while True:
             if self.producer is not None and self.producer.done():
                 self.producer.result()  # re-raises the producer's error (engine died, envs failing)

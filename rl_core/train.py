@@ -287,7 +287,10 @@ def train(cfg: JobConfig, rt: JobRuntime) -> None:
         rt.sync_weights(full_state_dict(trainer.actor.model), version)
         sync_s = time.perf_counter() - t0
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
-            checkpointer.save(step + 1, trainer, prompts)
+            # Async: the position after the last batch trained on, not the producer's, which runs ahead.
+            data_state = None if rt.rank != 0 else (
+                prompts.state_dict() if cfg.trainer.mode == "sync" else service.resume_state)
+            checkpointer.save(step + 1, trainer, data_state)
 
         step_s = time.perf_counter() - step_start
         if rt.rank == 0:

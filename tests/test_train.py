@@ -105,10 +105,15 @@ def test_sync_steps_write_metrics_checkpoint_and_hf_export(small_job, tmp_path):
 def test_async_mode_respects_staleness_bound(small_job, tmp_path, partial):
     run_dir = tmp_path / "async"
     run_job(small_job, run_dir, "trainer.total_episodes=32", "trainer.mode=async", "async.max_staleness=1",
-            f"async.partial_rollout={partial}")
+            f"async.partial_rollout={partial}", "async.queue_batches=2", "trainer.save_every=1")
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert all(m["async/staleness_max"] <= 1 for m in metrics)
+    # The resume point is after the batches the trainer took, not the producer's (which runs
+    # ahead with queued batches): a resumed run regenerates what was never trained on.
+    for m in metrics:
+        state = json.loads((run_dir / "checkpoints" / f"step_{m['step']:08d}" / "trainer_state.json").read_text())
+        assert state["prompts"]["served"] == 8 * m["async/batches_taken"], (m, state)
     assert wait_gone(str(small_job["root"])) == []
 
 
