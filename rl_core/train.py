@@ -188,7 +188,8 @@ class PPOTrainer:
         async_correction = self.cfg.trainer.mode == "async"
 
         def policy_loss_fn(model, batch):
-            logprobs, entropy = models.token_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature)
+            logprobs, entropy = models.token_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
+                                                                  entropy_grad=bool(cfg.entropy_coef))
             mask = batch["action_mask"]
             weights = (alg.truncated_importance_weights(batch["old_logprobs"], batch["behaviour_logprobs"],
                                                         cfg.behaviour_is_cap) if async_correction else None)

@@ -59,6 +59,41 @@ def run_mode(mode: str, args, policy: Path, rm: Path, prompts: Path, workdir: Pa
     return mean
 
 
+def update_floor_s(policy_dir: Path, epochs: int = 4, episodes: int = 32, tokens: int = 24, repeats: int = 5) -> float:
+    """Seconds of the bare PPO update on this machine: ``epochs`` x (actor + critic) forward,
+    backward and Adam step on one [episodes, tokens] batch, plain PyTorch modules, no framework.
+
+    No implementation of this benchmark's update can beat it on these cores, so it bounds
+    episodes/s from above even with rollout, inference and weight sync for free.
+    """
+    import time
+
+    import torch
+
+    from workers.models import ValueModel, load_causal_lm
+
+    actor, critic = load_causal_lm(str(policy_dir)), ValueModel.from_pretrained(str(policy_dir))
+    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-5, foreach=True) for m in (actor, critic)]
+    ids = torch.randint(0, actor.config.vocab_size, (episodes, tokens))
+    mask, positions = torch.ones_like(ids), torch.arange(tokens).expand(episodes, tokens)
+
+    def one_update() -> None:
+        for _ in range(epochs):
+            logits = actor(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+            values = critic(ids, mask, positions)
+            for loss, optimizer in ((torch.log_softmax(logits, -1).mean(), optimizers[0]),
+                                    (values.square().mean(), optimizers[1])):
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+    one_update()  # warm-up
+    started = time.perf_counter()
+    for _ in range(repeats):
+        one_update()
+    return (time.perf_counter() - started) / repeats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=1, help="ranks (each with its own engine)")
@@ -70,10 +105,14 @@ def main() -> None:
         workdir = Path(tmp)
         policy, rm, prompts = build_models(workdir)
         results = {mode: run_mode(mode, args, policy, rm, prompts, workdir) for mode in ("sync", "async")}
+        floor_s = update_floor_s(policy)
     print(f"\n{'':>22} {'sync':>10} {'async':>10}")
     for key in SPLIT + ("perf/episodes_per_s", "perf/tokens_per_s", "perf/padding_fraction"):
         print(f"{key:>22} {results['sync'].get(key, float('nan')):>10.3f} {results['async'].get(key, float('nan')):>10.3f}")
     print(f"async/sync steps per second: {results['sync']['perf/step_s'] / results['async']['perf/step_s']:.2f}x")
+    print(f"bare update floor (plain PyTorch, same shapes, this machine): {floor_s:.3f} s per step, at most "
+          f"{32 / floor_s:.0f} episodes/s with rollout, inference and sync for free; the job's update takes "
+          f"{results['sync']['perf/train_s'] / floor_s:.2f}x the floor")
     summary = {
         "nproc": args.nproc,
         "sync_step_s": round(results["sync"]["perf/step_s"], 4),
@@ -82,6 +121,8 @@ def main() -> None:
         "async_episodes_per_s": round(results["async"]["perf/episodes_per_s"], 2),
         "tokens_per_s": round(results["sync"]["perf/tokens_per_s"], 1),
         "padding_fraction": round(results["sync"]["perf/padding_fraction"], 4),
+        "update_floor_s": round(floor_s, 4),
+        "floor_episodes_per_s": round(32 / floor_s, 1),
         **{f"sync_{k.split('/')[1]}": round(results["sync"][k], 4) for k in SPLIT[:-1]},
     }
     print(json.dumps(summary))

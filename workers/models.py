@@ -187,12 +187,17 @@ def token_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], temperature
 
 
 def token_logprobs_and_entropy(
-    model: nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0
+    model: nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0, entropy_grad: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[b, T]`` logprobs and entropies of the distribution each token was drawn from."""
+    """``[b, T]`` logprobs and entropies of the distribution each token was drawn from.
+
+    ``entropy_grad=False`` (no entropy bonus: the entropy is only logged) keeps the vocabulary-wide
+    entropy out of the backward pass.
+    """
     logits = _scaled_next_token_logits(model, batch, temperature)
     logprobs = logprobs_from_logits(logits, batch["input_ids"][:, 1:])
-    return _prepend_zero(logprobs), _prepend_zero(entropy_from_logits(logits))
+    entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+    return _prepend_zero(logprobs), _prepend_zero(entropy)
 
 
 # --------------------------------------------------------------------------- critic
