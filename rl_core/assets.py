@@ -264,19 +264,25 @@ def _component_settings(settings: TinyAssetSettings, component: str) -> dict:
     return {"format": FORMAT_VERSION, "component": component, **dataclasses.asdict(settings)}
 
 
-def _is_built(directory: Path, expected: dict) -> bool:
-    marker = directory / "build.json"
-    if not marker.is_file():
-        return False
+# The three pieces of a cached build (also used by the tiny reward model in rl_core/train_rm.py):
+# a marker file written last records the settings, a file lock makes concurrent builders wait,
+# and a staging directory is renamed into place only when its build finished.
+
+
+def settings_match(marker: Path, expected: dict) -> bool:
+    """Whether the build marker ``marker`` (JSON with a ``settings`` key) records ``expected``."""
     try:
-        recorded = json.loads(marker.read_text())
+        return json.loads(marker.read_text()).get("settings") == expected
     except (OSError, json.JSONDecodeError):
         return False
-    return recorded.get("settings") == expected
+
+
+def _is_built(directory: Path, expected: dict) -> bool:
+    return settings_match(directory / "build.json", expected)
 
 
 @contextlib.contextmanager
-def _staged(final: Path) -> Iterator[Path]:
+def staged_directory(final: Path) -> Iterator[Path]:
     """A fresh staging directory that replaces `final` only if the build inside it finishes.
 
     Called under the build lock, so any other staging directory left beside it is stale
@@ -313,7 +319,7 @@ def _quiet_transformers_progress() -> Iterator[None]:
 def _build_policy(paths: AssetPaths, settings: TinyAssetSettings) -> dict:
     """Tokenizer + pretrained policy in one directory; returns the facts it recorded."""
     started = time.perf_counter()
-    with _staged(paths.model_dir) as staging:
+    with staged_directory(paths.model_dir) as staging:
         texts = generate_paragraphs(settings.corpus_sentences, seed=settings.seed)
         tokenizer = train_tokenizer(texts, staging, vocab_size=settings.vocab_size)
         model = init_tiny_gpt2(tokenizer, n_layer=settings.n_layer, n_embd=settings.n_embd,
@@ -345,7 +351,7 @@ def _write_jsonl(path: Path, texts: list[str]) -> None:
 
 def _build_prompts(paths: AssetPaths, settings: TinyAssetSettings) -> dict:
     """Story openings from seeds the pretraining corpus never used (train and test differ too)."""
-    with _staged(paths.prompts_dir) as staging:
+    with staged_directory(paths.prompts_dir) as staging:
         train = story_openings(settings.train_prompts, seed=settings.seed + 1)
         test = story_openings(settings.test_prompts, seed=settings.seed + 2)
         _write_jsonl(staging / paths.train_prompts.name, train)
@@ -357,10 +363,10 @@ def _build_prompts(paths: AssetPaths, settings: TinyAssetSettings) -> dict:
 
 
 @contextlib.contextmanager
-def _build_lock(root: Path) -> Iterator[None]:
-    """Exclusive file lock: concurrent ranks/jobs wait here instead of building twice."""
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".build.lock", "w") as handle:
+def file_lock(path: Path) -> Iterator[None]:
+    """Exclusive lock on ``path``: concurrent ranks/jobs wait here instead of building twice."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -391,7 +397,7 @@ def ensure_tiny_assets(root: str | Path | None = None, *, small: bool = False,
     paths = AssetPaths.under(Path(root) if root is not None else default_assets_root())
     if not force and not _missing_components(paths, settings):
         return paths
-    with _build_lock(paths.root):
+    with file_lock(paths.root / ".build.lock"):
         missing = ["policy", "prompts"] if force else _missing_components(paths, settings)
         if not missing:  # another process built them while we waited for the lock
             return paths

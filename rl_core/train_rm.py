@@ -20,12 +20,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import fcntl
 import itertools
 import json
 import math
 import os
-import shutil
 import socket
 import time
 from dataclasses import dataclass, field
@@ -35,7 +33,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from rl_core.assets import torch_threads
+from rl_core.assets import file_lock, settings_match, staged_directory, torch_threads
 from rl_core.config import ConfigError, save_config
 
 Log = Callable[[str], None]
@@ -665,40 +663,6 @@ SMALL_RM_SETTINGS = TinyRMSettings(train_samples_per_query=4, group_size=4, test
                                    num_samples=32)
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Exclusive lock on ``path``: concurrent ranks or jobs wait instead of building twice."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def _staged_directory(final: Path) -> Iterator[Path]:
-    """A scratch directory renamed to ``final`` only when the block finishes (call under the lock)."""
-    staging = final.with_name(f".{final.name}.building-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    shutil.rmtree(final, ignore_errors=True)
-    staging.rename(final)
-
-
-def _marker_matches(marker: Path, expected: dict) -> bool:
-    try:
-        return json.loads(marker.read_text()).get("settings") == expected
-    except (OSError, json.JSONDecodeError):
-        return False
-
-
 def _preference_files(paths, task: str) -> tuple[Path, Path, Path]:
     directory = paths.root / "preferences"
     return (directory / f"{task}_train.jsonl", directory / f"{task}_test.jsonl",
@@ -807,9 +771,9 @@ def ensure_tiny_preferences(paths, task: str = "sentiment", log: Log = print, sm
     if noise is not None:
         settings = dataclasses.replace(settings, noise=noise)
     train_file, test_file, marker = _preference_files(paths, task)
-    if not _marker_matches(marker, _preference_settings(paths, task, settings)):
-        with _file_lock(paths.root / f".{task}-rm.lock"):
-            if not _marker_matches(marker, _preference_settings(paths, task, settings)):
+    if not settings_match(marker, _preference_settings(paths, task, settings)):
+        with file_lock(paths.root / f".{task}-rm.lock"):
+            if not settings_match(marker, _preference_settings(paths, task, settings)):
                 log(f"[rl_core.train_rm] labelling tiny {task} preferences under {marker.parent}; cached")
                 _build_preferences(paths, task, settings)
     return train_file, test_file
@@ -840,7 +804,7 @@ def _train_tiny_reward_model(paths, task: str, settings: TinyRMSettings, out_dir
 
     cfg = tiny_rm_job_config(task, settings)
     train_file, test_file, marker = _preference_files(paths, task)
-    if not _marker_matches(marker, _preference_settings(paths, task, settings)):
+    if not settings_match(marker, _preference_settings(paths, task, settings)):
         _build_preferences(paths, task, settings)
     tokenizer = load_tokenizer(str(paths.model_dir))
     policy = load_causal_lm(str(paths.model_dir), vocab_size=len(tokenizer)).eval()
@@ -888,17 +852,17 @@ def ensure_tiny_reward_model(paths, log: Log = print, task: str = "sentiment", s
     settings = tiny_rm_settings(paths, small)
     final = paths.root / f"tiny-{task}-rm"
     expected = _rm_settings(paths, task, settings)
-    if _marker_matches(final / "build.json", expected):
+    if settings_match(final / "build.json", expected):
         return final
-    with _file_lock(paths.root / f".{task}-rm.lock"):
-        if _marker_matches(final / "build.json", expected):
+    with file_lock(paths.root / f".{task}-rm.lock"):
+        if settings_match(final / "build.json", expected):
             return final
         log(f"[rl_core.train_rm] building the tiny {task} reward model under {final} from offline labels; "
             f"cached for later runs")
         started = time.perf_counter()
         # One thread: the model is too small to gain from more, and on a shared CPU (ranks,
         # engines) extra threads oversubscribe the cores and run several times slower.
-        with _staged_directory(final) as staging, torch_threads(1), _quiet_libraries():
+        with staged_directory(final) as staging, torch_threads(1), _quiet_libraries():
             metrics = _train_tiny_reward_model(paths, task, settings, staging)
             facts = {"settings": expected, "seconds": round(time.perf_counter() - started, 1), **metrics}
             (staging / "build.json").write_text(json.dumps(facts, indent=2))  # the marker, written last
