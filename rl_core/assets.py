@@ -226,37 +226,6 @@ def pretrain_tiny_gpt2(model, tokenizer, texts: list[str], steps: int, batch_siz
     return losses
 
 
-def sample_continuations(model, tokenizer, prompts: list[str], temperature: float = 1.0,
-                         max_new_tokens: int = 32, seed: int = 0) -> list[str]:
-    """Fixed-length sampled continuations, decoded (OpenAI: top_k=0, top_p=1, EOS doesn't stop)."""
-    import torch
-
-    # Passing eos_token_id=None to generate() is overridden by the model's generation config,
-    # so the config itself is switched off for the call (see the OpenAI details note).
-    config = model.generation_config
-    saved = config.eos_token_id
-    config.eos_token_id = None
-    torch.manual_seed(seed)
-    out = []
-    try:
-        for prompt in prompts:
-            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
-            with torch.no_grad():
-                generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                           temperature=temperature, top_k=0, top_p=1.0,
-                                           max_new_tokens=max_new_tokens,
-                                           pad_token_id=tokenizer.pad_token_id)
-            out.append(tokenizer.decode(generated[0, ids.shape[1]:]))
-    finally:
-        config.eos_token_id = saved
-    return out
-
-
-def sample_queries(num: int, seed: int) -> list[str]:
-    """Story openings (1-2 sentences) from the corpus grammar, e.g. for extra prompt splits."""
-    return story_openings(num, seed)
-
-
 # --- cached build ------------------------------------------------------------------------------
 
 

@@ -21,11 +21,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None, help="override the build seed")
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rl_core.assets import (count_parameters, ensure_tiny_assets, read_build_facts,
-                                sample_continuations)
+    from rl_core.assets import count_parameters, ensure_tiny_assets, read_build_facts
     from rl_core.data import load_prompt_dataset
+    from rl_core.train_rm import sample_responses
+    from workers.models import load_causal_lm, load_tokenizer
 
     started = time.perf_counter()
     paths = ensure_tiny_assets(args.root, small=args.small, force=args.force, seed=args.seed)
@@ -36,8 +35,8 @@ def main() -> None:
           f"{usage.ru_utime + usage.ru_stime:.1f}s CPU")
 
     facts = read_build_facts(paths)
-    tokenizer = AutoTokenizer.from_pretrained(paths.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(paths.model_dir)
+    tokenizer = load_tokenizer(str(paths.model_dir))
+    model = load_causal_lm(str(paths.model_dir), vocab_size=len(tokenizer)).eval()
     print(f"policy: {paths.model_dir}  parameters={count_parameters(model):,}  "
           f"vocab={len(tokenizer)}  final_loss={facts['final_loss']:.3f}  "
           f"(first {facts['first_loss']:.3f}; policy build {facts['seconds']}s)")
@@ -45,10 +44,11 @@ def main() -> None:
     print(f"prompts: {paths.train_prompts} / {paths.test_prompts} ({len(prompts)} test rows)")
 
     samples = [prompts[i]["text"] for i in range(3)]
+    queries = [tokenizer.encode(text, add_special_tokens=False) for text in samples]
     for temperature in (1.0, 0.7):
-        for prompt, text in zip(samples, sample_continuations(model, tokenizer, samples,
-                                                              temperature=temperature, seed=0)):
-            print(f"[T={temperature}] {prompt} ||| {text}")
+        responses = sample_responses(model, tokenizer, queries, response_length=32, temperature=temperature, seed=0)
+        for prompt, response in zip(samples, responses):
+            print(f"[T={temperature}] {prompt} ||| {tokenizer.decode(response)}")
 
 
 if __name__ == "__main__":
