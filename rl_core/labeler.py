@@ -91,7 +91,11 @@ class _Labeler:
         """
         if len(responses) < 2:
             raise ValueError(f"need at least 2 responses to compare, got {len(responses)}")
-        return _choose(self.score(responses), self.rng, self.noise, self.temperature)
+        return self.choose(self.score(responses))
+
+    def choose(self, scores: Sequence[float]) -> int:
+        """Index this labeler prefers given its own ``score`` of each response (noise applied)."""
+        return _choose(scores, self.rng, self.noise, self.temperature)
 
     def label_pair(self, query: str, responses: Sequence[str]) -> int:
         """0 or 1: which of two continuations of ``query`` is preferred."""

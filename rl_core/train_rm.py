@@ -682,14 +682,12 @@ def _write_pairs(path: Path, queries: list[str], pairs: list[tuple[int, str, str
     counts = {"written": 0, "ties": 0}
     with open(path, "w", encoding="utf-8") as handle:
         for query_index, first, second in pairs:
-            first_score, second_score = labeler.score([first, second])
-            if first_score == second_score:
+            scores = labeler.score([first, second])
+            if scores[0] == scores[1]:
                 counts["ties"] += 1
                 continue
-            query = queries[query_index]
-            best = labeler.label_pair(query, [first, second])
-            chosen, rejected = (first, second) if best == 0 else (second, first)
-            handle.write(json.dumps({"prompt": query, "chosen": chosen, "rejected": rejected},
+            chosen, rejected = (first, second) if labeler.choose(scores) == 0 else (second, first)
+            handle.write(json.dumps({"prompt": queries[query_index], "chosen": chosen, "rejected": rejected},
                                     ensure_ascii=False) + "\n")
             counts["written"] += 1
     return counts
@@ -710,7 +708,8 @@ def _labelled_pairs(queries: list[list[int]], responses: list[list[int]], draws:
         if truncate_id is None:
             kept = drawn
         else:
-            kept = [cut for cut in (truncated_ids(r, truncate_id, settings.truncate_after) for r in drawn) if cut]
+            cuts = (truncated_ids(response, truncate_id, settings.truncate_after) for response in drawn)
+            kept = [cut for cut in cuts if cut is not None]
         if every_pair:
             pairs.extend((index, a, b) for a, b in itertools.combinations(kept[:settings.group_size], 2))
         else:
