@@ -682,6 +682,8 @@ def _write_pairs(path: Path, queries: list[str], pairs: list[tuple[int, str, str
     counts = {"written": 0, "ties": 0}
     with open(path, "w", encoding="utf-8") as handle:
         for query_index, first, second in pairs:
+            if not first.strip() or not second.strip():
+                continue  # a rater cannot judge an empty continuation
             scores = labeler.score([first, second])
             if scores[0] == scores[1]:
                 counts["ties"] += 1
