@@ -1,17 +1,12 @@
-"""Sequence balancing across data-parallel ranks, and the PPO minibatch shuffle.
+"""Sequence balancing across data-parallel ranks, and the minibatch shuffle (PPO and reward-model jobs).
 
-Shape of one PPO update (the trainer lives elsewhere; this module supplies the index plumbing):
+Every rank holds the whole batch; each one trains on its share:
 
-    for epoch in range(noptepochs):                       # reshuffle every epoch
-        for minibatch in minibatch_indices(batch, nminibatches, generator):
-            parts = balanced_partitions([seqlen[i] for i in minibatch], dp_size, max_tokens)
-            mine = partitions_for_rank(parts, rank, dp_size)   # this rank's micro-batches
-            denominator = all_reduce(sum(global_denominator(mask[mb], loss_agg) for mb in mine))
-            for micro_batch in mine:                       # gradient accumulation
-                aggregate_loss(loss[mb], mask[mb], loss_agg, denominator, dp_size).backward()
-            optimizer.step()
+    for minibatch in minibatch_indices(batch, nminibatches, generator):     # reshuffled every epoch
+        mine = micro_batches_for_rank([seqlen[i] for i in minibatch], rank, dp_size, max_tokens)
+        for indices, real in with_stand_ins(mine):                            # gradient accumulation
+            ...                                                               # loss x real, scaled globally
 
-Rewards are whitened without mean shift and advantages whitened per minibatch (OpenAI detail 4).
 Partition indices are positions in the list given to :func:`balanced_partitions`.
 """
 
@@ -128,3 +123,15 @@ def minibatch_indices(batch_size: int, nminibatches: int, generator: torch.Gener
     order = torch.randperm(batch_size, generator=generator).tolist()
     size = batch_size // nminibatches
     return [order[start:start + size] for start in range(0, batch_size, size)]
+
+
+def micro_batches_for_rank(lengths: Sequence[int], rank: int, dp_size: int, max_tokens: int) -> list[list[int]]:
+    """This rank's token-balanced micro-batches (index lists; the same count on every rank)."""
+    return partitions_for_rank(balanced_partitions(lengths, dp_size, max_tokens), rank, dp_size)
+
+
+def with_stand_ins(micro_batches: list[list[int]]) -> list[tuple[list[int], bool]]:
+    """``(indices, real)`` per micro-batch. FSDP forwards are collectives, so a rank runs every one
+    of its micro-batches even when a partition came out empty (fewer items than partitions):
+    that one stands in with item 0 and must contribute nothing (``real`` is False)."""
+    return [(indices or [0], bool(indices)) for indices in micro_batches]

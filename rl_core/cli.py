@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any, Callable
 
-from rl_core.config import ConfigError, JobConfig, load_config
+from rl_core.config import ConfigError, load_config
 
 
-def parse_job_config(argv: list[str] | None, description: str, default_config: str,
-                     schema=JobConfig, validate=None):
+def parse_job_config(argv: list[str] | None, description: str, default_config: str, schema: type,
+                     validate: Callable[[Any], None] | None = None):
     """Parse the command line and return a validated config, or exit 2 with one clear line."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", default=default_config,

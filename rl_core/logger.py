@@ -1,10 +1,14 @@
-"""Run outputs on rank 0: metrics.jsonl (one line per step), TensorBoard, optional wandb, sample tables."""
+"""Run outputs on rank 0: metrics.jsonl (one line per step), TensorBoard, optional wandb, sample
+tables, the one-line console summary of a step, and the step timer."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import time
 from pathlib import Path
+from typing import Iterator
 
 
 class MetricsLogger:
@@ -55,3 +59,32 @@ class MetricsLogger:
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
+
+
+class StepTimer:
+    """Wall time of each phase of one step: ``with timer("rollout"): ...``, then ``timer.metrics()``."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        """``perf/<phase>_s`` for every phase, and ``perf/step_s`` from the timer's creation."""
+        out = {f"perf/{phase}_s": seconds for phase, seconds in self.seconds.items()}
+        out["perf/step_s"] = time.perf_counter() - self.started
+        return out
+
+
+def print_step(step: int, total: int, metrics: dict[str, float]) -> None:
+    """One console line per step with the numbers a glance needs."""
+    keys = ("reward/score_mean", "kl/mean", "kl/coef", "policy/entropy", "value/loss", "perf/step_s")
+    shown = "  ".join(f"{k.split('/')[-1]}={metrics[k]:.3f}" for k in keys if k in metrics)
+    print(f"step {step}/{total}  {shown}", flush=True)

@@ -1,5 +1,5 @@
-"""Everything a rank owns besides its models: process group, its engine, the router (rank 0),
-assets, and the clean-up that leaves no process behind on any exit.
+"""Everything a rank owns besides its models: the process group, its engine, the router (rank 0),
+the rollout service (rank 0), and the clean-up that leaves no process behind on any exit.
 """
 
 from __future__ import annotations
@@ -10,52 +10,45 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 
-from rl_core.config import JobConfig
-from workers.engines.client import EngineClient, EngineError
-from workers.engines.weights import sync_weights
-from workers.fsdp import device_for_rank, init_distributed
-from workers.procs import ManagedProcesses, free_port, wait_http_ok
+from rl_core.distributed import device_for_rank, init_distributed, local_world_size, rank_seed
+from rl_core.ppo.config import PPOConfig, engine_dtype
+from workers.engines.client import EngineError
+from workers.engines.rank_engine import EngineSpec, RankEngine
+from workers.engines.weights import PROBE_TOLERANCE, WeightSyncError
+from workers.procs import ManagedProcesses
 
 ENGINE_START_TIMEOUT_S = 300.0
-
-
-def _single_process_env() -> None:
-    """`python -m rl_core.train` without torchrun: a world of one, same code path."""
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 class JobRuntime:
     """Context manager for one rank's processes and connections; `__exit__` stops them all."""
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: PPOConfig):
         self.cfg = cfg
         self.procs = ManagedProcesses()
-        self.engine_url: str | None = None
+        self.engine: RankEngine | None = None
         self.engine_urls: list[str] = []
+        self.engine_logs: dict[str, str] = {}
         self.router_url: str | None = None
         self.engine_version = 0
-        self.tokenizer = None
-        self.policy_path = self.reward_path = self.prompts_path = None
         self.service = None
-        self._loop = asyncio.new_event_loop()  # for this rank's own engine calls (sync, release/resume)
+        self._loop = asyncio.new_event_loop()  # for this rank's own engine calls (release, push, check)
 
     # ------------------------------------------------------------------ lifecycle
 
     def __enter__(self) -> "JobRuntime":
-        _single_process_env()
         self.rank, self.world_size = init_distributed(timeout_s=self.cfg.trainer.collective_timeout_s)
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        self.local_world_size = local_world_size()
         self.device = device_for_rank()
         if self.device.type == "cpu":
             # Trainer and engine share the cores of this node: split them instead of oversubscribing.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.local_world_size))
+            torch.set_num_threads(self.cpu_threads())
         self.run_dir = Path(self.cfg.trainer.run_dir)
         self.log_dir = self.run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -65,28 +58,25 @@ class JobRuntime:
         try:
             if self.service is not None:
                 self.service.close()
+            if self.engine is not None:
+                self._loop.run_until_complete(self.engine.close())
         finally:
-            self.procs.stop_all()
+            reason = "the job finished" if exc_type is None else f"the job is stopping ({exc_type.__name__})"
+            self.procs.stop_all(reason)
             self._loop.close()
             if dist.is_initialized():
                 dist.destroy_process_group()
         if exc_type is not None and not issubclass(exc_type, (SystemExit, KeyboardInterrupt)):
-            print(f"[rank {self.getattr_rank()}] job failed: {exc_type.__name__}: {exc}", file=sys.stderr)
+            print(f"[rank {getattr(self, 'rank', -1)}] job failed: {exc_type.__name__}: {exc}", file=sys.stderr)
 
-    def getattr_rank(self) -> int:
-        return getattr(self, "rank", -1)
+    def cpu_threads(self) -> int:
+        return max(1, (os.cpu_count() or 1) // self.local_world_size)
 
     def run(self, coro, timeout: float | None = None):
         return self._loop.run_until_complete(asyncio.wait_for(coro, timeout))
 
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-
-    def broadcast(self, obj):
-        """Rank 0's object on every rank (pickled over the process group)."""
-        holder = [obj]
-        dist.broadcast_object_list(holder, src=0)
-        return holder[0]
 
     # ------------------------------------------------------------------ engines and router
 
@@ -99,43 +89,40 @@ class JobRuntime:
 
     def start_engines(self, policy_path: str) -> None:
         """Each rank launches its engine; rank 0 starts the router and registers every engine."""
-        cfg = self.cfg.rollout
-        host = self.bind_host()
-        port = free_port(host)
-        name = f"engine-rank{self.rank}"
-        log_path = self.log_dir / f"{name}.log"
-        if cfg.engine == "embedded":
-            threads = max(1, (os.cpu_count() or 1) // self.local_world_size)
-            argv = [sys.executable, "-m", "workers.engines.embedded", "--model-path", policy_path,
-                    "--host", host, "--port", str(port), "--device", str(self.device),
-                    "--dtype", self.cfg.model.dtype, "--max-batch-size", str(cfg.engine_max_batch_size),
-                    "--num-threads", str(threads), "--seed", str(self.cfg.seed + self.rank * 100003)]
-            proc = self.procs.start(name, argv, log_path)
-            self.engine_url = f"http://{host}:{port}"
-            wait_http_ok(f"{self.engine_url}/health", ENGINE_START_TIMEOUT_S, proc=proc, log_path=log_path, name=name)
-        else:
-            from workers.engines.sglang_engine import SGLangEngine
-
-            self.sglang = SGLangEngine(policy_path, log_path, host=host, port=port, tp_size=cfg.tp_size,
-                                       mem_fraction_static=cfg.mem_fraction_static, base_gpu_id=self.local_rank,
-                                       dtype=self.cfg.model.dtype, processes=self.procs)
-            self.sglang.start(ENGINE_START_TIMEOUT_S * 2)
-            self.engine_url = self.sglang.url
-        self.engine_logs = [None] * self.world_size
+        ro = self.cfg.rollout
+        sglang_args = dict(ro.sglang_args)
+        if self.cfg.trainer.mode == "async" and self.cfg.async_.partial_rollout and ro.engine == "sglang":
+            # Paused requests keep running across a push, so the cache cannot be flushed then; without
+            # a prefix cache no entry computed under old weights outlives the push.
+            sglang_args.setdefault("disable_radix_cache", True)
+        gpus = None
+        if self.device.type == "cuda":
+            gpus = tuple(range(self.local_rank * ro.tp_size, (self.local_rank + 1) * ro.tp_size))
+        spec = EngineSpec(kind=ro.engine, model_path=policy_path, dtype=engine_dtype(self.cfg),
+                          device=str(self.device), host=self.bind_host(),
+                          seed=rank_seed(self.cfg.trainer.seed, self.rank),
+                          max_batch_size=ro.engine_max_batch_size, num_threads=self.cpu_threads(),
+                          tp_size=ro.tp_size, mem_fraction_static=ro.mem_fraction_static,
+                          sglang_args=sglang_args, gpu_ids=gpus)
+        log_path = self.log_dir / f"engine-rank{self.rank}.log"
+        deadline = ENGINE_START_TIMEOUT_S * (2 if ro.engine == "sglang" else 1)
+        self.engine = RankEngine.launch(spec, log_path, self.procs, deadline, ro.weight_bucket_mb << 20,
+                                        timeout_s=ro.engine_timeout_s)
         gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, (self.engine_url, str(log_path)))
+        dist.all_gather_object(gathered, (self.engine.url, str(log_path)))
         self.engine_urls = [url for url, _ in gathered]
         self.engine_logs = {url: log for url, log in gathered}
         if self.rank == 0:
             from workers.router import launch_router
 
-            self.router = launch_router(host, None, self.engine_urls, log_path=self.log_dir / "router.log",
-                                        policy=cfg.router_policy, processes=self.procs)
-            self.router_url = self.router.url
+            router = launch_router(spec.host, None, self.engine_urls, log_path=self.log_dir / "router.log",
+                                   policy=ro.router_policy, processes=self.procs)
+            self.router_url = router.url
             # What the router actually registered, for whoever debugs a multi-node launch.
             workers = [{"url": w.get("url"), "healthy": w.get("is_healthy"), "log": self.engine_logs.get(w.get("url"))}
-                       for w in self.router.workers()]
-            (self.log_dir / "engines.json").write_text(json.dumps({"router": self.router_url, "workers": workers}, indent=1))
+                       for w in router.workers()]
+            (self.log_dir / "engines.json").write_text(json.dumps({"router": self.router_url, "workers": workers},
+                                                                  indent=1))
         dist.barrier()
 
     def dead_engines(self) -> list[str]:
@@ -153,188 +140,72 @@ class JobRuntime:
             dead.append(f"engine {url} (log {self.engine_logs.get(url)})")
         return dead
 
-    def start_rollout_service(self):
+    def start_rollout_service(self, tokenizer, max_positions: int | None):
         from envs.base import make_env_factory, make_executor
-        from rl_core.rollout_service import RolloutService
+        from rl_core.rollout.service import RolloutService
 
         cfg, ro = self.cfg, self.cfg.rollout
-        env_kwargs = dict(cfg.env.kwargs)
-        executor = make_executor(cfg.env.thread_pool_size)
         sampling = {"max_new_tokens": ro.response_length, "temperature": ro.temperature, "top_p": ro.top_p,
                     "top_k": ro.top_k if ro.top_k > 0 else -1, "ignore_eos": ro.ignore_eos}
         self.service = RolloutService(
-            router_url=self.router_url, tokenizer=self.tokenizer,
-            env_factory=make_env_factory(cfg.env.cls, env_kwargs, executor), num_envs=cfg.env.num_envs,
-            step_timeout_s=cfg.env.step_timeout_s, max_failed_ratio=cfg.env.max_failed_ratio,
-            sampling_params=sampling, max_turns=ro.max_turns, concurrency=ro.concurrency,
-            max_total_tokens=self.max_positions, timeout_s=ro.engine_timeout_s, progress=cfg.trainer.progress)
+            router_url=self.router_url, tokenizer=tokenizer,
+            env_factory=make_env_factory(cfg.env.cls, dict(cfg.env.kwargs), make_executor(cfg.env.thread_pool_size)),
+            num_envs=cfg.env.num_envs, step_timeout_s=cfg.env.step_timeout_s,
+            max_failed_ratio=cfg.env.max_failed_ratio, sampling_params=sampling, max_turns=ro.max_turns,
+            concurrency=ro.concurrency, max_total_tokens=max_positions, timeout_s=ro.engine_timeout_s,
+            progress=cfg.trainer.progress)
         return self.service
 
-    def sync_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> dict:
-        """Push full weights into this rank's engine and verify version + checksum (fail fast)."""
-
-        async def push():
-            async with EngineClient(self.engine_url, timeout_s=self.cfg.rollout.engine_timeout_s) as client:
-                if self.cfg.trainer.mode == "async" and self.cfg.async_.partial_rollout:
-                    await client.pause("in_place")  # in-flight requests continue on the new weights
-                    try:
-                        return await sync_weights(client, state_dict, str(version))
-                    finally:
-                        await client.resume()
-                if self.cfg.trainer.mode == "async":
-                    await wait_idle(client, self.cfg.rollout.engine_timeout_s)  # requests finish on the old weights
-                return await sync_weights(client, state_dict, str(version))
-
-        holding = (self.rank == 0 and self.service is not None and self.cfg.trainer.mode == "async"
-                   and not self.cfg.async_.partial_rollout)
-        if holding:
-            self.service.hold()  # no new requests until every engine has its new weights
-        dist.barrier()
+    def _engine_call(self, coro, what: str):
+        """Run a call on this rank's engine; a failure names the engine, its log and what was asked."""
         try:
-            timings = self.run(push(), self.cfg.rollout.engine_timeout_s)
-        except (EngineError, asyncio.TimeoutError) as err:
-            raise RuntimeError(f"weight sync into engine {self.engine_url} failed ({err}); its log: "
-                               f"{self.engine_logs.get(self.engine_url)}") from err
+            return self.run(coro, self.cfg.rollout.engine_timeout_s)
+        except (EngineError, WeightSyncError, asyncio.TimeoutError) as err:
+            raise RuntimeError(f"engine {self.engine.url} failed during {what}: {err or type(err).__name__}; "
+                               f"its log: {self.engine.log_path}") from err
+
+    def release_engine_memory(self) -> None:
+        """Sync mode: every engine frees its KV cache and weights while the trainer runs.
+
+        The same call on CPU as on GPU, so every CI run exercises the GPU control flow; the
+        engines are idle here (the rollout has returned every request).
+        """
+        if self.cfg.trainer.mode != "sync" or not self.cfg.rollout.release_memory:
+            return
+        self._engine_call(self.engine.release_memory(), "releasing memory")
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                     probe_ids: list[int], trainer_logprobs: list[float]) -> dict[str, float]:
+        """Push this rank's full weights into its engine, then check version and probe logprobs.
+
+        Collective (the tensors are gathered from every rank). Async mode first stops the
+        rollout from using stale engines: with partial rollout each engine pauses in place (its
+        running requests continue on the new weights), otherwise rank 0 holds new requests and
+        waits for the running ones, so they finish on the old weights.
+        """
+        cfg = self.cfg
+        partial = cfg.trainer.mode == "async" and cfg.async_.partial_rollout
+        holding = self.rank == 0 and self.service is not None and cfg.trainer.mode == "async" and not partial
+        if holding:
+            self.service.hold()
+        dist.barrier()
+        tolerance = cfg.rollout.weight_check_tolerance or PROBE_TOLERANCE[self.engine.spec.dtype]
+
+        async def push_and_check() -> dict[str, float]:
+            if partial:
+                await self.engine.pause_generation("in_place")
+            try:
+                stats = await self.engine.push_weights(named_tensors, version, flush_cache=not partial)
+            finally:
+                if partial:
+                    await self.engine.continue_generation()
+            stats["weight_probe_gap"] = await self.engine.check_weights(version, probe_ids, trainer_logprobs,
+                                                                         tolerance)
+            return stats
+
+        stats = self._engine_call(push_and_check(), f"the weight push of version {version}")
         self.engine_version = version
         dist.barrier()
         if holding:
             self.service.release()
-        return timings
-
-    def release_engine_memory(self) -> None:
-        """GPU colocation: engines drop KV cache and weights while the trainer runs (no-op on CPU)."""
-        if self.device.type != "cuda" or self.cfg.trainer.mode == "async":
-            return
-
-        async def release():
-            async with EngineClient(self.engine_url) as client:
-                await client.release_memory(["kv_cache", "weights"])
-
-        self.run(release(), self.cfg.rollout.engine_timeout_s)
-
-    # ------------------------------------------------------------------ assets, data, outputs
-
-    def resolve_assets(self) -> None:
-        """Policy, reward model and prompts paths; the offline tiny assets are built if missing."""
-        cfg = self.cfg
-        paths = None
-        if "tiny" in (cfg.model.path, cfg.reward.model_path, cfg.data.train_path):
-            from rl_core.assets import ensure_tiny_assets
-
-            # Rank 0 builds (one log line) while the others wait; the build is locked and idempotent anyway.
-            from rl_core.train_rm import ensure_tiny_reward_model
-
-            quiet = lambda *_: None  # noqa: E731
-            if self.rank == 0:
-                paths = ensure_tiny_assets(log=print)
-                if cfg.reward.model_path == "tiny":
-                    ensure_tiny_reward_model(paths, log=print)
-            dist.barrier()
-            paths = ensure_tiny_assets(log=quiet)
-        self.policy_path = str(paths.model_dir) if cfg.model.path == "tiny" else cfg.model.path
-        if cfg.reward.model_path == "tiny":
-            self.reward_path = str(ensure_tiny_reward_model(paths, log=quiet))
-        else:
-            self.reward_path = cfg.reward.model_path or None
-        self.prompts_path = str(paths.train_prompts) if cfg.data.train_path == "tiny" else cfg.data.train_path
-        from workers.models import load_tokenizer
-
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or self.policy_path)
-        self.max_positions = model_max_positions(self.policy_path)
-
-    def prompt_batches(self, batch_size: int, group_size: int) -> "PromptSamples":
-        """Rank 0's endless, resumable stream of rollout samples (each prompt repeated group_size times)."""
-        from rl_core.data import PromptLoader, QueryProcessor, load_prompt_dataset
-
-        data = self.cfg.data
-        dataset = load_prompt_dataset(self.prompts_path, text_key=data.text_key, on_malformed=data.on_malformed)
-        if dataset.skipped:
-            print(f"skipped {dataset.skipped} malformed prompt rows in {dataset.source}")
-        processor = QueryProcessor(self.tokenizer, data.query_length, data.start_text, data.end_text)
-        loader = PromptLoader(dataset, batch_size // group_size, seed=self.cfg.seed, processor=processor)
-        return PromptSamples(loader, group_size, self.cfg.seed)
-
-    def export_policy(self, model_state: dict[str, torch.Tensor], out_dir: Path) -> None:
-        """The final policy in Hugging Face format (save_pretrained + tokenizer), loadable by SGLang."""
-        if self.rank != 0:
-            return
-        from workers.models import load_causal_lm
-
-        model = load_causal_lm(self.policy_path, vocab_size=len(self.tokenizer))
-        model.load_state_dict(model_state)
-        model.save_pretrained(out_dir)
-        self.tokenizer.save_pretrained(out_dir)
-        print(f"final policy saved to {out_dir}")
-
-
-class PromptSamples:
-    """Prompt batches as rollout samples. Queries go to the engine unpadded: with position ids
-    from the exclusive cumsum of the mask, OpenAI's fixed-length left padding changes no logit,
-    so padding happens only when micro-batches are collated."""
-
-    def __init__(self, loader, group_size: int, seed: int):
-        self.loader, self.group_size, self.seed = loader, group_size, seed
-        self.served = 0  # samples handed out so far: each gets its own engine sampling seed
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> list[dict]:
-        samples = []
-        for item in self.loader.next_batch():
-            for _ in range(self.group_size):
-                # A per-sample seed makes a resumed run sample what the uninterrupted run would have.
-                seed = (self.seed * 1_000_003 + self.served * 7_919) % (2**31 - 1)
-                samples.append({**item.row, "prompt_ids": item.query.unpadded_ids, "index": item.index,
-                                "sampling_seed": seed})
-                self.served += 1
-        return samples
-
-    def state_dict(self) -> dict:
-        return {"loader": self.loader.state_dict(), "served": self.served}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state["loader"])
-        self.served = state["served"]
-
-
-async def wait_idle(client: EngineClient, deadline_s: float) -> None:
-    """Poll until the engine has no running or queued request (async mode without partial rollout)."""
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + deadline_s
-    while True:
-        info = await client.server_info()
-        if not info.get("running") and not info.get("queued"):
-            return
-        if loop.time() > give_up:
-            raise EngineError(client.base_url, None, f"still busy after {deadline_s:g}s waiting to update weights")
-        await asyncio.sleep(0.01)
-
-
-def model_max_positions(path: str) -> int | None:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
-    for key in ("n_positions", "max_position_embeddings", "n_ctx", "seq_length"):
-        if getattr(config, key, None):
-            return int(getattr(config, key))
-    return None
-
-
-def print_step(step: int, total: int, metrics: dict[str, float]) -> None:
-    keys = ("reward/score_mean", "kl/mean", "kl/coef", "policy/entropy", "value/loss", "perf/step_s")
-    shown = "  ".join(f"{k.split('/')[-1]}={metrics[k]:.3f}" for k in keys if k in metrics)
-    print(f"step {step}/{total}  {shown}", flush=True)
-
-
-def sample_rows(tokenizer, exp, n: int) -> list[dict]:
-    """A few (query, response, score) rows for the samples table."""
-    from rl_core.experience import final_response
-
-    rows = []
-    for t, traj in enumerate(exp.trajectories[:n]):
-        context, response = final_response(traj)
-        rows.append({"query": tokenizer.decode(context, skip_special_tokens=True),
-                     "response": tokenizer.decode(response, skip_special_tokens=True),
-                     "score": float(exp.scores[t])})
-    return rows
+        return stats

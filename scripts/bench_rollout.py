@@ -34,7 +34,7 @@ CORPUS = ["the old man walked to the market and felt happy.", "she smiled at the
 
 
 def build_model(out_dir: Path, context: int) -> str:
-    from rl_core.assets import init_tiny_gpt2, train_tokenizer
+    from rl_core.tiny.assets import init_tiny_gpt2, train_tokenizer
 
     tokenizer = train_tokenizer(CORPUS, out_dir, vocab_size=300)
     init_tiny_gpt2(tokenizer, n_layer=2, n_embd=64, n_head=2, n_positions=context).save_pretrained(out_dir)

@@ -26,7 +26,7 @@ SPLIT = ("perf/rollout_s", "perf/inference_s", "perf/train_s", "perf/sync_s", "p
 def build_models(workdir: Path) -> tuple[Path, Path, Path]:
     """Random-init bench policy + reward model on the tiny assets' tokenizer; returns (policy, rm, prompts)."""
     sys.path.insert(0, str(REPO))
-    from rl_core.assets import count_parameters, ensure_tiny_assets, init_tiny_gpt2
+    from rl_core.tiny.assets import count_parameters, ensure_tiny_assets, init_tiny_gpt2
     from workers.models import init_reward_model, load_tokenizer
 
     paths = ensure_tiny_assets()

@@ -21,9 +21,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None, help="override the build seed")
     args = parser.parse_args()
 
-    from rl_core.assets import count_parameters, ensure_tiny_assets, read_build_facts
+    from rl_core.tiny.assets import count_parameters, ensure_tiny_assets, read_build_facts
     from rl_core.data import load_prompt_dataset
-    from rl_core.train_rm import sample_responses
+    from rl_core.reward_model.sampling import sample_responses
     from workers.models import load_causal_lm, load_tokenizer
 
     started = time.perf_counter()

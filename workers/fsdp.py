@@ -1,4 +1,4 @@
-"""FSDP2 plumbing for the trainers on every rank: process group, sharding, full weights, one trainable model.
+"""FSDP2 plumbing for the trainers on every rank: sharding, full weights, one trainable model.
 
 Loss-scaling rule (the caller applies it): ranks hold different numbers of sequences after
 balancing, so each rank sums its losses, divides by the *global* count and multiplies by
@@ -8,10 +8,6 @@ gradient of the whole minibatch.
 
 from __future__ import annotations
 
-import os
-import random
-import socket
-from datetime import timedelta
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -29,60 +25,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-SEED_STRIDE = 100003
 MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
-
-
-# --------------------------------------------------------------------------- process group and seeds
-
-
-def device_for_rank() -> torch.device:
-    """``cuda:LOCAL_RANK`` when a GPU is present, else CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
-def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int]:
-    """Join the default process group (env:// from torchrun) and return ``(rank, world_size)``.
-
-    gloo on CPU, nccl on CUDA. The timeout bounds every collective, so a dead rank brings the
-    whole job down instead of hanging it.
-    """
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}; set trainer.collective_timeout_s")
-    if not dist.is_initialized():
-        device = device_for_rank()
-        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        timeout = timedelta(seconds=timeout_s)
-        if "WORLD_SIZE" in os.environ:  # launched by torchrun (or a test that sets env://)
-            dist.init_process_group(backend=backend, timeout=timeout)
-        else:  # a plain `python` run: a one-rank group, so the same code path serves both
-            dist.init_process_group(backend=backend, timeout=timeout, rank=0, world_size=1,
-                                    init_method=f"tcp://127.0.0.1:{_free_port()}")
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def rank_seed(seed: int, rank: int) -> int:
-    """One seed per rank (OpenAI detail: ``seed + rank * 100003``), so ranks sample differently."""
-    return seed + rank * SEED_STRIDE
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (all devices)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 # --------------------------------------------------------------------------- sharding
@@ -143,21 +88,31 @@ def shard_model(
     return model
 
 
-def iter_full_state_dict(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full CPU tensor)`` one parameter at a time, on every rank.
+def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` one parameter at a time, on the model's device, on every rank.
 
-    Gathering tensor by tensor keeps the device memory peak at one full parameter, which is what
-    streaming weights into an engine needs. Collective: every rank must consume the whole iterator.
+    Gathering tensor by tensor keeps the memory peak at one full parameter, which is what
+    streaming weights into an engine needs. Tied weights (GPT-2's ``lm_head`` = ``wte``) come
+    once, under their first name. Collective: every rank must consume the whole iterator.
     """
+    seen: set[int] = set()
     for name, tensor in get_model_state_dict(model).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
-        yield name, tensor.detach().cpu()
+        yield name, tensor.detach()
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded CPU state dict with Hugging Face names, on every rank (collective)."""
-    return dict(iter_full_state_dict(model))
+    state = {}
+    for name, tensor in get_model_state_dict(model).items():
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        state[name] = tensor.detach().cpu()
+    return state
 
 
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
@@ -173,7 +128,8 @@ def _check_same_count_on_all_ranks(count: int) -> None:
     """Each backward is a collective, so every rank must run the same number of micro-batches."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    counts = torch.tensor([count, -count], dtype=torch.int64, device=device_for_rank())
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    counts = torch.tensor([count, -count], dtype=torch.int64, device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX)
     if counts[0].item() != count or -counts[1].item() != count:
         raise ValueError(f"ranks hold different numbers of micro-batches (this rank {count}, max "

@@ -27,8 +27,6 @@ from transformers import (
     PreTrainedModel,
 )
 
-from rl_core.algorithms import entropy_from_logits, logprobs_from_logits
-
 logger = logging.getLogger(__name__)
 
 PAD_TOKEN = "[PAD]"
@@ -43,13 +41,13 @@ def load_tokenizer(path: str):
     """Load a tokenizer; add a ``[PAD]`` token when it has none.
 
     OpenAI detail: the pad token is distinct from EOS, so padding never reads as end-of-text.
-    Adding it grows the vocabulary: pass ``vocab_size=len(tokenizer)`` to the model loaders.
+    An added pad id may lie outside the model's vocabulary: it never reaches the model, because
+    ``prepare_inputs`` replaces pad positions with id 0 and the engine is sent unpadded ids.
     """
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
-        logger.warning("tokenizer at %s had no pad token: added %r (id %d); models must resize "
-                       "their embeddings to %d rows", path, PAD_TOKEN, tokenizer.pad_token_id, len(tokenizer))
+        logger.warning("tokenizer at %s had no pad token: added %r (id %d)", path, PAD_TOKEN, tokenizer.pad_token_id)
     return tokenizer
 
 
@@ -80,17 +78,9 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
-def _resize_embeddings(model: PreTrainedModel, vocab_size: int | None) -> None:
-    if vocab_size is not None and vocab_size > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(vocab_size)
-        model.config.vocab_size = vocab_size
-
-
-def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, vocab_size: int | None = None) -> PreTrainedModel:
-    """A causal LM with dropout off everywhere; embeddings grown to ``vocab_size`` if larger."""
-    config = _config_without_dropout(path)
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
-    _resize_embeddings(model, vocab_size)
+def load_causal_lm(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A causal LM with dropout off everywhere (OpenAI detail: no dropout)."""
+    model = AutoModelForCausalLM.from_pretrained(path, config=_config_without_dropout(path), dtype=dtype)
     return disable_dropout(model)
 
 
@@ -172,18 +162,43 @@ def _prepend_zero(next_token_values: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- policy quantities
 
 
-def _scaled_next_token_logits(model: nn.Module, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)[labels]`` without materialising the full log-softmax.
+
+    Half-precision logits are processed one row at a time in float32, keeping the extra memory
+    at one row of the vocabulary-sized tensor.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} must be labels {tuple(labels.shape)} plus a vocab dim")
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        return picked - torch.logsumexp(logits, dim=-1)
+    rows = [
+        torch.log_softmax(row.float(), dim=-1).gather(-1, row_labels.unsqueeze(-1)).squeeze(-1)
+        for row, row_labels in zip(logits, labels)
+    ]
+    return torch.stack(rows)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax distribution along the last dim: ``logsumexp(z) - sum(p * z)``."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    return torch.logsumexp(logits.float(), dim=-1) - (probs * logits.float()).sum(dim=-1)
+
+
+def _scaled_next_token_logits(model: nn.Module, inputs: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}; use the sampling temperature")
-    logits = model(**prepare_inputs(batch)).logits[:, :-1]
+    logits = model(**inputs).logits[:, :-1]
     # OpenAI detail: logprobs come from logits / sampling temperature, matching the sampler.
     return logits / temperature
 
 
 def token_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
     """``[b, T]``: ``log p(input_ids[:, t] | < t)`` at temperature; 0 at t=0."""
-    logits = _scaled_next_token_logits(model, batch, temperature)
-    return _prepend_zero(logprobs_from_logits(logits, batch["input_ids"][:, 1:]))
+    inputs = prepare_inputs(batch)
+    logits = _scaled_next_token_logits(model, inputs, temperature)
+    return _prepend_zero(logprobs_from_logits(logits, inputs["input_ids"][:, 1:]))
 
 
 def token_logprobs_and_entropy(
@@ -194,8 +209,9 @@ def token_logprobs_and_entropy(
     ``entropy_grad=False`` (no entropy bonus: the entropy is only logged) keeps the vocabulary-wide
     entropy out of the backward pass.
     """
-    logits = _scaled_next_token_logits(model, batch, temperature)
-    logprobs = logprobs_from_logits(logits, batch["input_ids"][:, 1:])
+    inputs = prepare_inputs(batch)
+    logits = _scaled_next_token_logits(model, inputs, temperature)
+    logprobs = logprobs_from_logits(logits, inputs["input_ids"][:, 1:])
     entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
     return _prepend_zero(logprobs), _prepend_zero(entropy)
 
@@ -217,11 +233,10 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, vocab_size: int | None = None) -> "ValueModel":
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32) -> "ValueModel":
         """Backbone from a causal-LM or value checkpoint; head from ``value_head.safetensors`` if present."""
         config = _config_without_dropout(path)
         backbone = AutoModel.from_pretrained(path, config=config, dtype=dtype)
-        _resize_embeddings(backbone, vocab_size)
         model = cls(disable_dropout(backbone))
         head_file = Path(path) / VALUE_HEAD_FILE
         if head_file.exists():
@@ -279,7 +294,6 @@ def _set_pad_token_id(model: PreTrainedModel, pad_token_id: int | None) -> None:
 def init_reward_model(
     policy_path: str,
     dtype: torch.dtype = torch.float32,
-    vocab_size: int | None = None,
     pad_token_id: int | None = None,
     seed: int | None = None,
 ) -> PreTrainedModel:
@@ -289,7 +303,6 @@ def init_reward_model(
     """
     config = _config_without_dropout(policy_path, num_labels=1)
     model = AutoModelForSequenceClassification.from_pretrained(policy_path, config=config, dtype=dtype)
-    _resize_embeddings(model, vocab_size)
     _set_pad_token_id(model, pad_token_id)
     head = _score_head(model)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -360,3 +373,16 @@ def reward_scores(
 def set_reward_gain_bias(model: PreTrainedModel, gain: float, bias: float) -> None:
     """Store the normalisation in the config so ``save_pretrained`` carries it."""
     model.config.reward_gain, model.config.reward_bias = float(gain), float(bias)
+
+
+def context_length(config: PretrainedConfig) -> int | None:
+    """The longest sequence a model's positions allow (None when its config does not say)."""
+    for key in ("n_positions", "max_position_embeddings", "n_ctx", "seq_length"):
+        if getattr(config, key, None):
+            return int(getattr(config, key))
+    return None
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A collated micro-batch on `device`."""
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}

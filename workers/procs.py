@@ -1,18 +1,24 @@
 """Process utilities shared by the engine and router launchers.
 
 Every child runs in its own process group (so one signal reaches all its descendants), writes
-stdout and stderr to one log file, and gets SIGTERM from the kernel if its parent dies
-(Linux PR_SET_PDEATHSIG), so no server outlives the job that started it.
+stdout and stderr to one log file that starts with its command line, and gets SIGTERM from the
+kernel if its parent dies (Linux PR_SET_PDEATHSIG), so no server outlives the job that started
+it. The kernel ties that signal to the *thread* that forked the child, not the process: a child
+started from a worker thread would be killed when that thread ends, so children are started
+from the main thread only. Every deliberate stop writes who stopped the child, and why, into
+the child's log.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -36,9 +42,14 @@ def _die_with_parent() -> None:
 def start_process(argv: Sequence[str], log_path: str | Path,
                   env: Mapping[str, str] | None = None) -> subprocess.Popen:
     """Start `argv` in its own process group with stdout+stderr appended to `log_path`."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("start child processes from the main thread: the kernel's parent-death signal "
+                           "follows the forking thread, so the child would die when this thread ends")
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
+        log_file.write(f"$ {shlex.join(str(a) for a in argv)}\n".encode())
+        log_file.flush()
         # The child keeps its own copy of the descriptor; ours can close right away.
         return subprocess.Popen(
             list(argv), stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -51,6 +62,17 @@ def _signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
+        pass
+
+
+def note_in_log(log_path: str | Path | None, message: str) -> None:
+    """Append one line to a child's log (who stopped it and why)."""
+    if log_path is None:
+        return
+    try:
+        with open(log_path, "a") as handle:
+            handle.write(f"[launcher pid {os.getpid()} {time.strftime('%H:%M:%S')}] {message}\n")
+    except OSError:
         pass
 
 
@@ -137,20 +159,27 @@ class ManagedProcesses:
     def pids(self) -> list[int]:
         return [proc.pid for _, proc, _ in self._owned]
 
-    def stop(self, proc: subprocess.Popen) -> None:
+    def stop(self, proc: subprocess.Popen, reason: str = "stopped by its owner") -> None:
         """Stop one owned process and forget it."""
-        stop_process(proc, self.stop_timeout)
+        for name, owned, log_path in self._owned:
+            if owned is proc:
+                _stop_logged(name, proc, log_path, reason, self.stop_timeout)
         self._owned = [entry for entry in self._owned if entry[1] is not proc]
 
-    def stop_all(self) -> None:
+    def stop_all(self, reason: str = "the job is shutting down") -> None:
         """Stop every owned process, newest first (the router before its workers)."""
         while self._owned:
-            _, proc, _ = self._owned.pop()
-            stop_process(proc, self.stop_timeout)
+            name, proc, log_path = self._owned.pop()
+            _stop_logged(name, proc, log_path, reason, self.stop_timeout)
+
+    def exited(self) -> list[tuple[str, int, Path]]:
+        """(name, exit code, log) of every owned process that is no longer running."""
+        return [(name, proc.returncode, log_path) for name, proc, log_path in self._owned
+                if proc.poll() is not None]
 
     def handle_signal(self, signum: int, frame=None) -> None:
         """Signal handler: stop everything, then exit as the signal would have."""
-        self.stop_all()
+        self.stop_all(f"signal {signal.Signals(signum).name}")
         raise SystemExit(128 + signum)
 
     def __enter__(self) -> "ManagedProcesses":
@@ -158,3 +187,9 @@ class ManagedProcesses:
 
     def __exit__(self, *exc_info) -> None:
         self.stop_all()
+
+
+def _stop_logged(name: str, proc: subprocess.Popen, log_path: Path, reason: str, timeout: float) -> None:
+    if proc.poll() is None:
+        note_in_log(log_path, f"stopping {name} (SIGTERM to its process group): {reason}")
+    stop_process(proc, timeout)

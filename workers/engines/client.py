@@ -116,31 +116,19 @@ class EngineClient:
     async def flush_cache(self) -> Any:
         return await self.post("/flush_cache")
 
-    async def pause(self, mode: str = "abort") -> Any:
+    async def pause_generation(self, mode: str = "abort") -> Any:
         return await self.post("/pause_generation", {"mode": mode})
 
-    async def resume(self) -> Any:
-        """Continue generation after `pause` (SGLang's /continue_generation)."""
+    async def continue_generation(self) -> Any:
         return await self.post("/continue_generation")
 
-    async def release_memory(self, tags: list[str] | None = None) -> Any:
-        return await self.post("/release_memory_occupation", {"tags": tags} if tags else {})
+    async def release_memory(self, tags: Sequence[str]) -> Any:
+        """Free the tagged memory; SGLang asserts the engine is idle, so drain or pause first."""
+        return await self.post("/release_memory_occupation", {"tags": list(tags)})
 
-    async def resume_memory(self, tags: list[str] | None = None) -> Any:
-        return await self.post("/resume_memory_occupation", {"tags": tags} if tags else {})
-
-    async def update_weights_from_disk(self, path: str, version: str | None = None,
-                                       timeout_s: float | None = None) -> dict:
-        payload: dict[str, Any] = {"model_path": path}
-        if version is not None:
-            payload["weight_version"] = version
-        reply = await self.post("/update_weights_from_disk", payload, timeout_s or self.timeout_s)
-        if isinstance(reply, dict) and reply.get("success") is False:
-            raise EngineError(f"{self.base_url}/update_weights_from_disk", 200, reply.get("message", ""))
-        return reply
-
-    async def weights_checksum(self, timeout_s: float | None = None) -> dict:
-        return await self.get("/weights_checksum", timeout_s or self.timeout_s)
+    async def resume_memory(self, tags: Sequence[str]) -> Any:
+        """Re-allocate released memory; tags must have been released (SGLang raises otherwise)."""
+        return await self.post("/resume_memory_occupation", {"tags": list(tags)})
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> Any:
         return await self.post("/abort_request", {"rid": rid or "", "abort_all": abort_all})

@@ -1,134 +1,46 @@
-"""Weight sync for the embedded engine, and the tensor (de)serialisation both engines share.
+"""Weight push into an engine through SGLang's `/update_weights_from_tensor`, and its check.
 
-The trainer writes its full state dict as one safetensors file in /dev/shm (RAM, not disk),
-asks the engine to load it with `/update_weights_from_disk`, then compares a checksum the
-engine computes on its live weights with the one computed here on what was sent.
+Both engines receive weights the same way (reference: SGLang's weight-update API):
+`/begin_weight_update`, then one `/update_weights_from_tensor` call per *flattened bucket*
+(one uint8 buffer + per-tensor metadata, SGLang's `FlattenedTensorBucket` layout), then
+`/end_weight_update`. The payload pickles handles, not bytes: CUDA IPC handles on GPU,
+shared-memory file names for CPU tensors, so the sender keeps each bucket alive and unchanged
+until its HTTP call returns. Tensors arrive in the engine's dtype, one bucket at a time: the
+host never holds a full copy of the model for the push.
 
-Checksum: each tensor is upcast to float32 and hashed (sha256 over its bytes and shape);
-the checksum is the sha256 of the sorted set of those digests. Any tensor that was not
-updated changes its digest, so a partial update is detected. Names are not hashed and equal
-tensors count once, so tied weights (GPT-2 `lm_head` = `wte`) match whether a side stores them
-once or twice; the price is that swapping two equal-shape tensors between names would go
-unnoticed. Cost is one pass over the bytes (~30 ms for 4M float32 parameters).
+The check after a push (`check_pushed_weights`) asks the engine for its `weight_version` and for
+its logprobs of a fixed probe sequence (`/generate` with `max_new_tokens=0`,
+`return_logprob`, `logprob_start_len=0`), and compares them with the trainer's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
+import contextlib
 import dataclasses
-import hashlib
 import io
-import os
 import pickle
 import time
-from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-DEFAULT_SHM_DIR = "/dev/shm"
+from workers.engines.client import EngineClient, EngineError
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+# Mean absolute gap between engine and trainer logprobs on the probe that still counts as "same
+# weights": kernels and reduction orders differ, more so in low precision. Wrong or partial
+# weights give gaps of whole nats.
+PROBE_TOLERANCE = {"float32": 2e-3, "float16": 3e-2, "bfloat16": 1e-1}
+PROBE_TEXT = "Once upon a time, the old man walked to the market. He was happy and sang a song."
 
 
 class WeightSyncError(RuntimeError):
     """An engine did not end up with the weights that were sent."""
 
 
-# ---------------------------------------------------------------- checksum
+# ---------------------------------------------------------------- buckets and payloads
 
-def _named_tensors(state_dict_or_model) -> Iterable[tuple[str, torch.Tensor]]:
-    if isinstance(state_dict_or_model, torch.nn.Module):
-        return state_dict_or_model.state_dict().items()
-    return state_dict_or_model.items()
-
-
-def tensor_digest(tensor: torch.Tensor) -> str:
-    """sha256 of a tensor's float32 values and shape (dtype-independent for exact upcasts)."""
-    values = tensor.detach().to("cpu", torch.float32).contiguous()
-    digest = hashlib.sha256(str(tuple(values.shape)).encode())
-    digest.update(values.view(torch.uint8).numpy().tobytes() if values.numel() else b"")
-    return digest.hexdigest()
-
-
-def weights_checksum(state_dict_or_model) -> str:
-    """Deterministic checksum of a model's or state dict's tensors (see module docstring)."""
-    digests = sorted({tensor_digest(tensor) for _, tensor in _named_tensors(state_dict_or_model)})
-    return hashlib.sha256("".join(digests).encode()).hexdigest()
-
-
-# ---------------------------------------------------------------- files
-
-def unique_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop names whose tensor shares storage with an earlier one (safetensors refuses aliases)."""
-    seen: set[tuple[int, int]] = set()
-    out: dict[str, torch.Tensor] = {}
-    for name in sorted(state_dict):
-        tensor = state_dict[name]
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset()) if tensor.numel() else (id(tensor), 0)
-        if key in seen:
-            continue
-        seen.add(key)
-        out[name] = tensor.detach().to("cpu").contiguous()
-    return out
-
-
-def write_weights_to_shm(state_dict: Mapping[str, torch.Tensor], path: str | Path) -> Path:
-    """Write `state_dict` as safetensors at `path` atomically (tmp file, then rename)."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file(unique_tensors(state_dict), str(tmp_path))
-        os.replace(tmp_path, path)  # readers see the old file or the whole new one, never half
-    finally:
-        tmp_path.unlink(missing_ok=True)
-    return path
-
-
-def read_weight_files(model_path: str | Path) -> dict[str, torch.Tensor]:
-    """Load a `.safetensors` file, or every `*.safetensors` (else `*.bin`) file in a HF directory."""
-    from safetensors.torch import load_file
-
-    model_path = Path(model_path)
-    if model_path.is_file():
-        if model_path.suffix == ".safetensors":
-            return load_file(str(model_path))
-        return torch.load(model_path, map_location="cpu", weights_only=True)
-    if not model_path.is_dir():
-        raise FileNotFoundError(f"weights not found: {model_path} is neither a file nor a directory")
-    files = sorted(model_path.glob("*.safetensors"))
-    if files:
-        return {k: v for f in files for k, v in load_file(str(f)).items()}
-    files = sorted(model_path.glob("*.bin"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors or *.bin weight files in {model_path}")
-    return {k: v for f in files for k, v in torch.load(f, map_location="cpu", weights_only=True).items()}
-
-
-def load_into_model(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> int:
-    """Copy `state_dict` into `model` in place; every model tensor must be covered (tied aliases excepted)."""
-    own = model.state_dict()
-    unexpected = sorted(set(state_dict) - set(own))
-    if unexpected:
-        raise ValueError(f"weights contain names the model does not have: {unexpected[:5]} "
-                         f"(model names look like {sorted(own)[:3]}); strip wrapper prefixes before sending")
-    loaded_storage = {own[name].untyped_storage().data_ptr() for name in state_dict}
-    missing = [name for name in own if name not in state_dict
-               and own[name].untyped_storage().data_ptr() not in loaded_storage]
-    if missing:
-        raise ValueError(f"weights miss {len(missing)} model tensors, e.g. {missing[:5]}; send the full state dict")
-    with torch.no_grad():
-        for name, tensor in state_dict.items():
-            target = own[name]
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(f"shape mismatch for {name}: model {tuple(target.shape)}, sent {tuple(tensor.shape)}")
-            target.copy_(tensor.to(target.device, target.dtype))
-    return len(state_dict)
-
-
-# ---------------------------------------------------------------- tensor payloads (/update_weights_from_tensor)
 
 @dataclasses.dataclass
 class FlattenedTensorMetadata:
@@ -139,6 +51,91 @@ class FlattenedTensorMetadata:
     start_idx: int
     end_idx: int
     numel: int
+
+
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                         bucket_bytes: int) -> Iterable[list[tuple[str, torch.Tensor]]]:
+    """Group tensors, in order, into buckets of at most `bucket_bytes` (a bigger tensor travels alone).
+
+    Lazy: a bucket is yielded as soon as it is full, so a generator of gathered parameters is
+    consumed (and its memory released) bucket by bucket.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    current: list[tuple[str, torch.Tensor]] = []
+    current_bytes = 0
+    for name, tensor in named_tensors:
+        size = tensor_nbytes(tensor)
+        if current and current_bytes + size > bucket_bytes:
+            yield current
+            current, current_bytes = [], 0
+        current.append((name, tensor))
+        current_bytes += size
+    if current:
+        yield current
+
+
+def flatten_bucket(bucket: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor | None = None) -> dict:
+    """SGLang's flattened-bucket payload: one uint8 buffer plus metadata.
+
+    Each tensor starts at a multiple of 16 bytes, so the receiver can view its bytes as any
+    dtype. With `out` (a uint8 buffer at least `flattened_nbytes(bucket)` long) the bytes are
+    written there, so a shared-memory staging buffer serves bucket after bucket.
+    """
+    metadata, offset = [], 0
+    for name, tensor in bucket:
+        size = tensor_nbytes(tensor)
+        metadata.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, offset + size,
+                                                tensor.numel()))
+        offset = _aligned(offset + size)
+    flat = out[:offset] if out is not None else torch.empty(offset, dtype=torch.uint8, device=_device_of(bucket))
+    for (_, tensor), meta in zip(bucket, metadata):
+        flat[meta.start_idx:meta.end_idx].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
+    return {"flattened_tensor": flat, "metadata": metadata}
+
+
+def flattened_nbytes(bucket: Sequence[tuple[str, torch.Tensor]]) -> int:
+    total = 0
+    for _, tensor in bucket:
+        total = _aligned(total + tensor_nbytes(tensor))
+    return total
+
+
+def _aligned(offset: int, alignment: int = 16) -> int:
+    return -(-offset // alignment) * alignment
+
+
+def _device_of(bucket: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
+    return bucket[0][1].device if bucket else torch.device("cpu")
+
+
+def unflatten_bucket(payload: dict) -> list[tuple[str, torch.Tensor]]:
+    """Views of each tensor inside a flattened bucket (no copy)."""
+    flat = payload["flattened_tensor"]
+    return [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in payload["metadata"]]
+
+
+def update_tensor_payload(serialized: str, tp_size: int, is_last: bool, weight_version: str | None,
+                          flush_cache: bool = True) -> dict[str, Any]:
+    """Body of /update_weights_from_tensor for one bucket.
+
+    Every TP rank reads its own entry; on one node all can open the same handles. The cache is
+    flushed only with the last bucket (a refused flush reports success=false although the
+    weights loaded), and never while paused requests are in flight (SGLang asserts then); the
+    version moves only once every bucket is in.
+    """
+    payload: dict[str, Any] = {"serialized_named_tensors": [serialized] * tp_size,
+                               "load_format": "flattened_bucket", "flush_cache": is_last and flush_cache}
+    if is_last and weight_version is not None:
+        payload["weight_version"] = weight_version
+    return payload
+
+
+# ---------------------------------------------------------------- serialisation
 
 
 _TORCH_NAMES = {"Size", "Tensor", "UntypedStorage", "device"}
@@ -160,90 +157,180 @@ class _TensorUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}: not a tensor payload")
 
 
-def serialize_for_engine(obj) -> str:
-    """ForkingPickler + base64, as sglang's `MultiprocessingSerializer.serialize(obj, output_str=True)`.
-
-    CPU tensors go through shared-memory files (`file_system` strategy): the default fd strategy
-    needs the receiver to share this process's multiprocessing authkey, which a separately
-    launched server does not. Keep the tensors alive until the HTTP call returns.
-    """
+@contextlib.contextmanager
+def _file_system_sharing():
+    """CPU tensors shared through named shared-memory files, not file descriptors: the default fd
+    strategy needs the receiver to share this process's multiprocessing authkey, which a
+    separately launched server does not."""
     import torch.multiprocessing as torch_mp
-    import torch.multiprocessing.reductions  # noqa: F401  registers the tensor reducers
-    from multiprocessing.reduction import ForkingPickler
 
     previous = torch_mp.get_sharing_strategy()
     torch_mp.set_sharing_strategy("file_system")
     try:
-        data = bytes(ForkingPickler.dumps(obj))
+        yield
     finally:
         torch_mp.set_sharing_strategy(previous)
+
+
+def serialize_for_engine(obj) -> str:
+    """ForkingPickler + base64, as sglang's `MultiprocessingSerializer.serialize(obj, output_str=True)`.
+
+    Handles, not bytes: keep the tensors alive and unchanged until the HTTP call returns.
+    """
+    import torch.multiprocessing.reductions  # noqa: F401  registers the tensor reducers
+    from multiprocessing.reduction import ForkingPickler
+
+    with _file_system_sharing():
+        data = bytes(ForkingPickler.dumps(obj))
     return base64.b64encode(data).decode("ascii")
 
 
-def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> dict:
-    """One uint8 buffer plus metadata, the shape of sglang's `FlattenedTensorBucket` payload."""
-    metadata, chunks, offset = [], [], 0
-    for name, tensor in named_tensors:
-        data = tensor.detach().contiguous().view(-1).view(torch.uint8)
-        metadata.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, offset + data.numel(),
-                                                tensor.numel()))
-        chunks.append(data)
-        offset += data.numel()
-    return {"flattened_tensor": torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8),
-            "metadata": metadata}
+def shared_cpu_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU buffer in shared memory that `serialize_for_engine` sends without copying."""
+    with _file_system_sharing():
+        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
 
 
-def deserialize_named_tensors(serialized: str) -> list[tuple[str, torch.Tensor]]:
-    """Inverse of `serialize_for_engine` for a `(name, tensor)` list or a flattened bucket dict."""
+def deserialize_for_engine(serialized: str) -> Any:
+    """Inverse of `serialize_for_engine` (tensor payloads only)."""
     import torch.multiprocessing.reductions  # noqa: F401
 
-    obj = _TensorUnpickler(io.BytesIO(base64.b64decode(serialized))).load()
-    if isinstance(obj, dict) and "flattened_tensor" in obj:
-        flat = obj["flattened_tensor"]
-        return [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in obj["metadata"]]
-    return [(name, tensor) for name, tensor in obj]
+    return _TensorUnpickler(io.BytesIO(base64.b64decode(serialized))).load()
 
 
-# ---------------------------------------------------------------- sync
+def sglang_encode_bucket(bucket: list[tuple[str, torch.Tensor]], staging: Callable[[int], torch.Tensor]) -> str:
+    """A bucket as real SGLang reads it: its own FlattenedTensorBucket (its unpickler allows only its
+    classes) and MultiprocessingSerializer (CUDA IPC handles keyed by GPU UUID)."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-async def verify_weights(client, expected_checksum: str, version: str) -> None:
-    """Raise WeightSyncError unless the engine reports `version` and `expected_checksum`."""
-    reply = await client.weights_checksum()
-    if reply.get("weight_version") != version:
-        raise WeightSyncError(f"engine {client.base_url} reports weight_version "
-                              f"{reply.get('weight_version')!r} after loading version {version!r}")
-    if reply.get("checksum") != expected_checksum:
-        raise WeightSyncError(f"engine {client.base_url} weights checksum {reply.get('checksum')} != "
-                              f"sent {expected_checksum} for version {version!r}: the update was partial or wrong")
+    monkey_patch_torch_reductions()  # GPU UUIDs instead of indices, so CUDA_VISIBLE_DEVICES may differ
+    flat = FlattenedTensorBucket(named_tensors=bucket)
+    payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+    return MultiprocessingSerializer.serialize(payload, output_str=True)
 
 
-async def sync_weights(client, state_dict: Mapping[str, torch.Tensor], version: str,
-                       shm_dir: str | Path = DEFAULT_SHM_DIR, dtype: torch.dtype | None = None,
-                       file_name: str | None = None) -> dict:
-    """Push `state_dict` to an embedded engine through a /dev/shm file and verify it landed.
+def encode_bucket(bucket: list[tuple[str, torch.Tensor]], staging: Callable[[int], torch.Tensor]) -> str:
+    """A bucket as the embedded engine reads it: flattened (CPU: into the shared staging buffer)."""
+    out = staging(flattened_nbytes(bucket)) if not bucket[0][1].is_cuda else None
+    return serialize_for_engine(flatten_bucket(bucket, out=out))
 
-    `client` is an `EngineClient` for one engine (not the router). Tensors are cast to the
-    engine's dtype first (asked from /get_server_info unless `dtype` is given) so both sides
-    hash the same values. Returns timings; raises WeightSyncError on a version or checksum mismatch.
+
+# ---------------------------------------------------------------- push
+
+
+class WeightPusher:
+    """Streams one rank's full weights into its engine, bucket by bucket, in the engine's dtype.
+
+    CPU buckets are packed into one shared-memory staging buffer reused for every bucket and
+    every push; GPU buckets are packed on the device and travel as CUDA IPC handles.
     """
-    started = time.perf_counter()
-    if dtype is None:
-        dtype = getattr(torch, (await client.server_info()).get("dtype", "float32"))
-    tensors = {name: t.detach().to("cpu", dtype) if t.is_floating_point() else t.detach().to("cpu")
-               for name, t in unique_tensors(state_dict).items()}
-    path = Path(shm_dir) / (file_name or f"rl_weights_{os.getpid()}_{abs(hash(client.base_url))}.safetensors")
-    write_weights_to_shm(tensors, path)
-    written = time.perf_counter()
-    expected = asyncio.create_task(asyncio.to_thread(weights_checksum, tensors))  # overlaps the engine's load
+
+    def __init__(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES, tp_size: int = 1,
+                 encode: Callable[[list, Callable[[int], torch.Tensor]], str] = encode_bucket):
+        self.dtype = dtype
+        self.bucket_bytes = bucket_bytes
+        self.tp_size = tp_size
+        self.encode = encode
+        self._staging: torch.Tensor | None = None
+
+    def _staging_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = shared_cpu_buffer(nbytes)
+        return self._staging
+
+    def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+
+    async def push(self, client: EngineClient, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                   version: str, flush_cache: bool = True) -> dict[str, float]:
+        """Send every tensor inside one weight-update session; returns bytes and seconds."""
+        started = time.perf_counter()
+        session = await _begin_session(client)
+        sent_bytes = buckets = 0
+        try:
+            casted = ((name, self._cast(tensor)) for name, tensor in named_tensors)
+            pending = None  # one bucket held back, so the last one is known when it is sent
+            for bucket in bucket_named_tensors(casted, self.bucket_bytes):
+                if pending is not None:
+                    sent_bytes += await self._send(client, pending, version, False, flush_cache)
+                    buckets += 1
+                pending = bucket
+            if pending is not None:
+                sent_bytes += await self._send(client, pending, version, True, flush_cache)
+                buckets += 1
+        finally:
+            if session:
+                await client.post("/end_weight_update")
+        seconds = time.perf_counter() - started
+        return {"push_s": seconds, "push_bytes": float(sent_bytes), "push_buckets": float(buckets)}
+
+    async def _send(self, client: EngineClient, bucket: list[tuple[str, torch.Tensor]], version: str,
+                    is_last: bool, flush_cache: bool) -> int:
+        on_gpu = bucket[0][1].is_cuda
+        if on_gpu:
+            torch.cuda.synchronize()  # the receiver reads the tensors through IPC: they must be written
+        body = update_tensor_payload(self.encode(bucket, self._staging_buffer), self.tp_size, is_last, version,
+                                     flush_cache)
+        reply = await client.post("/update_weights_from_tensor", body, timeout_s=client.timeout_s)
+        if isinstance(reply, dict) and reply.get("success") is False:
+            raise WeightSyncError(f"{client.base_url}/update_weights_from_tensor refused a bucket: "
+                                  f"{reply.get('message', '')}")
+        if on_gpu:
+            torch.cuda.ipc_collect()  # the server holds no more references to this bucket
+        return sum(tensor_nbytes(t) for _, t in bucket)
+
+
+async def _begin_session(client: EngineClient) -> bool:
+    """Open a weight-update session; SGLang <= 0.5.20 has none (404) and takes updates without one."""
     try:
-        await client.update_weights_from_disk(str(path), version)
-    except BaseException:
-        expected.cancel()
-        raise
-    finally:
-        path.unlink(missing_ok=True)
-    loaded = time.perf_counter()
-    await verify_weights(client, await expected, version)
-    return {"write_s": written - started, "load_s": loaded - written,
-            "verify_s": time.perf_counter() - loaded, "total_s": time.perf_counter() - started,
-            "num_tensors": len(tensors)}
+        await client.post("/begin_weight_update")
+    except EngineError as err:
+        if err.status != 404:
+            raise
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- check
+
+
+def probe_token_ids(tokenizer, min_tokens: int = 8) -> list[int]:
+    """A fixed, tokenizer-independent-length probe sequence (the text, repeated if it is short)."""
+    ids = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+    while len(ids) < min_tokens:
+        ids = ids + ids
+    return [int(i) for i in ids[:64]]
+
+
+async def engine_probe_logprobs(client: EngineClient, probe_ids: list[int]) -> list[float]:
+    """The engine's logprob of every probe token after the first (prefill only, raw logits)."""
+    answer = await client.post("/generate", {
+        "input_ids": probe_ids, "return_logprob": True, "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}, timeout_s=client.timeout_s)
+    entries = (answer.get("meta_info") or {}).get("input_token_logprobs") or []
+    if len(entries) != len(probe_ids) or [int(e[1]) for e in entries] != probe_ids:
+        raise WeightSyncError(f"engine {client.base_url} answered the weight probe with "
+                              f"{len(entries)} input logprobs for {len(probe_ids)} tokens")
+    return [float(e[0]) for e in entries[1:]]  # the first token has no logprob (null)
+
+
+async def check_pushed_weights(client: EngineClient, version: str, probe_ids: list[int],
+                               trainer_logprobs: Sequence[float], tolerance: float) -> float:
+    """Raise WeightSyncError unless the engine reports `version` and the trainer's probe logprobs.
+
+    Returns the mean absolute logprob gap.
+    """
+    info = await client.get("/get_model_info")
+    reported = (info or {}).get("weight_version")
+    if str(reported) != str(version):
+        raise WeightSyncError(f"engine {client.base_url} reports weight_version {reported!r} after the push "
+                              f"of version {version!r}")
+    engine = await engine_probe_logprobs(client, probe_ids)
+    gap = sum(abs(a - b) for a, b in zip(engine, trainer_logprobs)) / max(len(engine), 1)
+    if not gap <= tolerance:  # also catches NaN
+        raise WeightSyncError(f"engine {client.base_url} disagrees with the trainer after the push of version "
+                              f"{version!r}: mean |logprob gap| {gap:.4f} on the probe > tolerance {tolerance:g} "
+                              "(rollout.weight_check_tolerance); the engine's weights are not the trainer's")
+    return gap

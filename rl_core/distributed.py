@@ -1,0 +1,68 @@
+"""Process group, device and seeds of one rank: the distributed helpers every job shares."""
+
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from workers.procs import free_port
+
+# One seed per rank, `seed + rank * 100003` (OpenAI lm-human-preferences), so ranks sample differently.
+SEED_STRIDE = 100003
+
+
+def device_for_rank() -> torch.device:
+    """``cuda:LOCAL_RANK`` when a GPU is present, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join the default process group and return ``(rank, world_size)``.
+
+    Under torchrun the group comes from its environment; a plain ``python -m`` run becomes a
+    world of one with the same code path. gloo on CPU, nccl on CUDA. The timeout bounds every
+    collective, so a dead rank brings the whole job down instead of hanging it.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}; set trainer.collective_timeout_s")
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if not dist.is_initialized():
+        device = device_for_rank()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def local_world_size() -> int:
+    """Ranks on this node (torchrun's LOCAL_WORLD_SIZE)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of one rank: ``seed + rank * 100003``."""
+    return seed + rank * SEED_STRIDE
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank `src`'s object on every rank (pickled over the process group)."""
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]

@@ -1,0 +1,144 @@
+"""From scored trajectories to training targets: reward-model inputs, KL-penalised rewards, advantages.
+
+One `Experience` per step holds the per-sequence quantities the trainer scored (1-D float
+tensors aligned to token positions, see workers/models.py). Advantages run per trajectory over
+the chain of all its generated tokens in order (multi-turn concatenation), so the maths works
+on `[n_trajectories, L]` rows (`Experience.rows`) and the results are split back per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rl_core.ppo import algorithms as alg
+from rl_core.rollout.trajectory import Sequence, Trajectory
+
+
+@dataclass
+class Experience:
+    trajectories: list[Trajectory]
+    sequences: list[Sequence]
+    traj_seqs: list[list[int]]  # sequence indices of every trajectory, in order
+    old_logprobs: list[torch.Tensor] = field(default_factory=list)
+    ref_logprobs: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    scores: torch.Tensor | None = None  # [n_traj] reward-model score after gain/bias (0 without a reward model)
+    rejected: torch.Tensor | None = None  # [n_traj] no truncation token: gets the fixed penalty instead
+
+    @classmethod
+    def from_trajectories(cls, trajectories: list[Trajectory]) -> "Experience":
+        sequences, traj_seqs = [], []
+        for traj in trajectories:
+            traj_seqs.append(list(range(len(sequences), len(sequences) + len(traj.sequences))))
+            sequences.extend(traj.sequences)
+        return cls(trajectories, sequences, traj_seqs)
+
+    def seq_row(self, i: int, **per_token: list[torch.Tensor]) -> dict[str, list]:
+        """Sequence `i` as a collatable row (see workers.models.make_micro_batch), plus named per-token lists."""
+        seq = self.sequences[i]
+        # attention_mask: a left-padded query keeps its [PAD]s in the row but the engine never saw them.
+        row: dict[str, list] = {"input_ids": seq.input_ids, "action_mask": seq.action_mask,
+                                "attention_mask": seq.attention_mask}
+        for key, values in per_token.items():
+            row[key] = values[i].tolist()
+        return row
+
+    def rows(self, per_seq: list[torch.Tensor]) -> torch.Tensor:
+        """[n_traj, L]: each trajectory's sequences laid end to end (the GAE chain, prompts as holes)."""
+        rows = [torch.cat([per_seq[s] for s in seqs]) for seqs in self.traj_seqs]
+        out = torch.zeros(len(rows), max(len(r) for r in rows), dtype=rows[0].dtype)
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = row
+        return out
+
+    def split(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Inverse of `rows`: one tensor per sequence."""
+        out: list[torch.Tensor] = [None] * len(self.sequences)  # type: ignore[list-item]
+        for t, seqs in enumerate(self.traj_seqs):
+            offset = 0
+            for s in seqs:
+                n = len(self.sequences[s])
+                out[s] = rows[t, offset: offset + n].clone()
+                offset += n
+        return out
+
+    def action_mask_rows(self) -> torch.Tensor:
+        return self.rows([torch.tensor(s.action_mask, dtype=torch.float32) for s in self.sequences]).bool()
+
+    def env_reward_rows(self) -> torch.Tensor:
+        return self.rows([torch.tensor(s.token_rewards, dtype=torch.float32) for s in self.sequences])
+
+
+@dataclass
+class Targets:
+    """What the PPO epochs train towards, per sequence, plus the step's reward statistics."""
+    advantages: list[torch.Tensor]
+    returns: list[torch.Tensor]
+    stats: dict[str, float]
+
+
+def final_response(traj: Trajectory) -> tuple[list[int], list[int]]:
+    """(context ids, response ids) of the trajectory's last sequence: its final run of action tokens."""
+    seq = traj.sequences[-1]
+    end = len(seq.action_mask)
+    start = end
+    while start > 0 and seq.action_mask[start - 1]:
+        start -= 1
+    context = [i for i, real in zip(seq.input_ids[:start], seq.attention_mask[:start]) if real]
+    return context, seq.input_ids[start:end]
+
+
+def reward_model_inputs(trajectories: list[Trajectory], truncate_token: int | None,
+                        truncate_after: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Query+response ids the reward model scores, and which rows get the rejection penalty.
+
+    OpenAI rejection sampling: the response is cut after the first `truncate_token` at or after
+    index `truncate_after`; the reward model reads query + truncated response, and a response
+    with no such token gets a fixed penalty instead of its score. The policy still trains on the
+    full sampled response.
+    """
+    inputs, rejected = [], []
+    for traj in trajectories:
+        context, response = final_response(traj)
+        kept = None if truncate_token is None else alg.truncated_ids(response, truncate_token, truncate_after)
+        rejected.append(truncate_token is not None and kept is None)
+        inputs.append(list(context) + list(response if kept is None else kept))
+    return inputs, torch.tensor(rejected, dtype=torch.bool)
+
+
+def compute_advantages(exp: Experience, scores: torch.Tensor, kl_coef: float, *, gamma: float, lam: float,
+                       kl_estimator: str, whiten_rewards: bool, estimator: str = "gae",
+                       group_size: int = 1) -> Targets:
+    """Advantages and returns of the whole batch, computed once per step before minibatching.
+
+    `scores` are the per-trajectory scores after the rejection penalty. OpenAI details: the
+    KL penalty is folded into per-token rewards with the score on the last action token;
+    rewards are whitened without shifting their mean; GAE with gamma=1, lambda=0.95;
+    advantages whitened. Group baselines (GRPO/RLOO/REINFORCE) replace GAE for critic-free
+    recipes. (OpenAI whitens per minibatch; with the recipe's one minibatch that is the same.)
+    """
+    mask = exp.action_mask_rows()
+    old, ref = exp.rows(exp.old_logprobs), exp.rows(exp.ref_logprobs)
+    env_rewards = exp.env_reward_rows()
+    kl = alg.kl_penalty(old, ref, kl_estimator) * mask
+    # 1. per-token rewards: -kl_coef * KL on every action token, the score on the last one, env rewards
+    rewards = alg.add_kl_penalty(scores, old, ref, mask, kl_coef, kl_estimator) + env_rewards
+    total_reward = (rewards * mask).sum(dim=1)  # per episode, before whitening, for logging
+    if estimator == "gae":
+        # 2. reward whitening (scale only), 3. GAE over each trajectory's action tokens
+        if whiten_rewards:
+            rewards = alg.whiten(rewards, shift_mean=False, mask=mask)
+        advantages, returns = alg.compute_gae(rewards, exp.rows(exp.values), gamma, lam, mask)
+    else:
+        # 3'. critic-free: one advantage per trajectory from its total (score + env) reward, on every action token
+        totals = scores + env_rewards.sum(dim=1)
+        advantages = alg.group_advantages(totals, group_size, estimator)[:, None] * mask
+        returns = advantages.clone()
+    # 4. advantage whitening
+    advantages = alg.whiten(advantages, mask=mask)
+    kl_per_episode = kl.sum(dim=1)
+    stats = {"kl/mean": kl_per_episode.mean().item(), "reward/total_mean": total_reward.mean().item(),
+             "reward/non_score_mean": (-kl_coef * kl_per_episode).mean().item()}
+    return Targets(exp.split(advantages), exp.split(returns), stats)

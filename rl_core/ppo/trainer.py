@@ -1,0 +1,215 @@
+"""The models of one rank (actor, reference, critic, reward model) and what they compute for PPO.
+
+Every rank holds the whole batch and works on its balanced share: forward passes for scoring,
+then per minibatch a gradient-accumulated update. Loss scaling: each rank sums its losses,
+divides by the *global* count of the minibatch and multiplies by `dp_size`, because FSDP
+averages gradients over ranks; the gradient then equals the single-process one.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from rl_core.balance import micro_batches_for_rank, minibatch_indices, with_stand_ins
+from rl_core.optim import build_optimizer, linear_anneal_schedule
+from rl_core.ppo import algorithms as alg
+from rl_core.ppo.config import PPOConfig
+from rl_core.ppo.experience import Experience, Targets, reward_model_inputs
+from rl_core.rollout.trajectory import Trajectory
+from workers import models
+from workers.fsdp import TrainableModel, iter_full_tensors, shard_model
+
+
+class PPOTrainer:
+    """Actor (+ critic) being trained, frozen reference and reward model, all FSDP2-sharded."""
+
+    def __init__(self, cfg: PPOConfig, tokenizer, policy_path: str, reward_path: str | None, total_steps: int,
+                 device: torch.device, rank: int, world_size: int):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.device, self.rank, self.world_size = device, rank, world_size
+        algo, model_cfg = cfg.algorithm, cfg.model
+        dtype = getattr(torch, model_cfg.dtype)
+        shard = functools.partial(shard_model, mixed_precision=model_cfg.mixed_precision,
+                                  cpu_offload=model_cfg.cpu_offload)
+        # The schedule counts optimizer steps: epochs x minibatches of every PPO step (OpenAI anneals to zero).
+        optimizer_steps = total_steps * algo.noptepochs * algo.nminibatches
+        schedule = (lambda opt: linear_anneal_schedule(opt, optimizer_steps)) if algo.anneal_lr else None
+
+        def optimizer_for(lr: float) -> Callable:
+            return lambda m: build_optimizer(m.parameters(), algo.optimizer, lr=lr, eps=algo.adam_eps,
+                                             weight_decay=algo.weight_decay)
+
+        self.actor = TrainableModel(shard(models.load_causal_lm(policy_path, dtype)), optimizer_for(algo.lr),
+                                    schedule, algo.max_grad_norm)
+        self.reference = shard(models.load_causal_lm(policy_path, dtype)).requires_grad_(False)
+        self.critic = None
+        if algo.advantage_estimator == "gae":
+            critic = shard(models.ValueModel.from_pretrained(policy_path, dtype))
+            self.critic = TrainableModel(critic, optimizer_for(algo.critic_lr or algo.lr), schedule, algo.max_grad_norm)
+        self.reward_model = None
+        if reward_path is not None:
+            rm = models.load_reward_model(reward_path, dtype, pad_token_id=tokenizer.pad_token_id)
+            self.reward_model = shard(rm).requires_grad_(False)
+        self.kl_ctl = (alg.AdaptiveKLController(algo.kl.init_coef, algo.kl.target, algo.kl.horizon)
+                       if algo.kl.adaptive else alg.FixedKLController(algo.kl.init_coef))
+        self.truncate_id = None
+        if cfg.reward.truncate_token is not None and self.reward_model is not None:
+            self.truncate_id = models.single_token_id(tokenizer, cfg.reward.truncate_token, "reward.truncate_token")
+
+    # ------------------------------------------------------------------ micro-batches
+
+    def _micro_batches(self, rows: list[dict]) -> list[tuple[list[int], bool]]:
+        lengths = [len(r["input_ids"]) for r in rows]
+        mine = micro_batches_for_rank(lengths, self.rank, self.world_size, self.cfg.algorithm.max_tokens_per_device)
+        return with_stand_ins(mine)
+
+    def _collate(self, rows: list[dict], indices: list[int], real: bool) -> dict[str, torch.Tensor]:
+        chosen = [rows[i] for i in indices]
+        if not real:  # a stand-in: same shapes, nothing to learn from
+            chosen = [{**chosen[0], "action_mask": [0] * len(chosen[0]["action_mask"])}]
+        batch = models.make_micro_batch(chosen, self.tokenizer.pad_token_id)
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def _distributed_map(self, rows: list[dict], fn: Callable) -> list:
+        """Apply `fn(micro_batch) -> per-row results` over this rank's balanced share; gather everywhere."""
+        mine = {}
+        for indices, real in self._micro_batches(rows):
+            with torch.no_grad():
+                outputs = fn(self._collate(rows, indices, real))
+            if real:
+                mine.update(zip(indices, outputs))
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        merged = {k: v for part in gathered for k, v in part.items()}
+        return [merged[i] for i in range(len(rows))]
+
+    # ------------------------------------------------------------------ scoring (forward only)
+
+    def score(self, trajectories: list[Trajectory]) -> Experience:
+        """Old and reference logprobs, values, and reward-model scores (query + truncated response)."""
+        exp = Experience.from_trajectories(trajectories)
+        temperature = self.cfg.rollout.temperature
+
+        def forward(batch):
+            lengths = batch["attention_mask"].sum(dim=1).tolist()
+            old = models.token_logprobs(self.actor.model, batch, temperature).float().cpu()
+            ref = models.token_logprobs(self.reference, batch, temperature).float().cpu()
+            values = (models.token_values(self.critic.model, batch).float().cpu() if self.critic is not None
+                      else torch.zeros_like(old))
+            return [(old[j, :n], ref[j, :n], values[j, :n]) for j, n in enumerate(lengths)]
+
+        results = self._distributed_map([exp.seq_row(i) for i in range(len(exp.sequences))], forward)
+        exp.old_logprobs, exp.ref_logprobs, exp.values = (list(r) for r in zip(*results))
+        exp.scores = torch.zeros(len(trajectories))
+        exp.rejected = torch.zeros(len(trajectories), dtype=torch.bool)
+        if self.reward_model is not None:
+            rm_ids, exp.rejected = reward_model_inputs(trajectories, self.truncate_id, self.cfg.reward.truncate_after)
+
+            def rm_forward(batch):
+                return models.reward_scores(self.reward_model, batch["input_ids"], batch["attention_mask"],
+                                            batch["position_ids"]).float().cpu()
+
+            rm_rows = [{"input_ids": ids, "action_mask": [0] * len(ids)} for ids in rm_ids]
+            exp.scores = torch.stack(self._distributed_map(rm_rows, rm_forward))
+        return exp
+
+    # ------------------------------------------------------------------ PPO epochs
+
+    def update(self, exp: Experience, targets: Targets, step: int) -> dict[str, float]:
+        """`noptepochs` passes over freshly shuffled minibatches; then the adaptive KL step."""
+        algo = self.cfg.algorithm
+        n_traj = len(exp.trajectories)
+        kl_coef = self.kl_ctl.value
+        # Same permutation on every rank: ranks must agree on each minibatch's contents.
+        generator = torch.Generator().manual_seed(self.cfg.trainer.seed * 1_000_003 + step)
+        history: dict[str, list[float]] = {}
+        for _epoch in range(algo.noptepochs):
+            for minibatch in minibatch_indices(n_traj, algo.nminibatches, generator):
+                for key, value in self._train_minibatch(exp, targets, minibatch).items():
+                    history.setdefault(key, []).append(value)
+        # Adaptive KL (OpenAI): steer the per-episode KL of this batch towards the target.
+        self.kl_ctl.update(targets.stats["kl/mean"], n_traj)
+        out = {k: sum(v) / len(v) for k, v in history.items()}
+        out.update(targets.stats)
+        out["kl/coef"] = kl_coef
+        out["policy/lr"] = self.actor.current_lr()
+        return out
+
+    def _train_minibatch(self, exp: Experience, targets: Targets, traj_ids: list[int]) -> dict[str, float]:
+        algo = self.cfg.algorithm
+        seq_ids = [s for t in traj_ids for s in exp.traj_seqs[t]]
+        behaviour = [torch.tensor(s.behaviour_logprobs) for s in exp.sequences]
+        rows = [exp.seq_row(s, old_logprobs=exp.old_logprobs, advantages=targets.advantages, returns=targets.returns,
+                            values=exp.values, behaviour_logprobs=behaviour) for s in seq_ids]
+        # Loss scaling: every rank divides by the *global* count of this minibatch (all ranks hold it).
+        denominator = sum(alg.global_denominator(torch.tensor(r["action_mask"])[None], algo.loss_agg).item()
+                          for r in rows)
+        micro = [self._collate(rows, indices, real) for indices, real in self._micro_batches(rows)]
+        metrics = self.actor.forward_backward(micro, functools.partial(self._policy_loss, denominator=denominator))
+        out = {k: sum(v) / len(v) for k, v in metrics.items() if k != "loss"}
+        out["perf/padding_fraction"] = sum(models.padding_fraction(b) for b in micro) / len(micro)
+        out["policy/loss"] = sum(metrics["loss"])
+        out["policy/grad_norm"] = self.actor.step()
+        if self.critic is not None:
+            metrics = self.critic.forward_backward(micro, functools.partial(self._value_loss, denominator=denominator))
+            out.update({k: sum(v) / len(v) for k, v in metrics.items() if k != "loss"})
+            out["value/grad_norm"] = self.critic.step()
+        return out
+
+    def _policy_loss(self, model, batch: dict[str, torch.Tensor], denominator: float):
+        """Clipped surrogate (+ entropy bonus), async samples reweighted by truncated importance weights."""
+        algo = self.cfg.algorithm
+        logprobs, entropy = models.token_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
+                                                              entropy_grad=bool(algo.entropy_coef))
+        mask = batch["action_mask"]
+        weights = None
+        if self.cfg.trainer.mode == "async":  # the engine that sampled may be older than pi_old
+            weights = alg.truncated_importance_weights(batch["old_logprobs"], batch["behaviour_logprobs"],
+                                                       algo.behaviour_is_cap)
+        per_token, stats = alg.policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask,
+                                           algo.cliprange, behaviour_weights=weights)
+        loss = alg.aggregate_loss(per_token, mask, algo.loss_agg, denominator, self.world_size)
+        if algo.entropy_coef:
+            loss = loss - algo.entropy_coef * alg.aggregate_loss(entropy, mask, algo.loss_agg, denominator,
+                                                                 self.world_size)
+        return loss, {"policy/clipfrac": stats["clipfrac"], "policy/approx_kl": stats["approx_kl"],
+                      "policy/entropy": alg.masked_mean(entropy.detach(), mask)}
+
+    def _value_loss(self, model, batch: dict[str, torch.Tensor], denominator: float):
+        """Clipped value loss, weighted by vf_coef."""
+        algo = self.cfg.algorithm
+        mask = batch["action_mask"]
+        per_token, stats = alg.value_loss(models.token_values(model, batch), batch["values"], batch["returns"], mask,
+                                          algo.cliprange_value)
+        loss = algo.vf_coef * alg.aggregate_loss(per_token, mask, algo.loss_agg, denominator, self.world_size)
+        return loss, {"value/vf_clipfrac": stats["vf_clipfrac"],
+                      "value/loss": alg.masked_mean(per_token.detach(), mask)}
+
+    # ------------------------------------------------------------------ weights for the engines
+
+    def actor_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The actor's full weights, one tensor at a time (collective: every rank consumes it)."""
+        return iter_full_tensors(self.actor.model)
+
+    def probe_logprobs(self, probe_ids: list[int]) -> list[float]:
+        """The actor's logprob of each probe token after the first, from raw logits (as SGLang reports them)."""
+        batch = self._collate([{"input_ids": probe_ids, "action_mask": [1] * len(probe_ids)}], [0], real=True)
+        with torch.no_grad():
+            return models.token_logprobs(self.actor.model, batch, temperature=1.0)[0, 1:].float().cpu().tolist()
+
+
+def score_metrics(exp: Experience) -> dict[str, float]:
+    """Reward and behaviour-policy statistics of a scored batch."""
+    n_traj = len(exp.trajectories)
+    gaps = [(old - torch.tensor(seq.behaviour_logprobs)).abs()[torch.tensor(seq.action_mask, dtype=torch.bool)]
+            for old, seq in zip(exp.old_logprobs, exp.sequences)]
+    gap = torch.cat(gaps) if gaps else torch.zeros(0)
+    return {"reward/score_mean": exp.scores.mean().item(),
+            "reward/score_std": exp.scores.std().item() if n_traj > 1 else 0.0,
+            "reward/rejected_frac": exp.rejected.float().mean().item(),
+            "reward/env_mean": sum(t.env_reward for t in exp.trajectories) / max(n_traj, 1),
+            "rollout/behaviour_logprob_gap": gap.mean().item() if gap.numel() else 0.0}

@@ -1,0 +1,135 @@
+"""The reward-model job's configuration (same machinery and `trainer.*` section as the PPO job)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rl_core.config import TrainerConfig, choice, require
+from rl_core.optim import OPTIMIZER_NAMES
+from rl_core.reward_model.data import FORMATS
+
+LABELER_NAMES = (None, "sentiment", "descriptiveness")
+
+
+@dataclass
+class RMModelConfig:
+    # Reference policy: its tokenizer, and the sampler for reward normalisation. "tiny" = assets policy.
+    policy_path: str = "tiny"
+    # Starting weights: null = policy_path; any HF causal LM (fresh head) or seq-cls checkpoint (kept head).
+    init_from: Optional[str] = None
+    mixed_precision: Optional[str] = choice(None, (None, "bf16", "fp16"))  # GPU only
+
+
+@dataclass
+class RMDataConfig:
+    # "tiny" = offline labels (policy samples judged by the labeler), built if missing.
+    train_path: str = "tiny"
+    # "tiny" goes with a tiny train set; null = hold out heldout_fraction of the train file.
+    test_path: Optional[str] = "tiny"
+    heldout_fraction: float = 0.1
+    format: str = choice("auto", ("auto", *FORMATS))
+    margin_map: Optional[dict] = None  # LLaMA-2 prefer_degree -> margin; null = margins off
+    max_length: int = 128  # prompt + response tokens per row
+    on_malformed: str = choice("error", ("error", "skip"))
+
+
+@dataclass
+class RMTrainConfig:
+    batch_size: int = 32  # comparisons per optimizer step
+    lr: float = 5e-5
+    optimizer: str = choice("adam", OPTIMIZER_NAMES)
+    adam_eps: float = 1e-5
+    max_grad_norm: Optional[float] = None
+    max_tokens_per_device: int = 4096
+    log_every: int = 10
+
+
+@dataclass
+class NormalizeConfig:
+    # Queries the reference policy continues: "tiny" = assets train prompts, else a prompt file with text_key.
+    prompts_path: str = "tiny"
+    text_key: str = "text"
+    num_samples: int = 256
+    query_length: int = 64
+    response_length: int = 24
+    temperature: float = 1.0
+    batch_size: int = 64
+    # OpenAI rejection sampling, as the PPO job applies it before scoring: each response is cut at
+    # its first truncate_token at/after index truncate_after, and one without it is not scored
+    # (PPO gives it a fixed penalty instead). null = score whole responses.
+    truncate_token: Optional[str] = "."
+    truncate_after: int = 16
+
+
+@dataclass
+class LabelerConfig:
+    # Offline rater: labels "tiny" data, and its score is what the reward model's ranking is
+    # compared with (Spearman) on fresh samples.
+    name: Optional[str] = choice("sentiment", LABELER_NAMES)
+    noise: float = 0.0  # flip probability for the offline labels
+
+
+@dataclass
+class RMTrainerConfig(TrainerConfig):
+    run_dir: str = "runs/rm_sentiment"
+    output_dir: Optional[str] = None  # null = <run_dir>/reward_model
+
+
+@dataclass
+class RMConfig:
+    model: RMModelConfig = field(default_factory=RMModelConfig)
+    data: RMDataConfig = field(default_factory=RMDataConfig)
+    train: RMTrainConfig = field(default_factory=RMTrainConfig)
+    normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
+    labeler: LabelerConfig = field(default_factory=LabelerConfig)
+    trainer: RMTrainerConfig = field(default_factory=RMTrainerConfig)
+
+
+def validate(cfg: RMConfig) -> None:
+    """Cross-field rules of the reward-model job; raises ConfigError naming the key and the fix."""
+    tr, norm, data = cfg.train, cfg.normalize, cfg.data
+    require(cfg.trainer.seed >= 0, f"config key 'trainer.seed' must be >= 0, got {cfg.trainer.seed}")
+    require(tr.batch_size > 0, f"config key 'train.batch_size' must be > 0, got {tr.batch_size}")
+    require(tr.lr > 0, f"config key 'train.lr' must be > 0, got {tr.lr}")
+    require(tr.adam_eps > 0, f"config key 'train.adam_eps' must be > 0, got {tr.adam_eps}")
+    require(tr.max_grad_norm is None or tr.max_grad_norm > 0,
+            f"config key 'train.max_grad_norm' must be > 0 or null, got {tr.max_grad_norm}")
+    require(tr.log_every > 0, f"config key 'train.log_every' must be > 0, got {tr.log_every}")
+    require(cfg.trainer.collective_timeout_s > 0, "config key 'trainer.collective_timeout_s' must be > 0")
+    require(data.max_length >= 2, f"config key 'data.max_length' must be >= 2, got {data.max_length}")
+    # A comparison has at least two responses and must fit one micro-batch whole.
+    require(tr.max_tokens_per_device >= 2 * data.max_length,
+            f"train.max_tokens_per_device={tr.max_tokens_per_device} cannot hold one comparison of two "
+            f"rows of data.max_length={data.max_length}; raise it to at least {2 * data.max_length}")
+    require(0.0 < data.heldout_fraction < 1.0,
+            f"config key 'data.heldout_fraction' must be in (0, 1), got {data.heldout_fraction}")
+    require(norm.num_samples >= 2, f"config key 'normalize.num_samples' must be >= 2, got {norm.num_samples}")
+    require(norm.query_length > 0, "config key 'normalize.query_length' must be > 0")
+    require(norm.response_length > 0, "config key 'normalize.response_length' must be > 0")
+    require(norm.temperature > 0, f"config key 'normalize.temperature' must be > 0, got {norm.temperature}")
+    require(norm.batch_size > 0, "config key 'normalize.batch_size' must be > 0")
+    require(norm.truncate_token is None or 0 <= norm.truncate_after < norm.response_length,
+            f"normalize.truncate_after={norm.truncate_after} must be in [0, normalize.response_length="
+            f"{norm.response_length}) so a response can hold the truncate token; or set normalize.truncate_token=null")
+    require(0.0 <= cfg.labeler.noise <= 1.0,
+            f"config key 'labeler.noise' must be a probability in [0, 1], got {cfg.labeler.noise}")
+    require(data.train_path != "tiny" or cfg.labeler.name is not None,
+            "data.train_path=tiny labels samples offline and needs a labeler; set labeler.name="
+            "sentiment or labeler.name=descriptiveness, or point data.train_path at a preference file")
+    require(data.test_path != "tiny" or data.train_path == "tiny",
+            "data.test_path=tiny is the held-out half of the tiny labels; with your own data.train_path "
+            "give a data.test_path file, or null to hold out data.heldout_fraction of the train file")
+
+
+def check_lengths(cfg: RMConfig, max_positions: int | None) -> None:
+    """The model must hold the longest preference row and the longest normalisation sample."""
+    if max_positions is None:
+        return
+    require(cfg.data.max_length <= max_positions,
+            f"data.max_length={cfg.data.max_length} exceeds the model's context of {max_positions} "
+            f"tokens; set data.max_length<={max_positions}")
+    longest = cfg.normalize.query_length + cfg.normalize.response_length
+    require(longest <= max_positions,
+            f"normalize.query_length + normalize.response_length = {longest} exceeds the model's context "
+            f"of {max_positions} tokens; shorten normalize.query_length")

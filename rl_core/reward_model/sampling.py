@@ -1,0 +1,89 @@
+"""Sampling from the reference policy for reward normalisation: queries, fixed-length responses,
+OpenAI's period truncation, and each rank's share of the queries."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rl_core.ppo.algorithms import truncated_ids
+from rl_core.reward_model.config import NormalizeConfig
+from workers.models import single_token_id
+
+
+def load_queries(path: str, text_key: str, tokenizer, query_length: int) -> list[list[int]]:
+    """Token ids of each prompt in a prompt file (see rl_core.data), cut to ``query_length`` tokens."""
+    from rl_core.data import load_prompt_dataset
+
+    texts = load_prompt_dataset(path, text_key=text_key).texts()
+    ids = [row[:query_length] for row in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return [row for row in ids if row]
+
+
+def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row)
+        mask[i, width - len(row):] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def sample_responses(policy, tokenizer, queries: list[list[int]], response_length: int,
+                     temperature: float, seed: int, batch_size: int = 64) -> list[list[int]]:
+    """Fixed-length continuations of each query from the reference policy.
+
+    OpenAI details: sampling with top_k=0 / top_p=1 at the given temperature, and exactly
+    ``response_length`` tokens: EOS does not stop a sample (``eos_token_id=[]``).
+    The global RNG is restored afterwards, so callers' random streams are untouched.
+    """
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                              max_new_tokens=response_length, eos_token_id=[],
+                              pad_token_id=tokenizer.pad_token_id)
+    device = next(policy.parameters()).device
+    devices = [device] if device.type == "cuda" else []
+    responses: list[list[int]] = []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        for start in range(0, len(queries), batch_size):
+            ids, mask = _left_pad(queries[start:start + batch_size], tokenizer.pad_token_id)
+            out = policy.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                  generation_config=config)
+            responses.extend(out[:, ids.shape[1]:].tolist())
+    return responses
+
+
+def sample_truncated(policy, tokenizer, queries: list[list[int]], cfg: NormalizeConfig,
+                     seed: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Reference-policy responses as the PPO job's reward model reads them, and which are scored.
+
+    OpenAI rejection sampling: each response is cut through its first ``cfg.truncate_token`` at
+    or after ``cfg.truncate_after``; a response without one keeps its full length and is marked
+    not valid (PPO penalises it instead of scoring it).
+    """
+    responses = sample_responses(policy, tokenizer, queries, cfg.response_length, cfg.temperature, seed,
+                                 cfg.batch_size)
+    if cfg.truncate_token is None:
+        return responses, torch.ones(len(responses), dtype=torch.bool)
+    token = single_token_id(tokenizer, cfg.truncate_token, "normalize.truncate_token")
+    cut = [truncated_ids(response, token, cfg.truncate_after) for response in responses]
+    valid = torch.tensor([c is not None for c in cut], dtype=torch.bool)
+    return [c if c is not None else r for c, r in zip(cut, responses)], valid
+
+
+def pick_queries(queries: list[list[int]], num: int, seed: int, rank: int, world_size: int) -> list[list[int]]:
+    """This rank's share of ``num`` queries drawn (with repeats if needed) from the whole set.
+
+    Every rank gets the same count, ``ceil(num / world_size)``, so forward passes line up.
+    """
+    per_rank = math.ceil(num / world_size)
+    generator = torch.Generator().manual_seed(seed)
+    rounds = math.ceil(per_rank * world_size / len(queries))
+    order = torch.cat([torch.randperm(len(queries), generator=generator) for _ in range(rounds)])
+    mine = order[rank * per_rank:(rank + 1) * per_rank]
+    return [queries[i] for i in mine.tolist()]

@@ -1,0 +1,330 @@
+"""Reward-model training on the FSDP2 worker: balanced micro-batches of whole comparisons, the
+global loss-scaling rule, one epoch with the LR annealed to zero, and OpenAI's gain/bias
+normalisation on reference-policy samples before and after training."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from rl_core.balance import micro_batches_for_rank as balanced_micro_batches
+from rl_core.balance import with_stand_ins
+from rl_core.distributed import rank_seed
+from rl_core.optim import build_optimizer, linear_anneal_schedule
+from rl_core.ppo.algorithms import reward_gain_bias
+from rl_core.reward_model.config import NormalizeConfig, RMConfig, RMDataConfig, RMTrainConfig
+from rl_core.reward_model.data import load_preference_dataset, tokenize_preferences
+from rl_core.reward_model.losses import preference_accuracy, preference_loss, spearman
+from rl_core.reward_model.sampling import pick_queries, sample_truncated
+from workers.fsdp import TrainableModel, full_state_dict, shard_model
+from workers.models import (init_reward_model, load_reward_model, make_micro_batch, raw_reward_scores,
+                            reward_scores, set_reward_gain_bias, to_device)
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place among the trainers.
+
+    ``sharded=False`` trains alone without any torch.distributed call, even when a process
+    group exists (the tiny-RM bootstrap runs on one rank of the PPO job).
+    """
+    rank: int = 0
+    size: int = 1
+    sharded: bool = False
+    device: torch.device = torch.device("cpu")
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sum of ``values`` over ranks."""
+        if not self.sharded or self.size == 1:
+            return [float(v) for v in values]
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Concatenate equally long 1-D tensors from every rank, in rank order."""
+        if not self.sharded or self.size == 1:
+            return values
+        values = values.to(self.device).contiguous()
+        parts = [torch.empty_like(values) for _ in range(self.size)]
+        dist.all_gather(parts, values)
+        return torch.cat(parts).cpu()
+
+    def barrier(self) -> None:
+        if self.sharded and self.size > 1:
+            dist.barrier()
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def is_sequence_classifier(path: str) -> bool:
+    from transformers import AutoConfig
+
+    architectures = AutoConfig.from_pretrained(path).architectures or []
+    return any(name.endswith("ForSequenceClassification") for name in architectures)
+
+
+def build_reward_model(init_from: str, tokenizer, seed: int):
+    """An existing reward model (head kept) or a fresh one on a causal LM (OpenAI head init)."""
+    if is_sequence_classifier(init_from):
+        return load_reward_model(init_from, pad_token_id=tokenizer.pad_token_id)
+    return init_reward_model(init_from, pad_token_id=tokenizer.pad_token_id, seed=seed)
+
+
+# ----------------------------------------------------------------------------- scoring and batches
+
+
+@torch.no_grad()
+def score_sequences(model, sequences: list[list[int]], pad_id: int, device: torch.device,
+                    chunk: int = 64, normalized: bool = False) -> torch.Tensor:
+    """``[n]`` last-token reward of each query+response id list (raw unless ``normalized``).
+
+    Collective under FSDP: every rank must pass the same number of sequences.
+    """
+    score = reward_scores if normalized else raw_reward_scores
+    model.eval()
+    out = []
+    for start in range(0, len(sequences), chunk):
+        rows = [{"input_ids": ids, "action_mask": [1] * len(ids)} for ids in sequences[start:start + chunk]]
+        batch = to_device(make_micro_batch(rows, pad_id), device)
+        out.append(score(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"]).float().cpu())
+    return torch.cat(out)
+
+
+def example_tokens(example) -> int:
+    """Balancing weight of a comparison: all its responses go to one micro-batch together."""
+    return sum(len(ids) for ids in example.input_ids)
+
+
+def collate_examples(examples: list, pad_id: int, weight: float = 1.0) -> dict[str, torch.Tensor]:
+    """One micro-batch: every response row of every example, plus best index, margin and weight."""
+    sizes = {len(example.input_ids) for example in examples}
+    if len(sizes) != 1:
+        raise ValueError(f"examples with different numbers of responses {sorted(sizes)} in one batch; "
+                         "use one preference format per file")
+    rows = [{"input_ids": ids, "action_mask": [1] * len(ids)} for example in examples for ids in example.input_ids]
+    batch = make_micro_batch(rows, pad_id)
+    batch["best"] = torch.tensor([example.best for example in examples], dtype=torch.long)
+    batch["margin"] = torch.tensor([example.margin for example in examples], dtype=torch.float32)
+    batch["weight"] = torch.tensor(weight, dtype=torch.float32)
+    return batch
+
+
+def micro_batches_for_rank(examples: list, dp: DataParallel, max_tokens: int, pad_id: int) -> list[dict]:
+    """This rank's token-balanced micro-batches of whole comparisons.
+
+    An empty partition still runs a zero-weight forward/backward on a stand-in example:
+    FSDP's collectives need every rank to do the same number of passes.
+    """
+    weights = [example_tokens(example) for example in examples]
+    if max(weights) > max_tokens:
+        raise ValueError(f"a comparison has {max(weights)} tokens (all its responses together) but "
+                         f"train.max_tokens_per_device={max_tokens}; raise it or lower data.max_length")
+    parts = balanced_micro_batches(weights, dp.rank, dp.size, max_tokens)
+    return [to_device(collate_examples([examples[i] for i in indices], pad_id, float(real)), dp.device)
+            for indices, real in with_stand_ins(parts)]
+
+
+def comparison_scores(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[examples, responses]`` normalised rewards (the gain scales the loss, OpenAI-style)."""
+    scores = reward_scores(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+    return scores.view(batch["best"].shape[0], -1)
+
+
+def _margin(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    return batch["margin"] if bool(batch["margin"].ne(0).any()) else None
+
+
+def _correct(scores: torch.Tensor, best: torch.Tensor) -> float:
+
+    return preference_accuracy(scores.detach(), best) * best.shape[0]
+
+
+def preference_loss_fn(global_count: int, dp_size: int):
+    """Loss for ``TrainableModel.forward_backward``.
+
+    Loss scaling (design invariant): ranks hold different numbers of comparisons, so each rank
+    sums its per-example losses, divides by the *global* count and multiplies by dp_size,
+    because FSDP averages gradients over ranks.
+    """
+    def loss_fn(model, batch):
+        scores = comparison_scores(model, batch)
+        losses = preference_loss(scores, batch["best"], _margin(batch))
+        weight = batch["weight"]
+        loss = losses.sum() * weight / global_count * dp_size
+        return loss, {"loss_sum": losses.detach().sum() * weight,
+                      "correct": _correct(scores, batch["best"]) * float(weight)}
+
+    return loss_fn
+
+
+@torch.no_grad()
+def heldout_metrics(model, examples: list, dp: DataParallel, max_tokens: int, pad_id: int) -> dict[str, float]:
+    """Pairwise (best-of-N) accuracy and mean loss over ``examples``, summed over ranks."""
+    model.eval()
+    correct = loss_sum = 0.0
+    for batch in micro_batches_for_rank(examples, dp, max_tokens, pad_id):
+        scores = comparison_scores(model, batch)
+        weight = float(batch["weight"])
+        loss_sum += float(preference_loss(scores, batch["best"], _margin(batch)).sum()) * weight
+        correct += _correct(scores, batch["best"]) * weight
+    correct, loss_sum = dp.sum([correct, loss_sum])
+    return {"accuracy": correct / len(examples), "loss": loss_sum / len(examples)}
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def train_one_epoch(trainable, examples: list, cfg: RMTrainConfig, dp: DataParallel, pad_id: int,
+                    seed: int, log: Log) -> dict[str, float]:
+    """One shuffled pass; the last incomplete minibatch is dropped (every step has batch_size examples)."""
+    steps = len(examples) // cfg.batch_size
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    loss_sum = correct = 0.0
+    for step in range(steps):
+        minibatch = [examples[i] for i in order[step * cfg.batch_size:(step + 1) * cfg.batch_size]]
+        micro_batches = micro_batches_for_rank(minibatch, dp, cfg.max_tokens_per_device, pad_id)
+        metrics = trainable.forward_backward(micro_batches, preference_loss_fn(len(minibatch), dp.size))
+        lr = trainable.current_lr()
+        grad_norm = trainable.step()
+        loss_sum += sum(metrics["loss_sum"])
+        correct += sum(metrics["correct"])
+        if (step + 1) % cfg.log_every == 0 or step + 1 == steps:
+            seen = (step + 1) * cfg.batch_size / dp.size
+            log(f"[train_rm] step {step + 1}/{steps} lr {lr:.2e} grad_norm {grad_norm:.3f} "
+                f"loss {loss_sum / seen:.4f} acc {correct / seen:.3f} (rank {dp.rank} running means)")
+    loss_sum, correct = dp.sum([loss_sum, correct])
+    seen = steps * cfg.batch_size
+    return {"train_loss": loss_sum / seen, "train_accuracy": correct / seen, "train_steps": steps}
+
+
+def _mark_invalid(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """NaN where a sample is not scored; ranks gather equal lengths, then drop the NaNs."""
+    return torch.where(valid, scores, torch.full_like(scores, float("nan")))
+
+
+def _valid_only(scores: torch.Tensor, cfg: NormalizeConfig) -> torch.Tensor:
+    scores = scores[~scores.isnan()]
+    if scores.numel() < 2:
+        raise ValueError(f"only {scores.numel()} of the reference-policy samples had normalize.truncate_token="
+                         f"{cfg.truncate_token!r} at or after token {cfg.truncate_after}; raise normalize.num_samples, "
+                         "lower normalize.truncate_after, or set normalize.truncate_token=null")
+    return scores
+
+
+def normalize_reward(model, policy, tokenizer, queries: list[list[int]], cfg: NormalizeConfig,
+                     seed: int, dp: DataParallel) -> tuple[float, float]:
+    """Set gain/bias so rewards of reference-policy samples have mean 0, std 1 (OpenAI detail)."""
+    mine = pick_queries(queries, cfg.num_samples, seed, dp.rank, dp.size)
+    responses, valid = sample_truncated(policy, tokenizer, mine, cfg, rank_seed(seed, dp.rank))
+    sequences = [q + r for q, r in zip(mine, responses)]
+    raw = score_sequences(model, sequences, tokenizer.pad_token_id, dp.device, cfg.batch_size)
+    raw = _valid_only(dp.gather(_mark_invalid(raw, valid)), cfg)
+    gain, bias = reward_gain_bias(raw)
+    set_reward_gain_bias(model, gain, bias)
+    return gain, bias
+
+
+def fresh_sample_check(model, policy, tokenizer, queries: list[list[int]], cfg: NormalizeConfig,
+                       seed: int, dp: DataParallel, labeler=None) -> dict[str, float | None]:
+    """Normalised reward statistics on a new sample, and Spearman with the labeler's score."""
+    mine = pick_queries(queries, cfg.num_samples, seed, dp.rank, dp.size)
+    responses, valid = sample_truncated(policy, tokenizer, mine, cfg, rank_seed(seed, dp.rank))
+    sequences = [q + r for q, r in zip(mine, responses)]
+    scores = score_sequences(model, sequences, tokenizer.pad_token_id, dp.device, cfg.batch_size, normalized=True)
+    scores = dp.gather(_mark_invalid(scores, valid))
+    kept = ~scores.isnan()
+    scores = _valid_only(scores, cfg)
+    result: dict[str, float | None] = {"normalized_mean": scores.mean().item(),
+                                       "normalized_std": scores.std(unbiased=False).item(),
+                                       "fresh_samples": int(kept.sum()), "spearman": None}
+    if labeler is not None:
+        # The rater judges the (truncated) continuation only, as when labelling (the query is shared).
+        texts = tokenizer.batch_decode(responses, skip_special_tokens=False)
+        judged = dp.gather(torch.tensor(labeler.score(texts), dtype=torch.float32))
+        result["spearman"] = spearman(scores, judged[kept])
+    return result
+
+
+def fit_reward_model(model, policy, tokenizer, train_examples: list, test_examples: list,
+                     queries: list[list[int]], cfg: RMConfig, dp: DataParallel, labeler=None,
+                     log: Log = print) -> dict:
+    """Normalise, train one epoch, normalise again, check on a fresh sample. Returns metrics.
+
+    ``dp.sharded``: the model is sharded with FSDP2 over the default process group here;
+    otherwise it trains as a plain module in this process.
+    """
+    steps = len(train_examples) // cfg.train.batch_size
+    if steps < 1:
+        raise ValueError(f"the train set has {len(train_examples)} comparisons, fewer than one minibatch "
+                         f"(train.batch_size={cfg.train.batch_size}); lower train.batch_size or add data")
+    if dp.sharded:
+        shard_model(model.to(dp.device), mixed_precision=cfg.model.mixed_precision)
+    pad_id, max_tokens = tokenizer.pad_token_id, cfg.train.max_tokens_per_device
+    trainable = TrainableModel(
+        model,
+        build_optimizer=lambda m: build_optimizer(m.parameters(), cfg.train.optimizer, cfg.train.lr,
+                                                  eps=cfg.train.adam_eps),
+        # OpenAI: one epoch, LR annealed linearly to zero.
+        build_scheduler=lambda optimizer: linear_anneal_schedule(optimizer, steps),
+        max_grad_norm=cfg.train.max_grad_norm,
+        sharded=dp.sharded,
+    )
+    # OpenAI: normalise before training too, so the loss sees rewards at unit scale from step one.
+    gain_before, _ = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed, dp)
+    before = heldout_metrics(model, test_examples, dp, max_tokens, pad_id)
+    log(f"[train_rm] {len(train_examples)} train / {len(test_examples)} held-out comparisons, {steps} steps "
+        f"on {dp.size} rank(s); held-out accuracy before training {before['accuracy']:.3f}")
+    stats = train_one_epoch(trainable, train_examples, cfg.train, dp, pad_id, cfg.trainer.seed, log)
+    after = heldout_metrics(model, test_examples, dp, max_tokens, pad_id)
+    gain, bias = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed + 1, dp)
+    check = fresh_sample_check(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed + 2, dp, labeler)
+    return {"heldout_accuracy": after["accuracy"], "heldout_loss": after["loss"],
+            "heldout_accuracy_before": before["accuracy"], **stats, "gain_before": gain_before,
+            "gain": gain, "bias": bias, **check}
+
+
+def export_reward_model(model, tokenizer, out_dir: str | Path, dp: DataParallel) -> None:
+    """Hugging Face seq-cls checkpoint + tokenizer on rank 0; gain/bias ride in the config."""
+    from transformers import AutoModelForSequenceClassification
+
+
+    state = full_state_dict(model) if dp.sharded else None  # collective: every rank gathers
+    if dp.rank != 0:
+        return
+    if state is not None:
+        plain = AutoModelForSequenceClassification.from_config(copy.deepcopy(model.config))
+        plain.load_state_dict(state)
+        model = plain
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+
+
+# ----------------------------------------------------------------------------- preference data
+
+
+def load_preference_splits(cfg: RMDataConfig, train_path: str, test_path: str | None, tokenizer,
+                           seed: int) -> tuple[list, list]:
+    """Tokenized train and held-out comparisons; without a test file, a seeded split of train."""
+    def load(path: str) -> list:
+        examples, _ = load_preference_dataset(path, cfg.format, cfg.margin_map, cfg.on_malformed)
+        return tokenize_preferences(examples, tokenizer, cfg.max_length)
+
+    train = load(train_path)
+    if test_path is not None:
+        return train, load(test_path)
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_test = max(1, round(len(train) * cfg.heldout_fraction))
+    if n_test >= len(train):
+        raise ValueError(f"{train_path} has {len(train)} comparisons, too few to hold out "
+                         f"data.heldout_fraction={cfg.heldout_fraction}; give data.test_path")
+    return [train[i] for i in order[n_test:]], [train[i] for i in order[:n_test]]

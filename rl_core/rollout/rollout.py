@@ -1,0 +1,352 @@
+"""Rank-0 rollout: one asyncio task per trajectory, envs from the pool, tokens from the router.
+
+Each task leases an env for its whole episode and loops: send the current sequence's
+`input_ids` to `/generate`, keep the engine's `output_ids` and logprobs as they are (never
+re-tokenize decoded text), give the decoded action to the env, add its observation. The router
+sends each request to whichever engine is free, so uneven response lengths don't leave engines
+idle, and one progress bar on rank 0 shows the whole rollout.
+
+`client` is anything with `async generate(input_ids, sampling_params, return_logprob=True, rid=None)`
+returning SGLang's /generate answer (`workers.engines.client.EngineClient` in practice).
+Env failures end their trajectory (counted, excluded); engine errors propagate, because a
+broken engine or router is not something a retry at this level can fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterable, Iterator
+
+from tqdm.auto import tqdm
+
+from envs.base import Action
+from envs.pool import EnvFailure, EnvLease, EnvPool
+from rl_core.rollout.trajectory import Observation, Trajectory, TrajectoryBuilder
+
+logger = logging.getLogger(__name__)
+
+KeepFn = Callable[[list[Trajectory]], bool]
+
+
+class EngineOutputError(RuntimeError):
+    """The engine's /generate answer lacks what training needs (ids, logprobs)."""
+
+
+@dataclass
+class RolloutResult:
+    trajectories: list[Trajectory]  # successful ones, in sample order (grouped for rollout_until)
+    failed: list[Trajectory]  # env failures, left out of training
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Generation:
+    """One /generate answer reduced to what the trajectory keeps."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]  # policy version of each token
+    finish_reason: str
+
+
+def parse_generation(answer: dict, sent_version: int) -> Generation:
+    """Take ids, logprobs and finish reason from SGLang's /generate answer.
+
+    Every token is tagged with the older of the policy version current when the request was
+    sent and the engine's `weight_version` in the answer: with partial rollout a push can land
+    mid-request, so the tag bounds staleness from the oldest weights that may have sampled it.
+    """
+    meta = answer.get("meta_info") or {}
+    ids = [int(i) for i in answer.get("output_ids") or []]
+    triples = meta.get("output_token_logprobs")
+    if triples is None:
+        raise EngineOutputError("the engine answered without meta_info.output_token_logprobs: send return_logprob=true")
+    if [int(t[1]) for t in triples] != ids:
+        raise EngineOutputError(f"engine output_ids {ids[:8]}... differ from the ids in output_token_logprobs")
+    reason = (meta.get("finish_reason") or {}).get("type") or "unknown"
+    version = min(sent_version, _int_or(meta.get("weight_version"), sent_version))
+    return Generation(ids, [float(t[0]) for t in triples], [version] * len(ids), reason)
+
+
+def _int_or(value: Any, fallback: int) -> int:
+    """The engine's weight_version when it is a number (the job tags pushes with step numbers)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return fallback
+
+
+def prompt_of(sample: dict) -> Observation:
+    """The first state when the env's reset gives none: `prompt_ids` as they are, or `text`/`prompt` text."""
+    for key in ("prompt_ids", "query_ids"):
+        if sample.get(key) is not None:
+            return [int(i) for i in sample[key]]
+    for key in ("text", "prompt"):
+        if isinstance(sample.get(key), str):
+            return sample[key]
+    raise KeyError(f"sample has no prompt: expected 'prompt_ids', 'text' or 'prompt' (or an env whose reset returns one), got keys {sorted(sample)}")
+
+
+class _Rollout:
+    """State of one rollout call: clients, limits, the progress bar and the sample printout."""
+
+    def __init__(self, *, client: Any, env_pool: EnvPool, tokenizer: Any, sampling_params: dict,
+                 max_turns: int, policy_version: int | Callable[[], int], concurrency: int | None,
+                 max_total_tokens: int | None, max_abort_retries: int):
+        if max_turns < 1:
+            raise ValueError(f"rollout.max_turns must be >= 1, got {max_turns}")
+        if concurrency is not None and concurrency < 1:
+            raise ValueError(f"rollout.concurrency must be >= 1 or null, got {concurrency}")
+        self.client = client
+        self.env_pool = env_pool
+        self.tokenizer = tokenizer
+        self.sampling_params = dict(sampling_params)
+        self.max_turns = max_turns
+        # The version the engines serve now: a number, or a callable when pushes land mid-rollout (async).
+        self.current_version = policy_version if callable(policy_version) else (lambda: policy_version)
+        self.max_total_tokens = max_total_tokens
+        self.max_abort_retries = max_abort_retries
+        self.limit = asyncio.Semaphore(concurrency) if concurrency else None
+        self.sample_shown = False
+        self.bar: tqdm | None = None
+
+    async def trajectory(self, sample: dict, info: dict | None = None) -> Trajectory:
+        """Run one episode; an env failure gives a failed (excluded) trajectory instead of raising."""
+        async with self.limit or contextlib.nullcontext():
+            try:
+                async with self.env_pool.lease() as env:
+                    traj = await self._episode(sample, env)
+                    traj.info["env_time_s"] = env.env_time_s
+            except EnvFailure as err:
+                traj = Trajectory(sequences=[], sample=sample, failed=True, error=str(err))
+        traj.info.update(info or {})
+        if not traj.failed and not self.sample_shown:
+            self.sample_shown = True
+            self._show(traj)
+        return traj
+
+    async def _episode(self, sample: dict, env: EnvLease) -> Trajectory:
+        builder = TrajectoryBuilder(self.tokenizer)
+        first = await env.reset(sample)
+        self._guard(env, "reset", builder.start, first if first is not None else prompt_of(sample))
+        finish_reasons: list[str] = []
+        env_info: dict = {}
+        truncated = done = False
+        for _ in range(self.max_turns):
+            room = self._room(len(builder.current))
+            if room < 1:  # context budget spent: stop before the engine would overflow
+                finish_reasons.append("length")
+                truncated = True
+                break
+            seed = sample.get("sampling_seed")  # reproducible sampling, e.g. across a resume
+            action = await self._act(builder, room, None if seed is None else seed + 7919 * builder.num_turns)
+            builder.num_turns += 1
+            finish_reasons.append(action.finish_reason)
+            result = await env.step(action)
+            builder.add_reward(result.reward)
+            env_info.update(result.info or {})
+            if result.done or result.observation is None:  # no next state means the episode is over
+                done = True
+                break
+            self._guard(env, "step", builder.add_observation, result.observation)
+        return builder.build(sample, finish_reasons, {**env_info, "truncated": truncated, "done": done})
+
+    @staticmethod
+    def _guard(env: EnvLease, what: str, add: Callable, observation: Any) -> None:
+        """An observation the builder cannot use is the env's failure, not the rollout's."""
+        try:
+            add(observation)
+        except (TypeError, ValueError) as err:
+            env.reject(what, f"returned an unusable observation: {err}")
+
+    def _room(self, sequence_length: int) -> int:
+        if self.max_total_tokens is None:
+            return 1 << 30
+        return self.max_total_tokens - sequence_length
+
+    async def _act(self, builder: TrajectoryBuilder, room: int, seed: int | None = None) -> Action:
+        """Generate one action; an `abort` (engine paused for a weight update) continues where it stopped."""
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        wanted = min(int(self.sampling_params.get("max_new_tokens", 128)), room)
+        rid = uuid.uuid4().hex
+        for attempt in range(self.max_abort_retries + 1):
+            params = dict(self.sampling_params, max_new_tokens=wanted - len(ids))
+            if seed is not None:
+                params["sampling_seed"] = seed + attempt
+            sent_version = self.current_version()
+            answer = await self.client.generate(builder.current.real_ids + ids, params,
+                                                return_logprob=True, rid=f"{rid}-{attempt}")
+            gen = parse_generation(answer, sent_version)
+            ids += gen.output_ids
+            logprobs += gen.logprobs
+            versions += gen.versions
+            if gen.finish_reason != "abort" or len(ids) >= wanted:
+                break
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{len(ids)} tok", refresh=False)
+        text = builder.add_action(ids, logprobs, versions)
+        return Action(text=text, token_ids=ids, finish_reason=gen.finish_reason)
+
+    def _show(self, traj: Trajectory) -> None:
+        """Print the first finished trajectory, so a glance at the log shows what the policy writes."""
+        seq = traj.sequences[0]
+        first_action = seq.action_mask.index(1) if 1 in seq.action_mask else len(seq)
+        query = self.tokenizer.decode(seq.input_ids[:first_action], skip_special_tokens=True)
+        response = self.tokenizer.decode(seq.input_ids[first_action:], skip_special_tokens=True)
+        more = f" (+{len(traj.sequences) - 1} more sequences)" if len(traj.sequences) > 1 else ""
+        message = (f"[sample] query: {query!r}\n[sample] response{more}: {response!r}\n"
+                   f"[sample] env_reward={traj.env_reward:.3f} turns={traj.num_turns} finish={traj.finish_reasons}")
+        if self.bar is not None and not self.bar.disable:
+            tqdm.write(message)
+        else:
+            logger.info(message)
+
+
+async def _gather_all(coroutines: Iterable[Awaitable]) -> list:
+    """Like asyncio.gather, but a crash in one task cancels the others instead of leaving them running."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def rollout(samples: list[dict], *, client: Any, env_pool: EnvPool, tokenizer: Any,
+                  sampling_params: dict, max_turns: int, policy_version: int | Callable[[], int], progress: bool = True,
+                  concurrency: int | None = None, max_total_tokens: int | None = None,
+                  max_abort_retries: int = 8) -> RolloutResult:
+    """Run one trajectory per sample, all concurrently (envs and `concurrency` permitting).
+
+    Raises `envs.pool.TooManyEnvFailures` when this rollout's env failure ratio exceeds the pool's
+    `max_failed_ratio`.
+    """
+    run = _Rollout(client=client, env_pool=env_pool, tokenizer=tokenizer, sampling_params=sampling_params,
+                   max_turns=max_turns, policy_version=policy_version, concurrency=concurrency,
+                   max_total_tokens=max_total_tokens, max_abort_retries=max_abort_retries)
+    before = env_pool.counts()
+    start = time.perf_counter()
+    with tqdm(total=len(samples), desc=f"rollout v{run.current_version()}", unit="traj", disable=not progress,
+              dynamic_ncols=True) as bar:
+        run.bar = bar
+
+        async def one(sample: dict) -> Trajectory:
+            traj = await run.trajectory(sample)
+            bar.update(1)
+            return traj
+
+        results = await _gather_all(one(sample) for sample in samples)
+    env_pool.check_failure_ratio(since=before)
+    kept = [t for t in results if not t.failed]
+    failed = [t for t in results if t.failed]
+    return RolloutResult(kept, failed, rollout_metrics(kept, failed, time.perf_counter() - start, env_pool))
+
+
+async def rollout_until(n_wanted: int, sample_iter: Iterable[dict], keep_fn: KeepFn | None = None, *,
+                        group_size: int = 1, client: Any, env_pool: EnvPool, tokenizer: Any,
+                        sampling_params: dict, max_turns: int, policy_version: int | Callable[[], int], progress: bool = True,
+                        concurrency: int | None = None, max_total_tokens: int | None = None,
+                        max_groups: int | None = None, max_abort_retries: int = 8) -> RolloutResult:
+    """Keep launching groups until `n_wanted` GROUPS are kept; returns their trajectories, group by group.
+
+    A group is `group_size` trajectories of the same sample, generated together (for group
+    baselines). `keep_fn(group)` decides whether a finished group is kept (e.g. drop groups whose
+    rewards have zero variance); a group with any failed trajectory is dropped. New groups are
+    launched only to replace dropped ones, so nothing is generated and then wasted. Stops with a
+    warning if `sample_iter` runs out; raises if `max_groups` (default 10 * n_wanted) are launched
+    without enough kept.
+    """
+    if n_wanted < 1 or group_size < 1:
+        raise ValueError(f"rollout_until needs n_wanted >= 1 and group_size >= 1, got {n_wanted} and {group_size}")
+    max_groups = max_groups if max_groups is not None else 10 * n_wanted
+    run = _Rollout(client=client, env_pool=env_pool, tokenizer=tokenizer, sampling_params=sampling_params,
+                   max_turns=max_turns, policy_version=policy_version, concurrency=concurrency,
+                   max_total_tokens=max_total_tokens, max_abort_retries=max_abort_retries)
+    samples: Iterator[dict] = iter(sample_iter)
+    before = env_pool.counts()
+    start = time.perf_counter()
+    kept: list[list[Trajectory]] = []
+    failed: list[Trajectory] = []
+    in_flight: set[asyncio.Future] = set()
+    launched = dropped = 0
+    exhausted = False
+
+    async def group(sample: dict, index: int) -> list[Trajectory]:
+        return await _gather_all(run.trajectory(sample, {"group": index}) for _ in range(group_size))
+
+    with tqdm(total=n_wanted, desc=f"rollout v{run.current_version()}", unit="group", disable=not progress,
+              dynamic_ncols=True) as bar:
+        run.bar = bar
+        try:
+            while len(kept) < n_wanted:
+                while not exhausted and len(kept) + len(in_flight) < n_wanted and launched < max_groups:
+                    sample = next(samples, None)
+                    if sample is None:
+                        exhausted = True
+                        break
+                    in_flight.add(asyncio.ensure_future(group(sample, launched)))
+                    launched += 1
+                if not in_flight:
+                    break
+                done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    members = task.result()
+                    failed += [t for t in members if t.failed]
+                    if any(t.failed for t in members) or (keep_fn is not None and not keep_fn(members)):
+                        dropped += 1
+                        continue
+                    kept.append(members)
+                    bar.update(1)
+                bar.set_postfix(launched=launched, dropped=dropped, refresh=False)
+        finally:
+            for task in in_flight:
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+    env_pool.check_failure_ratio(since=before)
+    if len(kept) < n_wanted and not exhausted:
+        raise RuntimeError(
+            f"rollout_until kept {len(kept)} of {n_wanted} groups after launching {launched} "
+            f"(max_groups={max_groups}): keep_fn dropped {dropped}. Relax the filter or raise max_groups.")
+    if exhausted and len(kept) < n_wanted:
+        logger.warning("sample iterator ran out: kept %d of %d wanted groups", len(kept), n_wanted)
+    trajectories = [t for members in kept for t in members]
+    metrics = rollout_metrics(trajectories, failed, time.perf_counter() - start, env_pool)
+    metrics.update({"rollout/groups_launched": launched, "rollout/groups_kept": len(kept),
+                    "rollout/groups_dropped": dropped, "rollout/samples_exhausted": float(exhausted)})
+    return RolloutResult(trajectories, failed, metrics)
+
+
+def rollout_metrics(kept: list[Trajectory], failed: list[Trajectory], wall_s: float,
+                    env_pool: EnvPool | None = None) -> dict[str, float]:
+    """Per-rollout numbers for the logger: throughput, lengths, finish reasons, env time, failures."""
+    lengths = [t.num_action_tokens for t in kept]
+    generated = sum(lengths)
+    metrics: dict[str, float] = {
+        "rollout/trajectories": len(kept),
+        "rollout/failed": len(failed),
+        "rollout/wall_s": wall_s,
+        "rollout/tokens_per_s": generated / wall_s if wall_s > 0 else 0.0,
+        "rollout/generated_tokens": generated,
+        "rollout/response_length_mean": generated / len(lengths) if lengths else 0.0,
+        "rollout/response_length_min": min(lengths, default=0),
+        "rollout/response_length_max": max(lengths, default=0),
+        "rollout/turns_mean": sum(t.num_turns for t in kept) / len(kept) if kept else 0.0,
+        "rollout/sequences_per_trajectory": sum(len(t.sequences) for t in kept) / len(kept) if kept else 0.0,
+        "rollout/env_reward_mean": sum(t.env_reward for t in kept) / len(kept) if kept else 0.0,
+        "rollout/env_time_s": sum(t.info.get("env_time_s", 0.0) for t in kept),
+    }
+    for reason, count in sorted(Counter(r for t in kept for r in t.finish_reasons).items()):
+        metrics[f"rollout/finish_reason/{reason}"] = count
+    if env_pool is not None:
+        metrics["rollout/envs_max_in_use"] = env_pool.max_in_use
+    return metrics

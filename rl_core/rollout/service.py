@@ -1,0 +1,185 @@
+"""Rank 0's rollout side: an asyncio loop in a background thread that talks to the router.
+
+Sync mode asks it for one batch at a time (`collect`). Async mode starts a producer that keeps
+generating batches into a bounded queue while the trainer trains; `next_batch` hands out
+trajectories no staler than `max_staleness` policy versions and counts the ones it drops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import Callable, Protocol
+
+from envs.pool import EnvPool
+from rl_core.rollout.rollout import RolloutResult, rollout
+from workers.engines.client import EngineClient
+
+
+class PromptStream(Protocol):
+    """Prompt batches whose position can be saved and restored (rollout.prompts.PromptSamples)."""
+
+    def __next__(self) -> list[dict]: ...
+
+    def state_dict(self) -> dict: ...
+
+
+class GatedClient:
+    """An EngineClient whose new generate calls wait while the gate is closed.
+
+    `hold` closes the gate and returns once every call already sent has been answered, so the
+    engines are idle (async mode without partial rollout: requests finish on the old weights).
+    """
+
+    def __init__(self, client: EngineClient):
+        self.client = client
+        self.open = asyncio.Event()
+        self.open.set()
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def generate(self, *args, **kwargs):
+        await self.open.wait()
+        self.in_flight += 1
+        self.idle.clear()
+        try:
+            return await self.client.generate(*args, **kwargs)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.idle.set()
+
+    async def hold(self) -> None:
+        self.open.clear()
+        await self.idle.wait()
+
+    async def release(self) -> None:
+        self.open.set()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class RolloutService:
+    def __init__(self, *, router_url: str, tokenizer, env_factory, num_envs: int, step_timeout_s: float,
+                 max_failed_ratio: float, sampling_params: dict, max_turns: int, concurrency: int,
+                 max_total_tokens: int, timeout_s: float, progress: bool):
+        self.tokenizer = tokenizer
+        self.sampling_params = sampling_params
+        self.max_turns = max_turns
+        self.concurrency = concurrency
+        self.max_total_tokens = max_total_tokens
+        self.timeout_s = timeout_s
+        self.progress = progress
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True)
+        self.thread.start()
+        # aiohttp sessions and the pool's semaphore belong to the loop they are created on.
+        self.client = self._call(self._make(GatedClient, EngineClient(router_url, timeout_s=timeout_s)))
+        self.env_pool = self._call(self._make(EnvPool, env_factory, num_envs=num_envs, step_timeout_s=step_timeout_s,
+                                              max_failed_ratio=max_failed_ratio))
+        self.batches: queue.Queue = queue.Queue()
+        self.producer: asyncio.Future | None = None
+        self.stop_producing = threading.Event()
+        # Async resume point: the prompt stream's state after the last batch the trainer took.
+        # Batches still queued or being generated are not in it, so a resumed run generates them again.
+        self.resume_state: dict | None = None
+        self.batches_taken = 0
+
+    @staticmethod
+    async def _make(cls, *args, **kwargs):
+        return cls(*args, **kwargs)
+
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _rollout(self, samples: list[dict], version: int | Callable[[], int]) -> RolloutResult:
+        return await rollout(samples, client=self.client, env_pool=self.env_pool, tokenizer=self.tokenizer,
+                             sampling_params=self.sampling_params, max_turns=self.max_turns,
+                             policy_version=version, progress=self.progress, concurrency=self.concurrency,
+                             max_total_tokens=self.max_total_tokens)
+
+    def collect(self, samples: list[dict], version: int) -> RolloutResult:
+        """Sync mode: generate one batch with the current policy and wait for it."""
+        return self._call(self._rollout(samples, version))
+
+    # ------------------------------------------------------------------ async mode
+
+    def hold(self) -> None:
+        """Stop sending new engine calls and wait for the running ones: engines drain before a push."""
+        self._call(self.client.hold())
+
+    def release(self) -> None:
+        self._call(self.client.release())
+
+    def start_producer(self, sample_batches: PromptStream, current_version: Callable[[], int],
+                       max_queued: int) -> None:
+        """Keep generating batches (at most `max_queued` waiting) until `close`."""
+        self.batches = queue.Queue(maxsize=max_queued)
+        self.resume_state = sample_batches.state_dict()
+
+        async def produce():
+            while not self.stop_producing.is_set():
+                samples = next(sample_batches)
+                position = sample_batches.state_dict()
+                result = await self._rollout(samples, current_version)
+                while not self.stop_producing.is_set():
+                    try:
+                        self.batches.put_nowait((result, position))
+                        break
+                    except queue.Full:
+                        await asyncio.sleep(0.01)
+
+        self.producer = asyncio.run_coroutine_threadsafe(produce(), self.loop)
+
+    def next_batch(self, batch_size: int, current_version: int, max_staleness: int) -> tuple[RolloutResult, int]:
+        """Take `batch_size` fresh-enough trajectories from the producer; returns (batch, dropped count).
+
+        Staleness counts from the oldest token of a trajectory (partial rollouts mix versions).
+        Fresh trajectories beyond ``batch_size`` in the last batch taken are discarded and counted
+        in ``async/surplus_discarded``: every batch taken is then fully used, which keeps the
+        resume point exact.
+        """
+        kept, failed, metrics, dropped, surplus = [], [], {}, 0, 0
+        while len(kept) < batch_size:
+            result, self.resume_state = self._get_result()
+            self.batches_taken += 1
+            for traj in result.trajectories:
+                if current_version - traj.min_version > max_staleness:
+                    dropped += 1
+                elif len(kept) < batch_size:
+                    kept.append(traj)
+                else:
+                    surplus += 1
+            failed += result.failed
+            metrics = dict(result.metrics)
+        metrics.update({"async/surplus_discarded": surplus, "async/batches_taken": self.batches_taken})
+        return RolloutResult(kept, failed, metrics), dropped
+
+    def _get_result(self) -> tuple[RolloutResult, dict]:
+        while True:
+            if self.producer is not None and self.producer.done():
+                self.producer.result()  # re-raises the producer's error (engine died, envs failing)
+                raise RuntimeError("the rollout producer stopped unexpectedly")
+            try:
+                return self.batches.get(timeout=0.5)
+            except queue.Empty:
+                continue
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        self.stop_producing.set()
+        if self.producer is not None:
+            self.producer.cancel()
+        try:
+            self._call(self._shutdown(), timeout=30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+
+    async def _shutdown(self) -> None:
+        await self.client.close()
+        await self.env_pool.close()

@@ -1,0 +1,134 @@
+"""Reward-model job: 2-rank FSDP run end to end, its checkpoint, normalisation, config errors, bootstrap."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+OPENINGS = ["the old man walked to the market", "she looked at the garden", "the children went to the river",
+            "he opened the door", "the teacher sat by the window", "we walked home in the rain"]
+POSITIVE = ["and felt happy and proud.", "and smiled at the wonderful sun.", "and laughed with joy.",
+            "and loved the lovely morning."]
+NEGATIVE = ["and felt sad and angry.", "and cried in the terrible storm.", "and was hurt and lonely.",
+            "and hated the awful cold."]
+
+
+def _write_pairs(path: Path, pairs: list[tuple[str, str, str]]) -> None:
+    """Pairwise rows labelled by the sentiment labeler (which of the two it prefers)."""
+    from rl_core.tiny.labeler import SentimentLabeler
+
+    labeler = SentimentLabeler()
+    with path.open("w") as handle:
+        for prompt, first, second in pairs:
+            best = labeler.label_pair(prompt, [first, second])
+            chosen, rejected = (first, second) if best == 0 else (second, first)
+            handle.write(json.dumps({"prompt": prompt, "chosen": " " + chosen, "rejected": " " + rejected}) + "\n")
+
+
+def _pairs(seed: int, count: int) -> list[tuple[str, str, str]]:
+    rng = torch.Generator().manual_seed(seed)
+    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=rng))]  # noqa: E731
+    pairs = []
+    for _ in range(count):
+        good, bad = pick(POSITIVE), pick(NEGATIVE)
+        pairs.append((pick(OPENINGS), *((good, bad) if torch.rand(1, generator=rng) < 0.5 else (bad, good))))
+    return pairs
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    env.pop("RANK", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def rm_run(tiny_model_dir, tmp_path_factory):
+    """One 2-process torchrun of the job on tiny data; returns (metrics, stdout, tmp dir)."""
+    tmp = tmp_path_factory.mktemp("rm_job")
+    _write_pairs(tmp / "train.jsonl", _pairs(0, 96))
+    _write_pairs(tmp / "test.jsonl", _pairs(1, 32))
+    (tmp / "prompts.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in OPENINGS))
+    overrides = [
+        f"model.policy_path={tiny_model_dir}", f"data.train_path={tmp / 'train.jsonl'}",
+        f"data.test_path={tmp / 'test.jsonl'}", "data.max_length=48", f"normalize.prompts_path={tmp / 'prompts.jsonl'}",
+        "normalize.query_length=12", "normalize.response_length=8", "normalize.num_samples=256",
+        "normalize.truncate_token=null",
+        "train.batch_size=16", "train.lr=3e-3", "train.max_tokens_per_device=256", f"trainer.run_dir={tmp / 'run'}",
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "rl_core.train_rm", "--config", "rm_sentiment.yaml", *overrides]
+    proc = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=150,
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = [line for line in proc.stdout.splitlines() if line.strip()][-1]
+    return json.loads(last), proc.stdout, tmp
+
+
+@pytest.mark.timeout(200)
+def test_two_rank_job_reports_and_learns(rm_run):
+    metrics, stdout, _ = rm_run
+    for key in ("heldout_accuracy", "spearman", "gain", "bias", "normalized_mean", "normalized_std", "output_dir"):
+        assert key in metrics, key
+    assert 0.0 <= metrics["heldout_accuracy"] <= 1.0
+    assert metrics["world_size"] == 2
+    assert metrics["train_steps"] == 96 // 16
+    # The sentiment words are easy to separate: the model must beat chance clearly.
+    assert metrics["heldout_accuracy"] >= 0.75, stdout
+    assert abs(metrics["normalized_mean"]) < 0.25 and 0.75 < metrics["normalized_std"] < 1.25
+    assert sum(line.startswith("{") for line in stdout.splitlines()) == 1, "only rank 0 prints the result"
+
+
+@pytest.mark.timeout(200)
+def test_checkpoint_loads_and_is_normalised_on_fresh_samples(rm_run, tiny_model_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    from rl_core.reward_model.sampling import load_queries, sample_responses
+    from rl_core.reward_model.training import score_sequences
+    from workers.models import load_causal_lm, load_reward_model, load_tokenizer
+
+    metrics, _, tmp = rm_run
+    out = Path(metrics["output_dir"])
+    assert AutoModelForSequenceClassification.from_pretrained(out).config.num_labels == 1
+    tokenizer = load_tokenizer(str(out))
+    model = load_reward_model(str(out), pad_token_id=tokenizer.pad_token_id)
+    assert model.config.reward_gain == pytest.approx(metrics["gain"])
+    assert model.config.reward_bias == pytest.approx(metrics["bias"])
+
+    policy = load_causal_lm(tiny_model_dir).eval()
+    queries = load_queries(str(tmp / "prompts.jsonl"), "text", tokenizer, 12) * 40
+    responses = sample_responses(policy, tokenizer, queries, 8, 1.0, seed=987)
+    assert {len(r) for r in responses} == {8}, "fixed-length samples: EOS must not stop them"
+    scores = score_sequences(model, [q + r for q, r in zip(queries, responses)], tokenizer.pad_token_id,
+                             torch.device("cpu"), normalized=True)
+    assert abs(scores.mean().item()) < 0.25
+    assert 0.75 < scores.std(unbiased=False).item() < 1.25
+
+
+def test_bad_config_key_exits_2_with_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rl_core.train_rm", "--config", "rm_sentiment.yaml",
+                           "train.batch_sise=4"], cwd=tmp_path, env=_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "train.batch_sise" in lines[0] and "train.batch_size" in lines[0], proc.stderr
+
+
+def test_validation_names_the_key_and_fix():
+    from rl_core.config import ConfigError, load_config
+    from rl_core.reward_model.config import RMConfig, validate
+
+    def load(*overrides):
+        return load_config("rm_sentiment.yaml", list(overrides), RMConfig, validate)
+
+    assert load().train.batch_size > 0
+    with pytest.raises(ConfigError, match="labeler.name"):
+        load("labeler.name=null")
+    with pytest.raises(ConfigError, match="train.max_tokens_per_device"):
+        load("data.max_length=128", "train.max_tokens_per_device=200")
+    with pytest.raises(ConfigError, match="data.test_path"):
+        load("data.train_path=/some/file.jsonl")

@@ -1,0 +1,288 @@
+"""Rollout against a real embedded engine behind the real sglang-router (tiny random GPT-2)."""
+
+import asyncio
+import logging
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from envs.base import Action, Env, StepResult, make_env_factory
+from envs.calculator import CalculatorEnv
+from envs.pool import EnvPool, TooManyEnvFailures
+from envs.sentiment import SentimentEnv
+from rl_core.rollout.rollout import rollout, rollout_until
+from workers.engines.client import EngineClient
+from workers.engines.embedded import launch_embedded_engine
+from workers.engines.weights import WeightPusher
+from workers.procs import ManagedProcesses
+from workers.router import launch_router
+
+CONTEXT = 64  # the tiny model's n_positions
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("rollout_logs")
+    with ManagedProcesses() as procs:
+        engine = launch_embedded_engine(tiny_model_dir, logs / "engine.log", processes=procs, num_threads=1,
+                                        deadline_s=90)
+        router = launch_router("127.0.0.1", None, [engine.url], log_path=logs / "router.log", processes=procs,
+                               deadline_s=60)
+        yield router.url, engine.url
+
+
+@pytest.fixture(scope="module")
+def router_url(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+class RecordingClient:
+    """The real EngineClient, keeping every request's input ids and answer for the assertions."""
+
+    def __init__(self, client: EngineClient):
+        self.client = client
+        self.calls: list[tuple[list[int], dict]] = []
+
+    async def generate(self, input_ids, sampling_params, return_logprob=True, rid=None):
+        answer = await self.client.generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid)
+        self.calls.append((list(input_ids), answer))
+        return answer
+
+
+def run_rollout(router_url, samples, env_factory, tokenizer, *, num_envs=4, max_failed_ratio=0.1, **kwargs):
+    """One rollout on a fresh loop; returns (result, recorded engine calls, pool)."""
+    pool = EnvPool(env_factory, num_envs=num_envs, step_timeout_s=30, max_failed_ratio=max_failed_ratio)
+
+    async def main():
+        async with EngineClient(router_url, timeout_s=60) as client:
+            recorder = RecordingClient(client)
+            try:
+                result = await rollout(samples, client=recorder, env_pool=pool, tokenizer=tokenizer,
+                                       progress=False, **kwargs)
+            finally:
+                await pool.close()
+            return result, recorder.calls
+
+    result, calls = asyncio.run(main())
+    return result, calls, pool
+
+
+def assert_engine_tokens_kept(trajectories, calls):
+    """Each engine call's input is a sequence's (unpadded) prefix and its output ids follow as-is."""
+    for input_ids, answer in calls:
+        output_ids = answer["output_ids"]
+        logprobs = [t[0] for t in answer["meta_info"]["output_token_logprobs"]]
+        matches = []
+        for traj in trajectories:
+            for seq in traj.sequences:
+                real = [k for k, m in enumerate(seq.attention_mask) if m]  # positions the engine saw
+                n = len(input_ids)
+                if [seq.input_ids[k] for k in real[:n]] == input_ids and \
+                        [seq.input_ids[k] for k in real[n:n + len(output_ids)]] == output_ids:
+                    positions = real[n:n + len(output_ids)]
+                    assert all(seq.action_mask[k] == 1 for k in positions)
+                    assert [seq.behaviour_logprobs[k] for k in positions] == pytest.approx(logprobs)
+                    matches.append(seq)
+        assert matches, f"engine output {output_ids} is not in any trajectory as sampled"
+
+
+@pytest.mark.timeout(120)
+def test_sentiment_rollout_keeps_engine_tokens_fixed_length(router_url, tokenizer, caplog):
+    query_length, response_length = 8, 10
+    texts = ["the old man walked", "she smiled", "a terrible storm broke the quiet night.", "we found"]
+    samples = [{"query_ids": tokenizer.encode(t)} for t in texts] * 2
+    factory = make_env_factory(SentimentEnv, {"query_length": query_length, "pad_token_id": tokenizer.pad_token_id})
+    params = {"max_new_tokens": response_length, "temperature": 0.7, "ignore_eos": True}
+    with caplog.at_level(logging.INFO, logger="rl_core.rollout"):
+        result, calls, pool = run_rollout(router_url, samples, factory, tokenizer, sampling_params=params,
+                                          max_turns=1, policy_version=3, max_total_tokens=CONTEXT)
+    assert len(result.trajectories) == len(samples) and not result.failed
+    for traj, sample in zip(result.trajectories, samples):
+        (seq,) = traj.sequences
+        assert len(seq) == query_length + response_length  # OpenAI: fixed-length query and response
+        assert seq.action_mask == [0] * query_length + [1] * response_length
+        n_pad = query_length - min(query_length, len(sample["query_ids"]))
+        assert seq.attention_mask == [0] * n_pad + [1] * (query_length - n_pad + response_length)
+        assert seq.input_ids[n_pad:query_length] == sample["query_ids"][-query_length:]
+        response_logprobs = seq.behaviour_logprobs[query_length:]
+        assert all(lp <= 0.0 for lp in response_logprobs) and any(lp < 0.0 for lp in response_logprobs)
+        assert seq.versions == [-1] * query_length + [3] * response_length  # engine says "default": caller's version
+        assert traj.finish_reasons == ["length"] and traj.num_turns == 1 and traj.env_reward == 0.0
+    assert len(calls) == len(samples)
+    assert_engine_tokens_kept(result.trajectories, calls)
+    for input_ids, _ in calls:
+        assert tokenizer.pad_token_id not in input_ids  # left padding is masked, not sent
+    metrics = result.metrics
+    assert metrics["rollout/response_length_min"] == metrics["rollout/response_length_max"] == response_length
+    assert metrics["rollout/finish_reason/length"] == len(samples) and metrics["rollout/failed"] == 0
+    assert metrics["rollout/tokens_per_s"] > 0 and 1 <= metrics["rollout/envs_max_in_use"] <= 4
+    assert "[sample] query" in caplog.text  # the first finished trajectory is shown
+
+
+def calculator_factory():
+    # Short texts: the tiny model has 64 positions and its tokenizer is close to one token per byte.
+    return make_env_factory(CalculatorEnv, {"max_turns": 4, "summarize_every": 2, "max_state_chars": 20,
+                                            "question_template": "Q: {expression}\n", "nudge": "?",
+                                            "summary_template": "{question}K: {facts}\n"})
+
+
+@pytest.mark.timeout(120)
+def test_multi_turn_calculator_rollout_appends_and_starts_new_sequences(router_url, tokenizer):
+    samples = [{"expression": e} for e in ["2+3", "4*5", "9-7", "6/3", "1+1", "8*8"]]
+    result, calls, _ = run_rollout(router_url, samples, calculator_factory(), tokenizer,
+                                   sampling_params={"max_new_tokens": 6, "temperature": 1.0},
+                                   max_turns=4, policy_version=0, max_total_tokens=CONTEXT)
+    trajectories = result.trajectories
+    assert len(trajectories) == len(samples)
+    appended = sum(t.info["appended_observations"] for t in trajectories)
+    new_sequences = sum(t.info["new_sequences"] for t in trajectories)
+    assert appended > 0 and new_sequences > 0  # both multi-turn cases happened
+    assert any(len(t.sequences) > 1 for t in trajectories)
+    for traj in trajectories:
+        assert len(traj.sequences) == 1 + traj.info["new_sequences"]
+        budget_stop = traj.info["truncated"]
+        assert len(traj.finish_reasons) == traj.num_turns + int(budget_stop)
+        assert not budget_stop or traj.finish_reasons[-1] == "length"
+        assert len(traj.action_chain()) == traj.num_action_tokens > 0
+        assert all(len(seq) <= CONTEXT for seq in traj.sequences)
+    assert_engine_tokens_kept(trajectories, calls)
+    assert len(calls) == sum(t.num_turns for t in trajectories)
+    assert result.metrics["rollout/turns_mean"] > 1
+
+
+class FlakyEnv(Env):
+    """Raises on samples marked 'boom', otherwise a one-turn env with reward 1."""
+
+    async def reset(self, sample):
+        self.boom = sample.get("boom", False)
+        return sample["text"]
+
+    async def step(self, action: Action) -> StepResult:
+        if self.boom:
+            raise RuntimeError("tool server returned 500")
+        return StepResult(None, 1.0, True)
+
+
+@pytest.mark.timeout(120)
+def test_env_failures_are_excluded_and_too_many_raise(router_url, tokenizer, caplog):
+    samples = [{"text": "she smiled", "boom": i % 4 == 0} for i in range(8)]
+    params = {"max_new_tokens": 4}
+    with caplog.at_level(logging.ERROR, logger="envs.pool"):
+        result, _, pool = run_rollout(router_url, samples, FlakyEnv, tokenizer, max_failed_ratio=0.5,
+                                      sampling_params=params, max_turns=2, policy_version=0, max_total_tokens=CONTEXT)
+    assert len(result.failed) == 2 and len(result.trajectories) == 6 and pool.failed == 2
+    assert all(t.failed and "tool server returned 500" in t.error for t in result.failed)
+    assert all(t.env_reward == 1.0 and not t.failed for t in result.trajectories)
+    assert result.metrics["rollout/failed"] == 2 and "Traceback" in caplog.text
+    with pytest.raises(TooManyEnvFailures, match="failed in their environment"):
+        run_rollout(router_url, samples, FlakyEnv, tokenizer, max_failed_ratio=0.1,
+                    sampling_params=params, max_turns=2, policy_version=0, max_total_tokens=CONTEXT)
+
+
+@pytest.mark.timeout(120)
+def test_readme_example_env_plugged_by_import_path(router_url, tokenizer):
+    factory = make_env_factory("envs.examples.echo_length:TargetLengthEnv", {"target_words": 3})
+    samples = [{"text": t} for t in ["the old man", "she smiled at the", "a storm"]]
+    result, calls, _ = run_rollout(router_url, samples, factory, tokenizer,
+                                   sampling_params={"max_new_tokens": 8}, max_turns=1, policy_version=0,
+                                   max_total_tokens=CONTEXT)
+    assert len(result.trajectories) == 3
+    for traj in result.trajectories:
+        words = traj.info["words"]
+        assert traj.env_reward == pytest.approx(max(0.0, 1 - abs(words - 3) / 3))
+        seq = traj.sequences[0]
+        assert seq.token_rewards[max(traj.action_chain())[1]] == pytest.approx(traj.env_reward)
+    assert_engine_tokens_kept(result.trajectories, calls)
+
+
+@pytest.mark.timeout(120)
+def test_rollout_until_replaces_dropped_groups(router_url, tokenizer):
+    factory = make_env_factory("envs.examples.echo_length:TargetLengthEnv", {"target_words": 3})
+    pool = EnvPool(factory, num_envs=4, step_timeout_s=30)
+    samples = ({"text": f"we found {i}"} for i in range(100))
+
+    async def main(keep_fn, max_groups=None):
+        async with EngineClient(router_url, timeout_s=60) as client:
+            return await rollout_until(2, samples, keep_fn, group_size=3, client=client, env_pool=pool,
+                                       tokenizer=tokenizer, sampling_params={"max_new_tokens": 4}, max_turns=1,
+                                       policy_version=0, progress=False, max_total_tokens=CONTEXT,
+                                       max_groups=max_groups)
+
+    result = asyncio.run(main(lambda group: group[0].info["group"] % 2 == 1))  # drop every other group
+    groups = [result.trajectories[i:i + 3] for i in range(0, len(result.trajectories), 3)]
+    assert len(groups) == 2 and all(len(g) == 3 for g in groups)
+    assert all(len({id(t.sample) for t in g}) == 1 and len({t.info["group"] for t in g}) == 1 for g in groups)
+    assert sorted(g[0].info["group"] for g in groups) == [1, 3]
+    assert result.metrics["rollout/groups_launched"] == 4 and result.metrics["rollout/groups_dropped"] == 2
+    with pytest.raises(RuntimeError, match="keep_fn dropped 3"):
+        asyncio.run(main(lambda group: False, max_groups=3))
+
+
+@pytest.mark.timeout(120)
+def test_aborted_generation_continues_on_new_weights_with_per_token_versions(servers, tokenizer, tiny_model_dir):
+    """A weight push pauses engines with `abort`: the trajectory keeps the partial tokens and goes on.
+
+    Tokens are tagged with the older of the version current when their request was sent and the
+    engine's answer, so the aborted part keeps the old version and the continuation the new one
+    (a request sent before the new version is announced keeps the old tag: staleness is never
+    under-counted).
+    """
+    from transformers import AutoModelForCausalLM
+
+    router, engine_url = servers
+    query_length, response_length = 8, 48
+    samples = [{"query_ids": tokenizer.encode("the old man walked to the market")} for _ in range(8)]
+    pool = EnvPool(make_env_factory(SentimentEnv, {"query_length": query_length,
+                                                   "pad_token_id": tokenizer.pad_token_id}), num_envs=8)
+    params = {"max_new_tokens": response_length, "ignore_eos": True}
+    same_weights = list(AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict().items())
+    pusher = WeightPusher(torch.float32)
+    version = {"now": 4}
+
+    async def push_midway(engine: EngineClient, generating: asyncio.Task):
+        while (await engine.server_info())["internal_states"][0]["running"] == 0:
+            if generating.done():
+                return  # the rollout finished first: nothing to interrupt this attempt
+            await asyncio.sleep(0.001)
+        await engine.pause_generation("in_place")  # hold the running requests between two decode steps
+        # Announce the new version, then abort: partial outputs come back as "abort", and the
+        # continuations sent from here wait in the paused engine for the new weights.
+        version["now"] = 5
+        await engine.pause_generation("abort")
+        await pusher.push(engine, same_weights, "5", flush_cache=False)
+        await engine.continue_generation()
+
+    async def main():
+        version["now"] = 4
+        async with EngineClient(router, timeout_s=60) as client, EngineClient(engine_url) as engine:
+            await pusher.push(engine, same_weights, "4")
+            generating = asyncio.create_task(rollout(
+                samples, client=client, env_pool=pool, tokenizer=tokenizer, sampling_params=params, max_turns=1,
+                policy_version=lambda: version["now"], progress=False, max_total_tokens=CONTEXT))
+            try:
+                await push_midway(engine, generating)
+                return await generating
+            finally:
+                generating.cancel()
+                await engine.continue_generation()
+
+    continued = 0
+    for _ in range(5):  # the pause races the (fast) tiny model; retry until it lands mid-generation
+        result = asyncio.run(main())
+        for traj in result.trajectories:
+            (seq,) = traj.sequences
+            versions = seq.versions[query_length:]
+            assert len(versions) == response_length and traj.finish_reasons == ["length"]  # the full fixed length
+            switch = versions.index(5) if 5 in versions else response_length
+            assert versions == [4] * switch + [5] * (response_length - switch)  # old policy first, then the new one
+            continued += 0 < switch < response_length
+            assert traj.min_version == (4 if switch else 5)
+        if continued:
+            break
+    assert continued >= 1

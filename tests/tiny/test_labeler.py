@@ -1,0 +1,136 @@
+"""Offline labelers: real VADER scores, the noise models, and files the RM loader accepts."""
+
+import math
+
+import pytest
+
+from rl_core.tiny.labeler import (
+    DescriptivenessLabeler,
+    SentimentLabeler,
+    build_preference_file,
+    get_labeler,
+)
+from rl_core.reward_model.data import load_preference_dataset
+
+POSITIVE = "and she smiled, happy and grateful for the wonderful day."
+NEGATIVE = "and she cried, miserable and angry about the terrible day."
+PLAIN = "and he went to the shop to get the milk."
+DESCRIPTIVE = "and the old, dusty house stood quietly beside the dark, misty river."
+
+
+def test_sentiment_scores_positive_above_negative():
+    positive, negative, plain = SentimentLabeler().score([POSITIVE, NEGATIVE, PLAIN])
+    assert positive > plain > negative
+    assert -1.0 <= negative < 0.0 < positive <= 1.0
+
+
+def test_descriptiveness_counts_adjectives_and_adverbs():
+    labeler = DescriptivenessLabeler()
+    descriptive, plain = labeler.score([DESCRIPTIVE, PLAIN])
+    assert descriptive >= 5 and plain == 0
+    assert labeler.score(["the family table"]) == [0.0]  # -ly / -able nouns are not counted
+
+
+def test_noise_free_labels_are_deterministic_and_follow_the_order():
+    labeler = SentimentLabeler(noise=0.0, seed=1)
+    assert {labeler.label_pair("q", [POSITIVE, NEGATIVE]) for _ in range(50)} == {0}
+    assert {labeler.label_pair("q", [NEGATIVE, POSITIVE]) for _ in range(50)} == {1}
+    assert labeler.label_group("q", [PLAIN, NEGATIVE, POSITIVE, PLAIN]) == 2
+    assert get_labeler("descriptiveness").label_pair("q", [PLAIN, DESCRIPTIVE]) == 1
+
+
+def test_half_noise_flips_about_half_the_labels():
+    labeler = SentimentLabeler(noise=0.5, seed=123)
+    draws = 4000
+    flips = sum(labeler.label_pair("q", [POSITIVE, NEGATIVE]) != 0 for _ in range(draws))
+    assert abs(flips / draws - 0.5) < 0.04  # ~5 standard deviations
+
+
+def test_full_noise_always_flips_and_four_way_noise_picks_another():
+    assert {SentimentLabeler(noise=1.0).label_pair("q", [POSITIVE, NEGATIVE])
+            for _ in range(20)} == {1}
+    labeler = SentimentLabeler(noise=1.0, seed=0)
+    picks = {labeler.label_group("q", [NEGATIVE, POSITIVE, PLAIN, NEGATIVE]) for _ in range(200)}
+    assert picks == {0, 2, 3}
+
+
+def test_bradley_terry_sampling_matches_the_sigmoid_of_the_gap():
+    labeler = SentimentLabeler(temperature=0.5, seed=7)
+    positive, negative = labeler.score([POSITIVE, NEGATIVE])
+    expected = 1.0 / (1.0 + math.exp(-(positive - negative) / 0.5))
+    draws = 4000
+    wins = sum(labeler.label_pair("q", [POSITIVE, NEGATIVE]) == 0 for _ in range(draws))
+    tolerance = 5 * math.sqrt(expected * (1 - expected) / draws)
+    assert abs(wins / draws - expected) < tolerance
+    assert 0.5 < expected < 1.0
+
+
+def test_ties_are_broken_at_random_not_towards_index_zero():
+    labeler = SentimentLabeler(seed=3)
+    picks = [labeler.label_pair("q", [PLAIN, PLAIN]) for _ in range(200)]
+    assert 50 < sum(picks) < 150
+
+
+def test_bad_settings_are_explained():
+    with pytest.raises(ValueError, match="noise=1.5 must be a probability"):
+        SentimentLabeler(noise=1.5)
+    with pytest.raises(ValueError, match="unknown labeler 'toxicity'"):
+        get_labeler("toxicity")
+    with pytest.raises(ValueError, match="exactly 2 responses"):
+        SentimentLabeler().label_pair("q", [POSITIVE])
+
+
+CONTINUATIONS = [POSITIVE, NEGATIVE, PLAIN, DESCRIPTIVE]
+
+
+def rotating_sample_fn(queries, n):
+    """Deterministic stand-in for the policy: continuation order rotates with the query."""
+    return [[CONTINUATIONS[(i + k) % len(CONTINUATIONS)] for k in range(n)]
+            for i, _ in enumerate(queries)]
+
+
+def test_build_pairwise_file_loads_with_the_positive_side_chosen(tmp_path):
+    queries = [f"query number {i}." for i in range(6)]
+    counts = build_preference_file(queries, rotating_sample_fn, SentimentLabeler(),
+                                   tmp_path / "pairs.jsonl", n_samples=2, format="pairwise",
+                                   batch_size=4)
+    assert counts["written"] == 6 and counts["skipped_empty"] == 0
+    examples, skipped = load_preference_dataset(counts["path"])
+    assert skipped == 0 and [e.prompt for e in examples] == queries
+    scorer = SentimentLabeler()
+    for example in examples:
+        chosen, rejected = scorer.score(example.responses)
+        assert example.best == 0 and chosen >= rejected
+
+
+def test_build_openai_file_loads_with_the_best_of_four(tmp_path):
+    queries = [f"query {i}." for i in range(5)]
+    counts = build_preference_file(queries, rotating_sample_fn, get_labeler("descriptiveness"),
+                                   tmp_path / "oa.jsonl", n_samples=4, format="openai")
+    examples, _ = load_preference_dataset(counts["path"])
+    assert len(examples) == 5
+    for example in examples:
+        assert len(example.responses) == 4
+        assert example.responses[example.best] == DESCRIPTIVE
+
+
+def test_build_skips_empty_continuations_and_is_reproducible_with_a_seed(tmp_path):
+    def sample_with_empty(queries, n):
+        groups = rotating_sample_fn(queries, n)
+        groups[1][0] = "   "
+        return groups
+
+    labeler = SentimentLabeler(noise=0.3)
+    paths = []
+    for name in ("a.jsonl", "b.jsonl"):
+        counts = build_preference_file([f"q{i}" for i in range(40)], sample_with_empty, labeler,
+                                       tmp_path / name, format="openai", seed=5)
+        assert counts == {"path": str(tmp_path / name), "written": 39, "skipped_empty": 1}
+        paths.append(tmp_path / name)
+    assert paths[0].read_text() == paths[1].read_text()
+
+
+def test_build_refuses_pairwise_with_four_samples(tmp_path):
+    with pytest.raises(ValueError, match="pairwise format holds 2 responses"):
+        build_preference_file(["q"], rotating_sample_fn, SentimentLabeler(), tmp_path / "x.jsonl",
+                              n_samples=4, format="pairwise")

@@ -1,0 +1,341 @@
+"""The embedded engine as a real server process: protocol, sampling, batching, control, weight sync."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from workers.engines.client import EngineClient, EngineError
+from workers.engines.embedded import launch_embedded_engine
+from workers.engines.weights import (WeightPusher, WeightSyncError, check_pushed_weights, flatten_bucket,
+                                     serialize_for_engine)
+from workers.procs import ManagedProcesses
+
+CONTEXT = 512
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir, tmp_path_factory):
+    """The session tokenizer with a 2-layer GPT-2 whose context (512) allows long, abortable decodes."""
+    from transformers import AutoTokenizer
+
+    from rl_core.tiny.assets import init_tiny_gpt2
+
+    out = tmp_path_factory.mktemp("engine_model")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.save_pretrained(out)
+    init_tiny_gpt2(tokenizer, n_layer=2, n_embd=32, n_head=2, n_positions=CONTEXT).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "engine.log"
+    with ManagedProcesses() as procs:
+        yield launch_embedded_engine(model_dir, log, processes=procs, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+async def engine_state(client) -> dict:
+    """The embedded engine's counters (SGLang puts scheduler state under internal_states)."""
+    return (await client.server_info())["internal_states"][0]
+
+
+def run(engine, make_coro):
+    """Run `make_coro(client)` against the engine with a fresh client."""
+    async def main():
+        async with EngineClient(engine.url, timeout_s=60) as client:
+            return await make_coro(client)
+    return asyncio.run(main())
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [10], [11, 12, 13]]
+
+
+@pytest.mark.timeout(180)
+def test_single_and_batched_responses_follow_sglang_shape(engine):
+    single, batch = run(engine, lambda c: asyncio.gather(
+        c.generate(PROMPTS[0], {"max_new_tokens": 4, "ignore_eos": True}, rid="one"),
+        c.generate(PROMPTS, {"max_new_tokens": 3, "ignore_eos": True}, rid="many")))
+    assert isinstance(single, dict) and set(single) == {"text", "output_ids", "meta_info"}
+    meta = single["meta_info"]
+    assert meta["id"] == "one" and meta["finish_reason"] == {"type": "length", "length": 4}
+    assert meta["prompt_tokens"] == 5 and meta["completion_tokens"] == 4 and meta["cached_tokens"] == 0
+    assert meta["weight_version"] == "default" and meta["e2e_latency"] > 0
+    assert [t[1] for t in meta["output_token_logprobs"]] == single["output_ids"]
+    assert all(t[0] <= 0 and t[2] is None for t in meta["output_token_logprobs"])
+    assert isinstance(batch, list) and len(batch) == 3
+    assert [r["meta_info"]["prompt_tokens"] for r in batch] == [len(p) for p in PROMPTS]
+    assert [r["meta_info"]["id"] for r in batch] == ["many_0", "many_1", "many_2"]
+    assert all(len(r["output_ids"]) == 3 for r in batch)
+
+
+@pytest.mark.timeout(180)
+def test_ignore_eos_gives_exactly_max_new_tokens_and_eos_stops_otherwise(engine, model_dir):
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    params = [{"max_new_tokens": 40, "temperature": 1.5, "sampling_seed": seed} for seed in range(48)]
+    free, fixed = run(engine, lambda c: asyncio.gather(
+        asyncio.gather(*(c.generate([20], p) for p in params)),
+        asyncio.gather(*(c.generate([20], {**p, "ignore_eos": True}) for p in params))))
+    assert all(len(r["output_ids"]) == 40 and r["meta_info"]["finish_reason"]["type"] == "length" for r in fixed)
+    stopped = [r for r in free if r["meta_info"]["finish_reason"]["type"] == "stop"]
+    assert stopped, "with 1920 high-temperature samples over 300 tokens EOS should appear"
+    for r in stopped:  # output_ids include the matched EOS, as in SGLang
+        assert r["output_ids"][-1] == eos == r["meta_info"]["finish_reason"]["matched"]
+        assert eos not in r["output_ids"][:-1]
+
+
+@pytest.mark.timeout(180)
+def test_stop_token_ids_end_generation_at_the_first_match(engine):
+    greedy = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": False}
+    first = run(engine, lambda c: c.generate(PROMPTS[0], greedy))
+    stop_at = 3
+    stop_id = first["output_ids"][stop_at]
+    expected_len = first["output_ids"].index(stop_id) + 1
+    stopped = run(engine, lambda c: c.generate(PROMPTS[0], {**greedy, "stop_token_ids": [stop_id]}))
+    assert stopped["output_ids"] == first["output_ids"][:expected_len]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+
+
+@pytest.mark.timeout(180)
+def test_logprobs_match_a_plain_forward_even_for_rows_joining_mid_decode(engine, hf_model):
+    temperature = 0.7
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15]]  # different lengths: left padding in the batch
+    sampled = {"max_new_tokens": 10, "temperature": temperature, "ignore_eos": True}
+
+    async def body(client):
+        early = asyncio.create_task(client.generate([40, 41], {**sampled, "max_new_tokens": 150}))
+        await wait_running(client, early)  # the others join a batch whose cache is already longer
+        late = await asyncio.gather(client.generate(prompts, sampled),
+                                    client.generate(prompts[0], {"max_new_tokens": 6, "temperature": 0}))
+        return await early, *late
+    early, batch, greedy = run(engine, body)
+    cases = [([40, 41], early, temperature), *[(p, r, temperature) for p, r in zip(prompts, batch)],
+             (prompts[0], greedy, 1.0)]  # greedy logprobs are unscaled
+    for prompt, result, temp in cases:
+        ids = torch.tensor([prompt + result["output_ids"]])
+        with torch.no_grad():
+            logits = hf_model(ids, position_ids=torch.arange(ids.shape[1])[None]).logits[0]
+        logprobs = torch.log_softmax(logits.float() / temp, -1)[len(prompt) - 1:-1]
+        expected = logprobs.gather(-1, torch.tensor(result["output_ids"])[:, None]).squeeze(-1)
+        got = torch.tensor([t[0] for t in result["meta_info"]["output_token_logprobs"]])
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert greedy["output_ids"] == run_greedy(hf_model, prompts[0], len(greedy["output_ids"]))
+
+
+def run_greedy(model, prompt, steps):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=-1)
+    return ids[0, len(prompt):].tolist()
+
+
+@pytest.mark.timeout(180)
+def test_concurrent_requests_are_decoded_in_one_batch(engine):
+    async def body(client):
+        before = await engine_state(client)
+        await asyncio.gather(*(client.generate([30 + i], {"max_new_tokens": 8, "ignore_eos": True})
+                               for i in range(16)))
+        return before, await engine_state(client)
+    before, after = run(engine, body)
+    assert after["requests_finished"] - before["requests_finished"] == 16
+    assert after["batches_run"] - before["batches_run"] < 16
+    assert after["max_batch_seen"] > 1
+
+
+@pytest.mark.timeout(180)
+def test_text_input_and_bad_requests(engine, model_dir):
+    from transformers import AutoTokenizer
+
+    text = "the old man walked"
+    result = run(engine, lambda c: c.post("/generate", {"text": text, "sampling_params": {"max_new_tokens": 2}}))
+    assert result["meta_info"]["prompt_tokens"] == len(AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"])
+    with pytest.raises(EngineError, match="unknown sampling_params keys") as err:
+        run(engine, lambda c: c.generate([5], {"max_new_tokens": 2, "temprature": 1.0}))
+    assert err.value.status == 400 and engine.url in str(err.value)
+    with pytest.raises(EngineError, match="context length"):
+        run(engine, lambda c: c.generate([5] * 10, {"max_new_tokens": CONTEXT}))
+    with pytest.raises(EngineError, match="top_p"):
+        run(engine, lambda c: c.generate([5], {"top_p": 0}))
+
+
+async def wait_running(client, task):
+    while (await engine_state(client))["running"] == 0:
+        assert not task.done(), "request finished before the test could act on it"
+        await asyncio.sleep(0.01)
+
+
+LONG = {"max_new_tokens": 480, "ignore_eos": True}
+
+
+@pytest.mark.timeout(180)
+def test_pause_blocks_new_requests_and_abort_mode_returns_partial_output(engine):
+    async def body(client):
+        running = asyncio.create_task(client.generate([5], LONG, rid="long"))
+        await wait_running(client, running)
+        await client.pause_generation("in_place")
+        await asyncio.sleep(0.2)
+        frozen = (await engine_state(client))["tokens_generated"]
+        await asyncio.sleep(0.2)
+        assert (await engine_state(client))["tokens_generated"] == frozen  # held between steps
+        blocked = asyncio.create_task(client.generate([6], {"max_new_tokens": 2}))
+        await asyncio.sleep(0.3)
+        assert not blocked.done()
+        await client.pause_generation("abort")
+        aborted = await running
+        await asyncio.sleep(0.1)
+        assert not blocked.done()
+        await client.continue_generation()
+        return aborted, await blocked
+    aborted, unblocked = run(engine, body)
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(aborted["output_ids"]) < LONG["max_new_tokens"]
+    assert len(aborted["meta_info"]["output_token_logprobs"]) == len(aborted["output_ids"])
+    assert unblocked["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.timeout(180)
+def test_abort_request_matches_rid_prefix(engine):
+    async def body(client):
+        tasks = [asyncio.create_task(client.generate([5 + i], LONG, rid=f"job-{i}")) for i in range(2)]
+        keep = asyncio.create_task(client.generate([9], {"max_new_tokens": 30, "ignore_eos": True}, rid="other"))
+        await wait_running(client, tasks[0])
+        await client.abort("job-")
+        return await asyncio.gather(*tasks, keep)
+    *aborted, kept = run(engine, body)
+    assert all(r["meta_info"]["finish_reason"]["type"] == "abort" for r in aborted)
+    assert kept["meta_info"]["finish_reason"] == {"type": "length", "length": 30}
+
+
+@pytest.mark.timeout(180)
+def test_prompt_logprobs_follow_sglang(engine, hf_model):
+    """`max_new_tokens=0` is a prefill; `logprob_start_len` gives raw-logit logprobs, the first one null."""
+    prompt = [5, 6, 7, 8, 9, 10]
+    body = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0.7}}
+    full, tail = run(engine, lambda c: asyncio.gather(c.post("/generate", body),
+                                                      c.post("/generate", {**body, "logprob_start_len": 2})))
+    assert full["output_ids"] == [] and full["meta_info"]["output_token_logprobs"] == []
+    entries = full["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == prompt and entries[0][0] is None
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt])).logits[0]
+    expected = torch.log_softmax(logits[:-1].float(), -1).gather(-1, torch.tensor(prompt[1:])[:, None]).squeeze(-1)
+    torch.testing.assert_close(torch.tensor([e[0] for e in entries[1:]]), expected, atol=1e-4, rtol=0)
+    assert [e[1] for e in tail["meta_info"]["input_token_logprobs"]] == prompt[2:]
+    assert tail["meta_info"]["input_token_logprobs"][0][0] is None
+    assert [e[0] for e in tail["meta_info"]["input_token_logprobs"][1:]] == [e[0] for e in entries[3:]]
+
+
+def model_weights(model_dir, seed=None):
+    """The model's weights, plus noise when `seed` is given."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if seed is not None:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn(param.shape, generator=generator) * 0.5)
+    return model
+
+
+def probe_expectation(model, probe):
+    with torch.no_grad():
+        logits = model(torch.tensor([probe])).logits[0]
+    return torch.log_softmax(logits[:-1].float(), -1).gather(-1, torch.tensor(probe[1:])[:, None]).squeeze(-1).tolist()
+
+
+PROBE = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+@pytest.mark.timeout(180)
+def test_released_weights_are_lost_until_pushed_in_buckets(engine, model_dir):
+    """The GPU sequence on CPU: release -> resume weights -> push buckets -> resume KV cache -> check."""
+    original = model_weights(model_dir)
+    named = list(dict(original.named_parameters()).items())  # tied weights once, as the trainer sends them
+    pusher = WeightPusher(torch.float32, bucket_bytes=16 << 10)
+    greedy = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+    async def body(client):
+        before = await client.generate(PROMPTS[0], greedy)
+        await client.release_memory(["kv_cache", "weights"])
+        with pytest.raises(EngineError, match="memory released"):
+            await client.generate([5], {"max_new_tokens": 2})
+        with pytest.raises(EngineError, match="not released"):
+            await client.resume_memory(["cuda_graph"])
+        await client.resume_memory(["weights"])
+        with pytest.raises(EngineError, match="memory released"):  # the KV cache is still released
+            await client.generate([5], {"max_new_tokens": 2})
+        await client.resume_memory(["kv_cache"])
+        lost = await client.generate(PROMPTS[0], {**greedy, "max_new_tokens": 2})  # zeros: contents were lost
+        with pytest.raises(WeightSyncError, match="disagrees with the trainer"):
+            await check_pushed_weights(client, "default", PROBE, probe_expectation(original, PROBE), 2e-3)
+        stats = await pusher.push(client, named, "7")
+        gap = await check_pushed_weights(client, "7", PROBE, probe_expectation(original, PROBE), 2e-3)
+        return before, lost, stats, gap, await client.generate(PROMPTS[0], greedy)
+    before, lost, stats, gap, after = run(engine, body)
+    assert lost["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
+    assert stats["push_buckets"] > 2 and gap < 1e-4
+    assert after["output_ids"] == before["output_ids"] and after["meta_info"]["weight_version"] == "7"
+
+
+@pytest.mark.timeout(180)
+def test_wrong_or_partial_pushes_are_caught(engine, model_dir):
+    original, noisy = model_weights(model_dir), model_weights(model_dir, seed=2)
+    pusher = WeightPusher(torch.float32, bucket_bytes=64 << 10)
+    probe = probe_expectation(original, PROBE)
+
+    def one_tensor(name, tensor):
+        return {"serialized_named_tensors": [serialize_for_engine(flatten_bucket([(name, tensor)]))],
+                "load_format": "flattened_bucket", "flush_cache": False}
+
+    async def body(client):
+        with pytest.raises(EngineError, match="must run between"):
+            await client.post("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]})
+        await pusher.push(client, original.state_dict().items(), "11")
+        await check_pushed_weights(client, "11", PROBE, probe, 2e-3)
+        await client.post("/begin_weight_update")
+        try:
+            bad_name = await client.post("/update_weights_from_tensor", one_tensor("no.such.weight", torch.zeros(2)))
+        except EngineError as err:
+            bad_name = err
+        try:
+            bad_shape = await client.post("/update_weights_from_tensor",
+                                          one_tensor("transformer.h.0.mlp.c_fc.bias", torch.zeros(3)))
+        except EngineError as err:
+            bad_shape = err
+        # One tensor changed behind the trainer's back: the version still says 11, the probe does not.
+        name = "transformer.h.0.mlp.c_fc.weight"
+        await client.post("/update_weights_from_tensor", one_tensor(name, noisy.state_dict()[name]))
+        await client.post("/end_weight_update")
+        with pytest.raises(WeightSyncError, match="mean \\|logprob gap\\|"):
+            await check_pushed_weights(client, "11", PROBE, probe, 2e-3)
+        with pytest.raises(WeightSyncError, match="reports weight_version '11'"):
+            await check_pushed_weights(client, "12", PROBE, probe, 2e-3)
+        await pusher.push(client, original.state_dict().items(), "13")  # restore for later tests
+        return bad_name, bad_shape, await check_pushed_weights(client, "13", PROBE, probe, 2e-3)
+    bad_name, bad_shape, gap = run(engine, body)
+    assert isinstance(bad_name, EngineError) and "unknown weight names" in str(bad_name)
+    assert isinstance(bad_shape, EngineError) and "shape mismatch" in str(bad_shape)
+    assert gap < 1e-4
+
+
+@pytest.mark.timeout(60)
+def test_the_log_records_every_path_and_control_call(engine):
+    run(engine, lambda c: c.health())
+    text = engine.log_path.read_text()
+    assert text.startswith("$ ") and "workers.engines.embedded" in text.splitlines()[0]
+    assert "first call of GET /health" in text and "first call of POST /generate" in text
+    assert "call /release_memory_occupation tags=kv_cache,weights" in text
+    assert "call /update_weights_from_tensor tensors=" in text

@@ -1,0 +1,99 @@
+"""SGLang launch (argv, environment) and the weight-push payloads both engines receive.
+
+sglang itself needs a GPU; what the job sends it is built by pure functions tested here, and
+the same calls run against the embedded engine in every other test.
+"""
+
+import pytest
+import torch
+
+from workers.engines.rank_engine import RELEASE_TAGS, RESUME_AFTER_PUSH, RESUME_BEFORE_PUSH, EngineSpec, engine_argv
+from workers.engines.sglang_engine import build_server_argv, server_env, server_kwargs
+from workers.engines.weights import (bucket_named_tensors, deserialize_for_engine, flatten_bucket,
+                                     serialize_for_engine, unflatten_bucket, update_tensor_payload)
+
+
+def flags(argv):
+    return {argv[i]: argv[i + 1] for i in range(3, len(argv) - 1)
+            if argv[i].startswith("--") and not argv[i + 1].startswith("--")}
+
+
+def test_server_argv_maps_kwargs_and_extra_server_args_to_flags():
+    kwargs = server_kwargs("/models/gpt2", port=31234, tp_size=2, mem_fraction_static=0.5, dtype="bfloat16",
+                           extra={"attention_backend": "triton", "cuda-graph-backend-decode": "disabled",
+                                  "disable_radix_cache": True, "enable_memory_saver": True})
+    argv = build_server_argv(kwargs, python="py")
+    assert argv[:3] == ["py", "-m", "sglang.launch_server"]
+    pairs = flags(argv)
+    assert pairs["--model-path"] == "/models/gpt2" and pairs["--port"] == "31234"
+    assert pairs["--tp-size"] == "2" and pairs["--mem-fraction-static"] == "0.5"
+    assert pairs["--base-gpu-id"] == "0" and pairs["--dtype"] == "bfloat16" and pairs["--host"] == "127.0.0.1"
+    assert pairs["--attention-backend"] == "triton" and pairs["--cuda-graph-backend-decode"] == "disabled"
+    assert "--enable-memory-saver" in argv and "--disable-radix-cache" in argv
+    assert "--enable-memory-saver" not in build_server_argv(server_kwargs("m", extra={"enable_memory_saver": False}))
+    with pytest.raises(ValueError, match="mem_fraction_static"):
+        server_kwargs("m", mem_fraction_static=1.5)
+
+
+def test_server_env_drops_torchrun_variables_and_pins_the_rank_gpus():
+    torchrun = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "x",
+                "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "r",
+                "GROUP_RANK": "0", "ROLE_NAME": "default"}
+    env = server_env([1], {"PATH": "/bin", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **torchrun})
+    assert not set(torchrun) & set(env)
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false" and "PYTORCH_CUDA_ALLOC_CONF" not in env
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["PATH"] == "/bin"
+    # Indices are within the rank's own visible devices.
+    assert server_env([0, 1], {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})["CUDA_VISIBLE_DEVICES"] == "4,5"
+    assert server_env([2], {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})["CUDA_VISIBLE_DEVICES"] == "6"
+
+
+def test_rank_engine_launches_either_kind_with_the_same_settings():
+    spec = EngineSpec(kind="sglang", model_path="/m", dtype="bfloat16", device="cuda:1", seed=7, gpu_ids=(1,),
+                      sglang_args={"attention_backend": "triton"})
+    argv, env = engine_argv(spec, 30001)
+    pairs = flags(argv)
+    assert pairs["--random-seed"] == "7" and pairs["--dtype"] == "bfloat16" and pairs["--port"] == "30001"
+    assert pairs["--attention-backend"] == "triton" and env["CUDA_VISIBLE_DEVICES"] == "1"
+    argv, env = engine_argv(EngineSpec(kind="embedded", model_path="/m", dtype="float32", device="cpu", seed=7), 30002)
+    assert argv[1:3] == ["-m", "workers.engines.embedded"] and env is None
+    assert flags(argv)["--seed"] == "7" and flags(argv)["--port"] == "30002"
+
+
+def test_buckets_respect_the_byte_budget_and_keep_order():
+    tensors = [(f"t{i}", torch.zeros(n, dtype=dtype)) for i, (n, dtype) in
+               enumerate([(10, torch.float32), (20, torch.float32), (5, torch.bfloat16), (100, torch.float32),
+                          (1, torch.float32)])]
+    buckets = list(bucket_named_tensors(tensors, bucket_bytes=130))
+    assert [[name for name, _ in b] for b in buckets] == [["t0", "t1", "t2"], ["t3"], ["t4"]]
+    for bucket in buckets:
+        size = sum(t.numel() * t.element_size() for _, t in bucket)
+        assert size <= 130 or len(bucket) == 1  # an oversized tensor travels alone
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        list(bucket_named_tensors(tensors, 0))
+
+
+def test_flattened_bucket_round_trips_through_shared_memory_in_mixed_dtypes():
+    generator = torch.Generator().manual_seed(0)
+    bucket = [("a", torch.randn(3, 4, generator=generator)), ("b", torch.randn(5, generator=generator).bfloat16()),
+              ("c", torch.arange(6).reshape(2, 3))]
+    staging = torch.empty(1024, dtype=torch.uint8)
+    received = unflatten_bucket(deserialize_for_engine(serialize_for_engine(flatten_bucket(bucket, out=staging))))
+    assert [name for name, _ in received] == ["a", "b", "c"]
+    for (_, sent), (_, got) in zip(bucket, received):
+        assert got.dtype == sent.dtype and torch.equal(got, sent)
+
+
+def test_payload_flushes_and_versions_only_on_the_last_bucket():
+    middle = update_tensor_payload("abc", tp_size=2, is_last=False, weight_version="3")
+    last = update_tensor_payload("abc", tp_size=2, is_last=True, weight_version="3")
+    paused = update_tensor_payload("abc", tp_size=1, is_last=True, weight_version="3", flush_cache=False)
+    assert middle == {"serialized_named_tensors": ["abc", "abc"], "load_format": "flattened_bucket",
+                      "flush_cache": False}
+    assert last["flush_cache"] is True and last["weight_version"] == "3"
+    assert paused["flush_cache"] is False and paused["weight_version"] == "3"
+
+
+def test_memory_tags_resume_weights_before_the_push_and_kv_cache_after():
+    assert set(RELEASE_TAGS) == {"weights", "kv_cache"}
+    assert RESUME_BEFORE_PUSH == ("weights",) and RESUME_AFTER_PUSH == ("kv_cache",)

@@ -1,0 +1,42 @@
+"""`python -m workers.engines.embedded`: serve one model over SGLang's HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import torch
+from aiohttp import web
+
+from workers.engines.embedded.runner import ModelRunner
+from workers.engines.embedded.server import LOG, EmbeddedEngine
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Embedded engine speaking SGLang's native HTTP API")
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: all cores)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
+    runner = ModelRunner(args.model_path, args.device, getattr(torch, args.dtype), args.seed)
+    engine = EmbeddedEngine(runner, max_batch_size=args.max_batch_size)
+    LOG.info("serving %s on http://%s:%d (%s, %s)", args.model_path, args.host, args.port, args.device, args.dtype)
+    web.run_app(engine.build_app(), host=args.host, port=args.port, access_log=None, print=None,
+                shutdown_timeout=1.0)
+
+
+if __name__ == "__main__":
+    main()

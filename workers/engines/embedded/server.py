@@ -1,0 +1,424 @@
+"""The embedded engine's HTTP side: exactly the subset of SGLang's native API the job uses.
+
+Endpoints (SGLang's names, bodies and answers; reference: SGLang 0.5.23 native API):
+`/generate`, `/health`, `/health_generate`, `/get_server_info` (`/server_info`),
+`/get_model_info` (`/model_info`), `/flush_cache`, `/abort_request`, `/pause_generation`,
+`/continue_generation`, `/release_memory_occupation`, `/resume_memory_occupation`,
+`/begin_weight_update`, `/update_weights_from_tensor`, `/end_weight_update`. Nothing else:
+anything that works against this engine must work against a real SGLang server.
+
+Semantics kept strict, so CI exercises the GPU control flow:
+- `release_memory_occupation` really drops the weights (their contents are lost, as with
+  SGLang's memory saver) and refuses while requests are queued or running (SGLang asserts);
+  `/generate` is refused until every released tag is resumed; resuming a tag that was not
+  released is an error.
+- `update_weights_from_tensor` needs a `begin/end_weight_update` session (SGLang >= 0.5.21)
+  and takes flattened buckets of shared tensors; `weight_version` moves with the bucket that
+  carries it.
+- `/health` stays 200 while paused or released, as SGLang does with
+  `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false` (how the job launches SGLang).
+- `stop` strings, penalties, min_p and constrained decoding are refused with 400: tokens,
+  never text, cross the engine boundary.
+
+Every control call and the first call of every path are logged, so the engine's log is a
+record of what the job asked of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from workers.engines.embedded.runner import GenRequest, ModelRunner, SamplingParams
+from workers.engines.weights import deserialize_for_engine, unflatten_bucket
+
+LOG = logging.getLogger("embedded_engine")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+# Sampling keys SGLang 0.5.23 knows, with the value meaning "feature off" for those we do not implement.
+IMPLEMENTED_SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)}
+NEUTRAL_SAMPLING_VALUES = {
+    "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_new_tokens": 0, "stop": None, "stop_regex": None, "json_schema": None, "regex": None,
+    "ebnf": None, "structural_tag": None, "custom_params": None, "logit_bias": None,
+}
+IGNORED_SAMPLING_KEYS = {"no_stop_trim", "spaces_between_special_tokens", "stream_interval"}
+
+
+class BadRequest(ValueError):
+    """The request is malformed; answered with 400 {"error": {"message"}}."""
+
+
+def parse_sampling_params(raw: dict | None) -> SamplingParams:
+    raw = dict(raw or {})
+    known = IMPLEMENTED_SAMPLING_KEYS | set(NEUTRAL_SAMPLING_VALUES) | IGNORED_SAMPLING_KEYS
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise BadRequest(f"unknown sampling_params keys {unknown}; allowed keys: {sorted(known)}")
+    for key, neutral in NEUTRAL_SAMPLING_VALUES.items():
+        value = raw.get(key, neutral)
+        if value not in (neutral, None) and value != [] and value != "":
+            raise BadRequest(f"sampling_params.{key}={value!r} is not supported by the embedded engine; "
+                             f"leave it at {neutral!r}")
+    params = SamplingParams(**{k: v for k, v in raw.items() if k in IMPLEMENTED_SAMPLING_KEYS and v is not None})
+    params.stop_token_ids = tuple(int(t) for t in (raw.get("stop_token_ids") or ()))
+    if "max_new_tokens" in raw and raw["max_new_tokens"] is None:
+        params.max_new_tokens = None  # SGLang: up to the context limit
+    _validate(params)
+    return params
+
+
+def _validate(params: SamplingParams) -> None:
+    if params.max_new_tokens is not None and (not isinstance(params.max_new_tokens, int) or params.max_new_tokens < 0):
+        raise BadRequest(f"max_new_tokens must be a non-negative integer, got {params.max_new_tokens!r}")
+    if params.temperature < 0:
+        raise BadRequest(f"temperature must be >= 0, got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise BadRequest(f"top_p must be in (0, 1], got {params.top_p}")
+    if not isinstance(params.top_k, int) or params.top_k < -1:
+        raise BadRequest(f"top_k must be -1 (off) or a positive integer, got {params.top_k!r}")
+    if not isinstance(params.n, int) or params.n < 1:
+        raise BadRequest(f"n must be a positive integer, got {params.n!r}")
+
+
+def error_response(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+class EmbeddedEngine:
+    """HTTP front end, request queue and control state around one ModelRunner."""
+
+    def __init__(self, runner: ModelRunner, max_batch_size: int = 64, collect_window_s: float = 0.003):
+        self.runner = runner
+        self.max_batch_size = max_batch_size
+        self.collect_window_s = collect_window_s
+        self.paused = False
+        self.unpaused = asyncio.Event()
+        self.unpaused.set()
+        self.released_tags: set[str] = set()
+        self.in_weight_session = False
+        self.incoming: queue.SimpleQueue[GenRequest] = queue.SimpleQueue()  # handed to the decode thread
+        self.work_available = asyncio.Event()
+        self.live: set[GenRequest] = set()  # submitted and not yet answered
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode")
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.scheduler_task: asyncio.Task | None = None
+        self.paths_seen: set[str] = set()
+
+    # -- lifecycle
+
+    async def on_startup(self, app: web.Application) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.scheduler_task = asyncio.create_task(self.schedule_forever())
+
+    async def on_shutdown(self, app: web.Application) -> None:
+        self._abort(lambda r: True, "server shutting down")
+        self.runner.step_gate.set()
+        if self.scheduler_task:
+            self.scheduler_task.cancel()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+    @web.middleware
+    async def record_paths(self, request: web.Request, handler):
+        if request.path not in self.paths_seen:
+            self.paths_seen.add(request.path)
+            LOG.info("first call of %s %s", request.method, request.path)
+        return await handler(request)
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30, middlewares=[self.record_paths])
+        app.on_startup.append(self.on_startup)
+        app.on_shutdown.append(self.on_shutdown)
+        routes = [
+            ("GET", "/health", self.health), ("GET", "/health_generate", self.health),
+            ("GET", "/get_model_info", self.model_info), ("GET", "/model_info", self.model_info),
+            ("GET", "/get_server_info", self.server_info), ("GET", "/server_info", self.server_info),
+            ("POST", "/generate", self.generate), ("PUT", "/generate", self.generate),
+            ("GET", "/flush_cache", self.flush_cache), ("POST", "/flush_cache", self.flush_cache),
+            ("POST", "/abort_request", self.abort_request),
+            ("POST", "/pause_generation", self.pause_generation),
+            ("POST", "/continue_generation", self.continue_generation),
+            ("POST", "/release_memory_occupation", self.release_memory),
+            ("POST", "/resume_memory_occupation", self.resume_memory),
+            ("POST", "/begin_weight_update", self.begin_weight_update),
+            ("POST", "/end_weight_update", self.end_weight_update),
+            ("POST", "/update_weights_from_tensor", self.update_weights_from_tensor),
+        ]
+        for method, path, handler in routes:
+            app.router.add_route(method, path, handler)
+        return app
+
+    # -- scheduling
+
+    async def schedule_forever(self) -> None:
+        """Run the decode loop in the worker thread whenever requests are waiting."""
+        while True:
+            await self.work_available.wait()
+            self.work_available.clear()  # cleared before the loop drains `incoming`, so no wake-up is lost
+            await asyncio.sleep(self.collect_window_s)  # let requests sent together start in one prefill
+            try:
+                await self.loop.run_in_executor(self.executor, self.runner.run_until_idle, self.incoming,
+                                                self.max_batch_size, self._finish_threadsafe)
+            except Exception as err:  # a crash fails the requests in flight, not the server
+                LOG.exception("decode loop failed")
+                for request in list(self.live):
+                    request.finished = True
+                    if not request.future.done():
+                        request.future.set_exception(err)
+                self.live.clear()
+
+    def _finish_threadsafe(self, request: GenRequest, reason: dict) -> None:
+        self.loop.call_soon_threadsafe(self._finish, request, reason)
+
+    def _finish(self, request: GenRequest, reason: dict) -> None:
+        self.live.discard(request)
+        if request.future.done():
+            return
+        request.future.set_result(self._result(request, reason))
+
+    def _result(self, request: GenRequest, reason: dict) -> dict:
+        meta: dict[str, Any] = {
+            "id": request.rid, "finish_reason": reason, "prompt_tokens": len(request.prompt_ids),
+            "completion_tokens": len(request.output_ids), "cached_tokens": 0,
+            "e2e_latency": time.perf_counter() - request.created, "weight_version": self.runner.weight_version,
+        }
+        if request.return_logprob:
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(request.logprobs, request.output_ids)]
+            if request.input_logprobs is not None:
+                start = max(request.logprob_start_len, 0)
+                meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in
+                                                zip(request.input_logprobs, request.prompt_ids[start:])]
+        text = self.runner.tokenizer.decode(request.output_ids, skip_special_tokens=request.params.skip_special_tokens)
+        return {"text": text, "output_ids": list(request.output_ids), "meta_info": meta}
+
+    def _abort(self, matches, message: str) -> int:
+        """Mark matching requests aborted; those not yet decoding answer right away."""
+        count = 0
+        for request in list(self.live):
+            if not request.finished and matches(request):
+                request.abort_message = message
+                count += 1
+                if not request.admitted:
+                    self._finish(request, {"type": "abort", "message": message})
+        return count
+
+    # -- /generate
+
+    def _parse_prompts(self, body: dict) -> tuple[list[list[int]], bool]:
+        if body.get("text") is not None:
+            texts = body["text"]
+            is_batch = isinstance(texts, list)
+            texts = texts if is_batch else [texts]
+            if not all(isinstance(t, str) for t in texts):
+                raise BadRequest("text must be a string or a list of strings")
+            return [self.runner.tokenizer(t)["input_ids"] for t in texts], is_batch
+        ids = body.get("input_ids")
+        if ids is None:
+            raise BadRequest("send either input_ids (list[int] or list[list[int]]) or text")
+        is_batch = bool(ids) and isinstance(ids[0], list)
+        prompts = ids if is_batch else [ids]
+        for prompt in prompts:
+            if not prompt or not all(isinstance(t, int) and 0 <= t < self.runner.vocab_size for t in prompt):
+                raise BadRequest(f"each prompt must be a non-empty list of token ids in [0, {self.runner.vocab_size})")
+        return prompts, is_batch
+
+    def _make_requests(self, body: dict) -> tuple[list[GenRequest], bool]:
+        prompts, is_batch = self._parse_prompts(body)
+        params = parse_sampling_params(body.get("sampling_params"))
+        rids = self._rids(body.get("rid"), len(prompts), is_batch, params.n)
+        start = body.get("logprob_start_len", -1)
+        if not isinstance(start, int) or isinstance(start, bool):
+            raise BadRequest(f"logprob_start_len must be an integer, got {start!r}")
+        requests = []
+        for index, prompt in enumerate(p for p in prompts for _ in range(params.n)):  # grouped per prompt
+            row_params = dataclasses.replace(params)
+            room = self.runner.context_len - len(prompt)
+            if row_params.max_new_tokens is None:
+                row_params.max_new_tokens = max(room, 0)
+            if len(prompt) + row_params.max_new_tokens > self.runner.context_len:
+                raise BadRequest(f"prompt of {len(prompt)} tokens + max_new_tokens {row_params.max_new_tokens} "
+                                 f"exceeds the model's context length {self.runner.context_len}")
+            return_logprob = bool(body.get("return_logprob", False))
+            requests.append(GenRequest(rid=rids[index], prompt_ids=list(prompt), params=row_params,
+                                       return_logprob=return_logprob, future=self.loop.create_future(),
+                                       logprob_start_len=start if return_logprob else -1))
+        return requests, is_batch or params.n > 1
+
+    @staticmethod
+    def _rids(rid, num_prompts: int, is_batch: bool, n: int) -> list[str]:
+        total = num_prompts * n
+        if n > 1 or rid is None:  # SGLang replaces caller rids when n > 1
+            return [uuid.uuid4().hex for _ in range(total)]
+        if isinstance(rid, list):
+            if len(rid) != num_prompts:
+                raise BadRequest(f"rid list has {len(rid)} entries for {num_prompts} prompts")
+            return [str(r) for r in rid]
+        return [f"{rid}_{i}" for i in range(total)] if is_batch else [str(rid)]
+
+    async def generate(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return error_response("request body is not valid JSON")
+        if body.get("stream"):
+            return error_response("stream=true is not supported by the embedded engine")
+        await self.unpaused.wait()  # SGLang: new requests block while paused
+        if self.released_tags:
+            return error_response(f"memory released ({sorted(self.released_tags)}); "
+                                  "call /resume_memory_occupation before generating")
+        try:
+            requests, return_list = self._make_requests(body)
+        except BadRequest as err:
+            return error_response(str(err))
+        for gen_request in requests:
+            self.live.add(gen_request)
+            self.incoming.put(gen_request)
+        self.work_available.set()
+        results = await asyncio.gather(*(r.future for r in requests))
+        return web.json_response(list(results) if return_list else results[0])
+
+    # -- info
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.scheduler_task is None or self.scheduler_task.done():
+            return web.Response(status=503, text="scheduler not running")
+        return web.Response(text="ok")
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.runner.model_path, "is_generation": True,
+                                  "weight_version": self.runner.weight_version, "tokenizer_path": self.runner.model_path})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        runner = self.runner
+        return web.json_response({
+            "version": "embedded", "model_path": runner.model_path, "device": str(runner.device),
+            "dtype": str(runner.dtype).removeprefix("torch."), "context_length": runner.context_len,
+            "max_running_requests": self.max_batch_size, "weight_version": runner.weight_version,
+            "internal_states": [{"paused": self.paused, "released_tags": sorted(self.released_tags),
+                                 "queued": sum(not r.admitted for r in self.live),
+                                 "running": sum(r.admitted for r in self.live), **runner.stats}],
+        })
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if self.live:  # SGLang refuses while requests are queued or running
+            return web.Response(status=400, text="Cache not flushed: requests are queued or running")
+        return web.Response(text="Cache flushed.")
+
+    # -- control
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        rid, abort_all = str(body.get("rid") or ""), bool(body.get("abort_all", False))
+        if not rid and not abort_all:
+            return error_response("give rid (prefix match) or abort_all=true")
+        count = self._abort(lambda r: abort_all or r.rid.startswith(rid), "aborted by /abort_request")
+        LOG.info("call /abort_request rid=%r abort_all=%s matched=%d", rid, abort_all, count)
+        return web.json_response({"success": True, "aborted": count})
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        mode = (await self._json(request)).get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return error_response(f"mode must be abort, retract or in_place, got {mode!r}")
+        self.paused = True
+        self.unpaused.clear()
+        if mode == "abort":
+            count = self._abort(lambda r: True, "aborted by /pause_generation")
+            self.runner.step_gate.set()  # let aborted rows leave even if an in_place pause held them
+        else:  # retract and in_place both hold in-flight requests between steps here
+            count = len(self.live)
+            self.runner.step_gate.clear()
+        LOG.info("call /pause_generation mode=%s affected=%d", mode, count)
+        return web.json_response({"success": True, "message": f"paused ({mode})"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        self.paused = False
+        self.runner.step_gate.set()
+        self.unpaused.set()
+        LOG.info("call /continue_generation")
+        return web.json_response({"success": True, "message": "continued"})
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        tags = (await self._json(request)).get("tags") or list(MEMORY_TAGS)
+        if bad := sorted(set(tags) - set(MEMORY_TAGS)):
+            return error_response(f"unknown memory tags {bad}; use {list(MEMORY_TAGS)}")
+        if self.live:
+            return error_response("cannot release memory while requests are queued or running "
+                                  "(SGLang asserts it is idle); pause or drain first")
+        if "weights" in tags and "weights" not in self.released_tags:
+            await asyncio.to_thread(self.runner.release_weights)
+        self.released_tags.update(tags)
+        LOG.info("call /release_memory_occupation tags=%s", ",".join(tags))
+        return web.json_response(None)
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        tags = (await self._json(request)).get("tags") or list(MEMORY_TAGS)
+        if not_released := sorted(set(tags) - self.released_tags):
+            return error_response(f"cannot resume {not_released}: not released (released: {sorted(self.released_tags)})")
+        if "weights" in tags:
+            await asyncio.to_thread(self.runner.resume_weights)
+        self.released_tags.difference_update(tags)
+        LOG.info("call /resume_memory_occupation tags=%s", ",".join(tags))
+        return web.json_response(None)
+
+    # -- weights
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        self.in_weight_session = True
+        LOG.info("call /begin_weight_update")
+        return web.json_response({"success": True, "message": "weight update session started"})
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        self.in_weight_session = False
+        LOG.info("call /end_weight_update")
+        return web.json_response({"success": True, "message": "weight update session ended"})
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        if not self.in_weight_session:  # SGLang >= 0.5.21 requires a session
+            return error_response("update_weights_from_tensor must run between /begin_weight_update "
+                                  "and /end_weight_update")
+        if "weights" in self.released_tags:
+            return error_response("weights are released; /resume_memory_occupation {tags: [weights]} first")
+        entries = body.get("serialized_named_tensors") or []
+        if len(entries) != 1:
+            return error_response(f"serialized_named_tensors needs one entry per TP rank; this engine has 1, "
+                                  f"got {len(entries)}")
+        if body.get("load_format") not in (None, "flattened_bucket"):
+            return error_response(f"load_format {body.get('load_format')!r} is not supported; "
+                                  "use flattened_bucket or null")
+        if body.get("abort_all_requests"):
+            self._abort(lambda r: True, "aborted by update_weights_from_tensor")
+        version = body.get("weight_version")
+        started = time.perf_counter()
+
+        def load() -> int:
+            payload = deserialize_for_engine(entries[0])
+            named = unflatten_bucket(payload) if isinstance(payload, dict) else list(payload)
+            return self.runner.load_tensors(named, version)
+
+        try:
+            count = await asyncio.to_thread(load)
+        except (ValueError, RuntimeError, OSError) as err:
+            LOG.error("weight update failed: %s", err)
+            return web.json_response({"success": False, "message": f"weight update failed: {err}"}, status=400)
+        LOG.info("call /update_weights_from_tensor tensors=%d seconds=%.3f weight_version=%s",
+                 count, time.perf_counter() - started, self.runner.weight_version)
+        return web.json_response({"success": True, "message": f"loaded {count} tensors"})
+
+    @staticmethod
+    async def _json(request: web.Request) -> dict:
+        if not request.can_read_body:
+            return {}
+        try:
+            body = await request.json()
+        except ValueError:
+            return {}
+        return body if isinstance(body, dict) else {}
