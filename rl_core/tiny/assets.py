@@ -93,7 +93,7 @@ class AssetPaths:
 def default_assets_root() -> Path:
     """`$RL_CORE_ASSETS` if set, else `<repo>/assets` (gitignored)."""
     configured = os.environ.get(ASSETS_ENV_VAR)
-    return Path(configured) if configured else Path(__file__).resolve().parents[1] / "assets"
+    return Path(configured) if configured else Path(__file__).resolve().parents[2] / "assets"
 
 
 # --- tokenizer and model primitives ----------------------------------------------------------

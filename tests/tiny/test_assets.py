@@ -3,6 +3,7 @@
 import json
 import multiprocessing
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,7 +121,8 @@ def test_default_root_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("RL_CORE_ASSETS", str(tmp_path))
     assert default_assets_root() == tmp_path
     monkeypatch.delenv("RL_CORE_ASSETS")
-    assert default_assets_root().name == "assets"
+    repo = Path(__file__).resolve().parents[2]
+    assert default_assets_root() == repo / "assets"  # beside configs/, git-ignored
 
 
 def test_corpus_is_deterministic_and_sentence_shaped():
