@@ -199,7 +199,7 @@ class JobRuntime:
             finally:
                 if partial:
                     await self.engine.continue_generation()
-            stats["weight_probe_gap"] = await self.engine.check_weights(version, probe_ids, trainer_logprobs,
+            stats["weight_sync/probe_gap"] = await self.engine.check_weights(version, probe_ids, trainer_logprobs,
                                                                          tolerance)
             return stats
 

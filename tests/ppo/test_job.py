@@ -119,7 +119,7 @@ def test_sync_steps_follow_the_gpu_engine_protocol_and_write_outputs(small_job, 
         assert re.fullmatch(r"B U+ E", first_push), calls  # version 0 after start (or resume)
         assert re.fullmatch(rf"{STEP.pattern}( {STEP.pattern}){{2}}", steps), calls
         assert set(re.findall(r"first call of \w+ (/\S+)", log)) <= SGLANG_PATHS, log
-    assert all(0 <= m["weight_probe_gap"] < 1e-3 for m in metrics)
+    assert all(0 <= m["weight_sync/probe_gap"] < 1e-3 for m in metrics)
     assert (run_dir / "config.yaml").is_file() and (run_dir / "tensorboard").is_dir()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_0000000{i}" for i in (1, 2, 3)]
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -264,7 +264,7 @@ class WeightPusher:
             if session:
                 await client.post("/end_weight_update")
         seconds = time.perf_counter() - started
-        return {"push_s": seconds, "push_bytes": float(sent_bytes), "push_buckets": float(buckets)}
+        return {"weight_sync/push_s": seconds, "weight_sync/bytes": float(sent_bytes), "weight_sync/buckets": float(buckets)}
 
     async def _send(self, client: EngineClient, bucket: list[tuple[str, torch.Tensor]], version: str,
                     is_last: bool, flush_cache: bool) -> int:
