@@ -75,9 +75,6 @@ class JobRuntime:
     def run(self, coro, timeout: float | None = None):
         return self._loop.run_until_complete(asyncio.wait_for(coro, timeout))
 
-    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-
     # ------------------------------------------------------------------ engines and router
 
     def bind_host(self) -> str:

@@ -71,8 +71,7 @@ class PPOTrainer:
         chosen = [rows[i] for i in indices]
         if not real:  # a stand-in: same shapes, nothing to learn from
             chosen = [{**chosen[0], "action_mask": [0] * len(chosen[0]["action_mask"])}]
-        batch = models.make_micro_batch(chosen, self.tokenizer.pad_token_id)
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        return models.to_device(models.make_micro_batch(chosen, self.tokenizer.pad_token_id), self.device)
 
     def _distributed_map(self, rows: list[dict], fn: Callable) -> list:
         """Apply `fn(micro_batch) -> per-row results` over this rank's balanced share; gather everywhere."""

@@ -274,17 +274,6 @@ def generate_paragraphs(num_sentences: int, seed: int) -> list[str]:
     return paragraphs
 
 
-def generate_sentences(num_sentences: int, seed: int) -> list[str]:
-    """Stand-alone sentences (e.g. for reward-model labels), each ending with a period."""
-    rng = random.Random(seed)
-    out = []
-    while len(out) < num_sentences:
-        me = _new_character(rng)
-        mood = rng.choices(MOODS, weights=(0.4, 0.4, 0.2))[0]
-        out.append(_sentence(rng, me, mood, first=True))
-    return out
-
-
 def story_openings(num: int, seed: int) -> list[str]:
     """Story openings of one or two sentences: the prompts of the sentiment/descriptiveness tasks."""
     rng = random.Random(seed)

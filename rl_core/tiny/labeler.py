@@ -8,14 +8,10 @@ Bradley-Terry sampling with a temperature) makes the labels as imperfect as huma
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
-from pathlib import Path
-from typing import Callable, Sequence
-
-SampleFn = Callable[[list[str], int], Sequence[Sequence[str]]]
+from typing import Sequence
 
 # Common English adjectives and adverbs; with the suffix rule below this is a crude but
 # vader-independent "how descriptive is this text" signal.
@@ -145,63 +141,3 @@ def get_labeler(name: str, **kwargs) -> _Labeler:
     if name not in LABELERS:
         raise ValueError(f"unknown labeler {name!r}; choose one of {sorted(LABELERS)}")
     return LABELERS[name](**kwargs)
-
-
-def _record(fmt: str, query: str, responses: Sequence[str], best: int) -> dict:
-    if fmt == "pairwise":
-        return {"prompt": query, "chosen": responses[best], "rejected": responses[1 - best]}
-    record = {"query": query}
-    record.update({f"sample{i}": text for i, text in enumerate(responses)})
-    record["best"] = best
-    return record
-
-
-def build_preference_file(
-    queries: Sequence[str],
-    sample_fn: SampleFn,
-    labeler: _Labeler,
-    out_path: str | Path,
-    n_samples: int = 2,
-    format: str = "pairwise",
-    seed: int | None = None,
-    batch_size: int = 64,
-) -> dict:
-    """Sample ``n_samples`` continuations per query, label them, write a jsonl file.
-
-    ``sample_fn(queries, n)`` returns, per query, n continuations (text only, without the
-    query). ``format``: "pairwise" (n_samples must be 2) or "openai" (sample0.., best).
-    Groups with an empty continuation are skipped (a rater cannot judge them).
-    ``seed`` reseeds the labeler's noise so the same inputs give the same file.
-    Returns counts: {"path", "written", "skipped_empty"}.
-    """
-    if format not in ("pairwise", "openai"):
-        raise ValueError(f"format={format!r} is unknown; use 'pairwise' or 'openai'")
-    if format == "pairwise" and n_samples != 2:
-        raise ValueError(f"the pairwise format holds 2 responses, got n_samples={n_samples}; "
-                         f"use n_samples=2 or format='openai'")
-    if n_samples < 2:
-        raise ValueError(f"n_samples={n_samples} must be at least 2")
-    if seed is not None:
-        labeler.reseed(seed)
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    written = skipped = 0
-    with open(out_path, "w", encoding="utf-8") as handle:
-        for start in range(0, len(queries), batch_size):
-            batch = list(queries[start:start + batch_size])
-            groups = sample_fn(batch, n_samples)
-            if len(groups) != len(batch):
-                raise ValueError(
-                    f"sample_fn returned {len(groups)} groups for {len(batch)} queries")
-            for query, responses in zip(batch, groups):
-                if len(responses) != n_samples:
-                    raise ValueError(f"sample_fn returned {len(responses)} continuations, "
-                                     f"expected n={n_samples}")
-                if any(not r.strip() for r in responses):
-                    skipped += 1
-                    continue
-                best = labeler.label_group(query, responses)
-                handle.write(json.dumps(_record(format, query, responses, best),
-                                        ensure_ascii=False) + "\n")
-                written += 1
-    return {"path": str(out_path), "written": written, "skipped_empty": skipped}

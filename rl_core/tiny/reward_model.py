@@ -76,11 +76,12 @@ def _preference_settings(paths, task: str, settings: TinyRMSettings) -> dict:
 
 def _write_pairs(path: Path, queries: list[str], pairs: list[tuple[int, str, str]], labeler) -> dict[str, int]:
     """Pairwise rows, labelled one by one; pairs the rater scores equal are left out (a tie says nothing)."""
-    counts = {"written": 0, "ties": 0}
+    counts = {"written": 0, "ties": 0, "empty": 0}
     with open(path, "w", encoding="utf-8") as handle:
         for query_index, first, second in pairs:
             if not first.strip() or not second.strip():
-                continue  # a rater cannot judge an empty continuation
+                counts["empty"] += 1  # a rater cannot judge an empty continuation
+                continue
             scores = labeler.score([first, second])
             if scores[0] == scores[1]:
                 counts["ties"] += 1

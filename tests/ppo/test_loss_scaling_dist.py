@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rl_core.ppo.algorithms import LOSS_AGG_MODES, aggregate_loss, global_denominator, masked_mean
+from rl_core.ppo.algorithms import LOSS_AGG_MODES, aggregate_loss, global_denominator
 from rl_core.optim import TFAdam
 from workers.models import logprobs_from_logits
 

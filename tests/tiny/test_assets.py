@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from rl_core.tiny.assets import AssetPaths, default_assets_root, ensure_tiny_assets, read_build_facts
-from rl_core.tiny.corpus import generate_paragraphs, generate_sentences, story_openings
+from rl_core.tiny.corpus import generate_paragraphs, story_openings
 
 
 def _quiet(_message: str) -> None:
@@ -128,9 +128,9 @@ def test_default_root_follows_the_environment(monkeypatch, tmp_path):
 def test_corpus_is_deterministic_and_sentence_shaped():
     assert generate_paragraphs(300, seed=5) == generate_paragraphs(300, seed=5)
     assert generate_paragraphs(300, seed=5) != generate_paragraphs(300, seed=6)
-    sentences = generate_sentences(200, seed=3)
-    assert all(re.fullmatch(r"[A-Z\"].*[.]", s) for s in sentences)
-    assert len(set(sentences)) > 150  # varied, not a handful of memorisable lines
+    openings = story_openings(200, seed=3)
+    assert all(re.fullmatch(r"[A-Z\"].*[.\"]", s) for s in openings)
+    assert len(set(openings)) > 150  # varied, not a handful of memorisable lines
     assert story_openings(20, seed=1) == story_openings(20, seed=1)
 
 
@@ -138,7 +138,7 @@ def test_corpus_mixes_strong_positive_and_negative_sentiment():
     from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
 
     analyzer = SentimentIntensityAnalyzer()
-    scores = [analyzer.polarity_scores(s)["compound"] for s in generate_sentences(400, seed=11)]
+    scores = [analyzer.polarity_scores(s)["compound"] for s in story_openings(400, seed=11)]
     positive = sum(score > 0.4 for score in scores) / len(scores)
     negative = sum(score < -0.4 for score in scores) / len(scores)
     assert positive > 0.15 and negative > 0.15

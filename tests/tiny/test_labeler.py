@@ -1,16 +1,10 @@
-"""Offline labelers: real VADER scores, the noise models, and files the RM loader accepts."""
+"""Offline labelers: real VADER scores and the noise models."""
 
 import math
 
 import pytest
 
-from rl_core.tiny.labeler import (
-    DescriptivenessLabeler,
-    SentimentLabeler,
-    build_preference_file,
-    get_labeler,
-)
-from rl_core.reward_model.data import load_preference_dataset
+from rl_core.tiny.labeler import DescriptivenessLabeler, SentimentLabeler, get_labeler
 
 POSITIVE = "and she smiled, happy and grateful for the wonderful day."
 NEGATIVE = "and she cried, miserable and angry about the terrible day."
@@ -78,59 +72,3 @@ def test_bad_settings_are_explained():
         get_labeler("toxicity")
     with pytest.raises(ValueError, match="exactly 2 responses"):
         SentimentLabeler().label_pair("q", [POSITIVE])
-
-
-CONTINUATIONS = [POSITIVE, NEGATIVE, PLAIN, DESCRIPTIVE]
-
-
-def rotating_sample_fn(queries, n):
-    """Deterministic stand-in for the policy: continuation order rotates with the query."""
-    return [[CONTINUATIONS[(i + k) % len(CONTINUATIONS)] for k in range(n)]
-            for i, _ in enumerate(queries)]
-
-
-def test_build_pairwise_file_loads_with_the_positive_side_chosen(tmp_path):
-    queries = [f"query number {i}." for i in range(6)]
-    counts = build_preference_file(queries, rotating_sample_fn, SentimentLabeler(),
-                                   tmp_path / "pairs.jsonl", n_samples=2, format="pairwise",
-                                   batch_size=4)
-    assert counts["written"] == 6 and counts["skipped_empty"] == 0
-    examples, skipped = load_preference_dataset(counts["path"])
-    assert skipped == 0 and [e.prompt for e in examples] == queries
-    scorer = SentimentLabeler()
-    for example in examples:
-        chosen, rejected = scorer.score(example.responses)
-        assert example.best == 0 and chosen >= rejected
-
-
-def test_build_openai_file_loads_with_the_best_of_four(tmp_path):
-    queries = [f"query {i}." for i in range(5)]
-    counts = build_preference_file(queries, rotating_sample_fn, get_labeler("descriptiveness"),
-                                   tmp_path / "oa.jsonl", n_samples=4, format="openai")
-    examples, _ = load_preference_dataset(counts["path"])
-    assert len(examples) == 5
-    for example in examples:
-        assert len(example.responses) == 4
-        assert example.responses[example.best] == DESCRIPTIVE
-
-
-def test_build_skips_empty_continuations_and_is_reproducible_with_a_seed(tmp_path):
-    def sample_with_empty(queries, n):
-        groups = rotating_sample_fn(queries, n)
-        groups[1][0] = "   "
-        return groups
-
-    labeler = SentimentLabeler(noise=0.3)
-    paths = []
-    for name in ("a.jsonl", "b.jsonl"):
-        counts = build_preference_file([f"q{i}" for i in range(40)], sample_with_empty, labeler,
-                                       tmp_path / name, format="openai", seed=5)
-        assert counts == {"path": str(tmp_path / name), "written": 39, "skipped_empty": 1}
-        paths.append(tmp_path / name)
-    assert paths[0].read_text() == paths[1].read_text()
-
-
-def test_build_refuses_pairwise_with_four_samples(tmp_path):
-    with pytest.raises(ValueError, match="pairwise format holds 2 responses"):
-        build_preference_file(["q"], rotating_sample_fn, SentimentLabeler(), tmp_path / "x.jsonl",
-                              n_samples=4, format="pairwise")

@@ -47,9 +47,10 @@ def test_written_pairs_leave_out_ties_and_follow_the_labeler(tmp_path):
 
     pairs = [(0, " He was very sad and hurt.", " He was so happy and proud."),
              (0, " He sat down.", " He walked on."),  # both neutral: a tie, left out
-             (1, " What a wonderful day.", " What a terrible day.")]
+             (1, " What a wonderful day.", " What a terrible day."),
+             (1, "  ", " What a terrible day.")]  # nothing to judge on one side: left out
     counts = write_labelled(tmp_path / "p.jsonl", ["q0", "q1"], pairs, get_labeler("sentiment"))
-    assert counts == {"written": 2, "ties": 1}
+    assert counts == {"written": 2, "ties": 1, "empty": 1}
     rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
     assert [(r["prompt"], r["chosen"]) for r in rows] == [("q0", " He was so happy and proud."),
                                                            ("q1", " What a wonderful day.")]

@@ -1,7 +1,6 @@
 """The embedded engine as a real server process: protocol, sampling, batching, control, weight sync."""
 
 import asyncio
-import time
 
 import pytest
 import torch

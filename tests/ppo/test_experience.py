@@ -1,0 +1,101 @@
+"""compute_advantages on multi-sequence trajectories against a plain-Python reference."""
+
+import math
+
+import pytest
+import torch
+
+from rl_core.ppo.experience import Experience, compute_advantages, reward_model_inputs
+from rl_core.rollout.trajectory import Sequence, Trajectory
+
+
+def sequence(context: int, actions: int, offset: float, env_reward_at_end: float = 0.0) -> tuple[Sequence, dict]:
+    """A sequence of `context` prompt tokens then `actions` generated ones, with made-up per-token numbers."""
+    seq = Sequence()
+    seq.extend_context(list(range(1, context + 1)))
+    seq.extend_action(list(range(10, 10 + actions)), [-0.5] * actions, [0] * actions)
+    seq.token_rewards[-1] += env_reward_at_end
+    n = context + actions
+    numbers = {"old": [0.1 * offset + 0.03 * t for t in range(n)],
+               "ref": [0.1 * offset - 0.02 * t * t for t in range(n)],
+               "values": [offset - 0.25 * t for t in range(n)]}
+    return seq, numbers
+
+
+def plain_reference(chains, scores, kl_coef, gamma, lam):
+    """Per trajectory: (old, ref, value, env reward) of each action token in order; lists in, lists out."""
+    rewards = []
+    for chain, score in zip(chains, scores):
+        row = [-kl_coef * (old - ref) + env for old, ref, _, env in chain]
+        row[-1] += score  # the score lands on the last action token of the whole trajectory
+        rewards.append(row)
+    flat = [r for row in rewards for r in row]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((r - mean) ** 2 for r in flat) / len(flat) + 1e-8)  # biased, as tf.nn.moments
+    rewards = [[(r - mean) / std + mean for r in row] for row in rewards]  # whitened, mean kept (OpenAI)
+    advantages, returns = [], []
+    for chain, row in zip(chains, rewards):
+        values = [v for _, _, v, _ in chain]
+        adv, running = [0.0] * len(row), 0.0
+        for t in reversed(range(len(row))):
+            next_value = values[t + 1] if t + 1 < len(row) else 0.0
+            running = row[t] + gamma * next_value - values[t] + gamma * lam * running
+            adv[t] = running
+        advantages.append(adv)
+        returns.append([a + v for a, v in zip(adv, values)])
+    flat = [a for row in advantages for a in row]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((a - mean) ** 2 for a in flat) / len(flat) + 1e-8)
+    return [[(a - mean) / std for a in row] for row in advantages], returns
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.7)])
+def test_gae_runs_over_both_sequences_of_a_trajectory_in_order(gamma, lam):
+    # Trajectory 0: two sequences (a fresh state after a tool call), an env reward on its first action.
+    first, first_numbers = sequence(context=3, actions=2, offset=0.4, env_reward_at_end=0.5)
+    second, second_numbers = sequence(context=2, actions=3, offset=-0.3)
+    other, other_numbers = sequence(context=4, actions=4, offset=1.1)
+    trajectories = [Trajectory([first, second], sample={}), Trajectory([other], sample={})]
+    exp = Experience.from_trajectories(trajectories)
+    numbers = [first_numbers, second_numbers, other_numbers]
+    exp.old_logprobs = [torch.tensor(n["old"]) for n in numbers]
+    exp.ref_logprobs = [torch.tensor(n["ref"]) for n in numbers]
+    exp.values = [torch.tensor(n["values"]) for n in numbers]
+    scores, kl_coef = torch.tensor([0.8, -1.2]), 0.15
+
+    targets = compute_advantages(exp, scores, kl_coef, gamma=gamma, lam=lam, kl_estimator="k1",
+                                 whiten_rewards=True, estimator="gae")
+
+    def chain(seqs):
+        out = []
+        for seq, n in seqs:
+            for t, acting in enumerate(seq.action_mask):
+                if acting:
+                    out.append((n["old"][t], n["ref"][t], n["values"][t], seq.token_rewards[t]))
+        return out
+    chains = [chain([(first, first_numbers), (second, second_numbers)]), chain([(other, other_numbers)])]
+    expected_adv, expected_ret = plain_reference(chains, scores.tolist(), kl_coef, gamma, lam)
+
+    def actions_of(per_seq, seq_ids):
+        return [float(per_seq[s][t]) for s in seq_ids for t, acting in enumerate(exp.sequences[s].action_mask)
+                if acting]
+    for t, seq_ids in enumerate(exp.traj_seqs):
+        assert actions_of(targets.advantages, seq_ids) == pytest.approx(expected_adv[t], abs=1e-5)
+        assert actions_of(targets.returns, seq_ids) == pytest.approx(expected_ret[t], abs=1e-5)
+    for s, seq in enumerate(exp.sequences):  # prompt and observation tokens get nothing
+        assert all(float(targets.advantages[s][t]) == 0.0 for t, acting in enumerate(seq.action_mask) if not acting)
+    assert targets.stats["kl/mean"] == pytest.approx(
+        sum(sum(old - ref for old, ref, _, _ in c) for c in chains) / 2, abs=1e-6)
+
+
+def test_reward_model_reads_the_last_sequence_cut_at_the_truncation_token():
+    seq = Sequence()
+    seq.extend_context([7, 8], num_padding=1)  # a left pad the engine never saw
+    seq.extend_action([5, 9, 6, 9, 4], [0.0] * 5, [0] * 5)
+    late = Sequence()
+    late.extend_context([7, 8])
+    late.extend_action([5, 5, 5], [0.0] * 3, [0] * 3)
+    inputs, rejected = reward_model_inputs([Trajectory([seq], {}), Trajectory([late], {})], truncate_token=9,
+                                           truncate_after=2)
+    assert inputs[0] == [8, 5, 9, 6, 9] and not rejected[0]  # cut through the first 9 at index >= 2
+    assert inputs[1] == [7, 8, 5, 5, 5] and rejected[1]  # no 9 at all: full response, penalised later
