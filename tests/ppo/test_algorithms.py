@@ -247,3 +247,9 @@ def test_group_advantages():
     torch.testing.assert_close(alg.zero_variance_groups(scores, 3), torch.tensor([False, True]))
     with pytest.raises(ValueError, match="groups of 4"):
         alg.group_advantages(scores, 4)
+
+
+def test_rejected_responses_get_the_fixed_penalty_instead_of_their_score():
+    scores = torch.tensor([0.7, -0.2, 1.5])
+    rejected = torch.tensor([False, True, True])
+    assert alg.penalize_rejected(scores, rejected, -1.0).tolist() == [pytest.approx(0.7), -1.0, -1.0]
