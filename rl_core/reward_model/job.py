@@ -34,8 +34,14 @@ from rl_core.reward_model.training import (DataParallel, Log, build_reward_model
 from workers.models import context_length, load_causal_lm, load_tokenizer
 
 
-def resolve_inputs(cfg: RMConfig, dp: DataParallel, log: Log) -> dict[str, str | None]:
-    """Paths of policy, preference files and prompts; "tiny" ones are built (rank 0 first, then the rest)."""
+def resolve_inputs(cfg: RMConfig, dp: DataParallel, log: Log) -> dict:
+    """Paths of policy, preference files and prompts ("tiny" ones are built, rank 0 first), and the
+    offline labeler named by labeler.name (the rater the fresh-sample check compares with)."""
+    labeler = None
+    if cfg.labeler.name:
+        from rl_core.tiny.labeler import get_labeler
+
+        labeler = get_labeler(cfg.labeler.name)
     paths = None
     if "tiny" in (cfg.model.policy_path, cfg.data.train_path, cfg.normalize.prompts_path):
         from rl_core.tiny.assets import ensure_tiny_assets
@@ -59,13 +65,11 @@ def resolve_inputs(cfg: RMConfig, dp: DataParallel, log: Log) -> dict[str, str |
         train, test = str(tiny_train), (str(tiny_test) if test == "tiny" else test)
     prompts = str(paths.train_prompts) if cfg.normalize.prompts_path == "tiny" else cfg.normalize.prompts_path
     return {"policy": policy, "train": train, "test": test, "prompts": prompts,
-            "init_from": cfg.model.init_from or policy}
+            "init_from": cfg.model.init_from or policy, "labeler": labeler}
 
 
 def run_job(cfg: RMConfig, dp: DataParallel, log: Log = print) -> dict:
     """The whole job on this rank; returns the metrics (identical on every rank)."""
-    from rl_core.tiny.labeler import get_labeler
-
     started = time.perf_counter()
     inputs = resolve_inputs(cfg, dp, log)
     tokenizer = load_tokenizer(inputs["policy"])
@@ -74,9 +78,8 @@ def run_job(cfg: RMConfig, dp: DataParallel, log: Log = print) -> dict:
     seed = cfg.trainer.seed
     train, test = load_preference_splits(cfg.data, inputs["train"], inputs["test"], tokenizer, seed)
     queries = load_queries(inputs["prompts"], cfg.normalize.text_key, tokenizer, cfg.normalize.query_length)
-    labeler = get_labeler(cfg.labeler.name) if cfg.labeler.name else None
     model = build_reward_model(inputs["init_from"], tokenizer, seed)
-    metrics = fit_reward_model(model, policy, tokenizer, train, test, queries, cfg, dp, labeler, log)
+    metrics = fit_reward_model(model, policy, tokenizer, train, test, queries, cfg, dp, inputs["labeler"], log)
     run_dir = Path(cfg.trainer.run_dir)
     output_dir = Path(cfg.trainer.output_dir or run_dir / "reward_model")
     export_reward_model(model, tokenizer, output_dir, dp)
