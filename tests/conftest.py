@@ -6,6 +6,9 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The suite is the CPU build: gloo ranks and CPU engines, also on a GPU machine (scripts/gpu_check.sh
+# covers the GPU). Hiding the devices before torch first touches CUDA reaches every subprocess too.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 TINY_TEXTS = [
     "the old man walked to the market and felt happy.",
