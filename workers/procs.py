@@ -32,11 +32,16 @@ class ProcessStartError(RuntimeError):
     """A child process died or did not answer in time while starting."""
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: ask the kernel to SIGTERM this child when the parent thread exits."""
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send `sig` to this process when the thread that forked it exits (Linux only)."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(PR_SET_PDEATHSIG, sig)
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: ask the kernel to SIGTERM this child when the parent thread exits."""
+    set_parent_death_signal(signal.SIGTERM)
 
 
 def start_process(argv: Sequence[str], log_path: str | Path,
@@ -171,6 +176,11 @@ class ManagedProcesses:
         while self._owned:
             name, proc, log_path = self._owned.pop()
             _stop_logged(name, proc, log_path, reason, self.stop_timeout)
+
+    def kill_all(self) -> None:
+        """Last resort, safe from any thread: SIGKILL every owned process group without waiting."""
+        for _, proc, _ in list(self._owned):
+            _signal_group(proc.pid, signal.SIGKILL)
 
     def exited(self) -> list[tuple[str, int, Path]]:
         """(name, exit code, log) of every owned process that is no longer running."""
