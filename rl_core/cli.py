@@ -58,8 +58,8 @@ def _is_user_error(err: BaseException) -> bool:
 def _lost_peer(err: BaseException) -> bool:
     """A collective failed because another rank went away (gloo: "Connection closed by peer")."""
     text = str(err)
-    return isinstance(err, PeerFailed) or (isinstance(err, RuntimeError) and (
-        "Connection closed by peer" in text or "Connection reset by peer" in text or "Broken pipe" in text))
+    return isinstance(err, RuntimeError) and (
+        "Connection closed by peer" in text or "Connection reset by peer" in text or "Broken pipe" in text)
 
 
 class OneLineErrorHandler(ErrorHandler):
@@ -81,8 +81,9 @@ class OneLineErrorHandler(ErrorHandler):
 
 
 def failure_line(err: BaseException) -> str:
+    """The error as one line: the message alone for a user error (it names the key and the fix), else with its type."""
     text = str(err).strip() or type(err).__name__
-    if isinstance(err, (JobError, ConfigError, PeerFailed)):
+    if isinstance(err, PeerFailed) or _is_user_error(err):
         return text
     return f"{type(err).__name__}: {text}"
 
@@ -112,36 +113,56 @@ def run_main(main: Callable[[list[str] | None], None], argv: list[str] | None, s
     stop = _StopRequest()
     for sig in STOP_SIGNALS:
         signal.signal(sig, stop.handle)
-    handler = OneLineErrorHandler()
+    try:
+        _run(main, argv, rank, stop, OneLineErrorHandler(), stop_hint)
+    finally:
+        # The outcome is decided: a SIGTERM torchrun sends while this rank shuts down must not turn
+        # the exit into a death by signal (Python restores default handlers as it finalizes).
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def _run(main, argv, rank: int, stop: _StopRequest, handler: OneLineErrorHandler, stop_hint: str) -> None:
     try:
         # torch's `record`: writes torchrun's error file for any exception that escapes `main`.
         record(main, error_handler=handler)(argv)
-    except SystemExit as exit_:
+    except SystemExit:
         if stop.signum is None:
             raise  # config errors (exit 2) and explicit exits already said what happened
         _stopped(stop, rank, handler, stop_hint)
     except BaseException as err:  # noqa: BLE001 - every failure ends with one line
         if stop.signum is not None:  # e.g. a collective broken by the peer that stopped first
             _stopped(stop, rank, handler, stop_hint)
+        if isinstance(err, PeerFailed):  # the failing rank prints the cause; one line is enough
+            handler.record_line(f"[rank {rank}] stopped: {err}", secondary=True)
+            raise SystemExit(1) from None
         if _lost_peer(err):
             line = (f"[rank {rank}] stopped: another rank failed or exited first ({_first_line(err)}); "
                     "its error above (or in torchrun's summary) is the cause")
             handler.record_line(line, secondary=True)
-            print(line, file=sys.stderr, flush=True)
+            _say(line)
             raise SystemExit(1) from None
         if not _is_user_error(err):
             traceback.print_exception(err)
         line = f"[rank {rank}] error: {failure_line(err)}"
         handler.record_line(line)
-        print(line, file=sys.stderr, flush=True)
+        _say(line)
         raise SystemExit(1) from None
+
+
+def _say(line: str) -> None:
+    try:  # one write, so lines of ranks failing together do not interleave
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except OSError:  # torchrun (and the reading end of the pipe) may be gone
+        pass
 
 
 def _stopped(stop: _StopRequest, rank: int, handler: OneLineErrorHandler, hint: str) -> None:
     line = f"[rank {rank}] stopped by {stop.name}; engines and router were shut down" + (f"; {hint}" if hint else "")
     handler.record_line(line)
     if rank == 0:  # torchrun passes a Ctrl-C to every rank: one line is enough
-        print(line, file=sys.stderr, flush=True)
+        _say(line)
     raise SystemExit(128 + stop.signum) from None
 
 

@@ -82,6 +82,8 @@ def on_rank0(fn: Callable[[], T]) -> T | None:
     Rank 0 re-raises its error; the others raise PeerFailed instead of walking into the next
     collective and waiting there until rank 0's exit breaks it. Returns `fn()` on rank 0, None elsewhere.
     """
+    if not dist.is_initialized():
+        return fn()
     result, error = None, None
     if dist.get_rank() == 0:
         try:
@@ -93,6 +95,29 @@ def on_rank0(fn: Callable[[], T]) -> T | None:
         raise error
     if failure is not None:
         raise PeerFailed(f"rank 0 failed: {failure}")
+    return result
+
+
+def on_every_rank(fn: Callable[[], T]) -> T:
+    """Run `fn` on every rank (a check each rank must pass); if any rank fails, all stop together.
+
+    The lowest failing rank re-raises its error (the one line the user sees); the others raise
+    PeerFailed, which ends them quietly.
+    """
+    if not dist.is_initialized():
+        return fn()
+    result, error = None, None
+    try:
+        result = fn()
+    except Exception as err:  # noqa: BLE001 - re-raised below, once every rank knows
+        error = err
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, None if error is None else f"{type(error).__name__}: {error}")
+    failed = [rank for rank, failure in enumerate(failures) if failure is not None]
+    if failed and dist.get_rank() == failed[0]:
+        raise error
+    if failed:
+        raise PeerFailed(f"rank {failed[0]} failed: {failures[failed[0]]}")
     return result
 
 

@@ -66,7 +66,8 @@ def check_model_path(path: str, key: str, need_config: bool = True) -> None:
     reason = _hub_lookup(path)
     if reason is not None:
         raise ModelPathError(f"{key}={path} is not a local directory (no {local.resolve()}) and not a model on the "
-                             f"Hugging Face hub ({reason}); fix the path, or check the hub name and the network")
+                             f"Hugging Face hub ({reason}); give a local directory with config.json, or check the hub "
+                             "name and the network")
 
 
 def _hub_lookup(name: str) -> str | None:

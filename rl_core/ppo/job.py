@@ -16,7 +16,7 @@ from transformers import AutoConfig
 from envs.base import load_env_class
 from rl_core.cli import parse_job_config, run_main
 from rl_core.config import save_config, to_dict
-from rl_core.distributed import broadcast_object, on_rank0, rank_seed, seed_everything
+from rl_core.distributed import broadcast_object, on_every_rank, on_rank0, rank_seed, seed_everything
 from rl_core.errors import JobError
 from rl_core.logger import MetricsLogger, StepTimer, print_step
 from rl_core.ppo import algorithms as alg
@@ -146,10 +146,13 @@ def resolve_paths(cfg: PPOConfig, rank: int) -> tuple[str, str | None, str]:
     Paths the user gave are checked first, before minutes go into building tiny assets or loading
     models: a local path must be a model directory, anything else a hub name (tried once).
     """
-    for key, value in (("model.path", cfg.model.path), ("reward.model_path", cfg.reward.model_path),
-                       ("model.tokenizer_path", cfg.model.tokenizer_path)):
-        if value not in (None, "tiny"):
-            models.check_model_path(value, key, need_config=key != "model.tokenizer_path")
+    def check_user_paths() -> None:
+        for key, value in (("model.path", cfg.model.path), ("reward.model_path", cfg.reward.model_path),
+                           ("model.tokenizer_path", cfg.model.tokenizer_path)):
+            if value not in (None, "tiny"):
+                models.check_model_path(value, key, need_config=key != "model.tokenizer_path")
+
+    on_every_rank(check_user_paths)
     paths = None
     if "tiny" in (cfg.model.path, cfg.reward.model_path, cfg.data.train_path):
         from rl_core.tiny.assets import ensure_tiny_assets

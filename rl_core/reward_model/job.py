@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from rl_core.cli import parse_job_config, run_main
 from rl_core.config import save_config
-from rl_core.distributed import device_for_rank, exit_with_launcher, init_distributed, on_rank0, seed_everything
+from rl_core.distributed import (device_for_rank, exit_with_launcher, init_distributed, on_every_rank, on_rank0,
+                                 seed_everything)
 from rl_core.reward_model.config import RMConfig, check_lengths, validate
 from rl_core.reward_model.sampling import load_queries
 from rl_core.reward_model.training import (DataParallel, Log, build_reward_model, export_reward_model,
@@ -41,9 +42,12 @@ def resolve_inputs(cfg: RMConfig, dp: DataParallel, log: Log) -> dict:
 
     Model paths the user gave are checked first, in one line each, before anything is built or loaded.
     """
-    for key, value in (("model.policy_path", cfg.model.policy_path), ("model.init_from", cfg.model.init_from)):
-        if value not in (None, "tiny"):
-            check_model_path(value, key)
+    def check_user_paths() -> None:
+        for key, value in (("model.policy_path", cfg.model.policy_path), ("model.init_from", cfg.model.init_from)):
+            if value not in (None, "tiny"):
+                check_model_path(value, key)
+
+    on_every_rank(check_user_paths)
     labeler = None
     if cfg.labeler.name:
         from rl_core.tiny.labeler import get_labeler
