@@ -160,7 +160,8 @@ def _say(line: str) -> None:
 
 def _stopped(stop: _StopRequest, rank: int, handler: OneLineErrorHandler, hint: str) -> None:
     line = f"[rank {rank}] stopped by {stop.name}; engines and router were shut down" + (f"; {hint}" if hint else "")
-    handler.record_line(line)
+    # Other ranks are mostly stopped by torchrun because some rank failed: never the root cause.
+    handler.record_line(line, secondary=rank != 0)
     if rank == 0:  # torchrun passes a Ctrl-C to every rank: one line is enough
         _say(line)
     raise SystemExit(128 + stop.signum) from None

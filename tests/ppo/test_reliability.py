@@ -269,12 +269,10 @@ def _bad_prompts(tmp_path: Path) -> Path:
     return path
 
 
+# A directory that is not a model, a file, a hub name: tests/workers/test_model_paths.py (no job needed).
 BAD_INPUTS = {
     "missing model": (lambda tmp: "model.path=/nonexistent/model",
                       "[rank 0] error: model.path=/nonexistent/model does not exist"),
-    "not a model": (lambda tmp: f"reward.model_path={tmp}",
-                    f"[rank 0] error: reward.model_path={{tmp}} has no config.json, so it is not a Hugging Face "
-                    "model directory"),
     "malformed data": (lambda tmp: f"data.train_path={_bad_prompts(tmp)}",
                        "[rank 0] error: {tmp}/prompts.jsonl, line 2: invalid JSON"),
 }
@@ -303,3 +301,27 @@ def test_bad_model_or_data_paths_stop_before_any_engine_with_one_line(small_job,
         assert "data.on_malformed=skip" in lines[0]
     assert not (run_dir / "logs" / "engine-rank0.log").exists(), "an engine started before the check"
     print(f"\n{case}: '{lines[0]}' after {seconds:.1f}s")
+
+
+@pytest.mark.timeout(600)
+def test_a_dead_router_is_named_with_its_log(small_job, tmp_path):
+    run_dir = tmp_path / "router"
+    job = Job(small_job, run_dir, "trainer.total_episodes=4000")
+    try:
+        wait_for_step(run_dir, job, 1)
+        job.tree.scan()
+        router = [pid for pid in job.tree.seen if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sglang::router")]
+        assert len(router) == 1, job.tree.alive()
+        os.kill(router[0], signal.SIGKILL)
+        killed = time.monotonic()
+        code = job.wait(300)
+        exit_s = time.monotonic() - killed
+        job.tree.wait_all_gone(30)
+    finally:
+        job.abort()
+    url = json.loads((run_dir / "logs" / "engines.json").read_text())["router"]
+    line = job.first_line_with("rollout failed")[1]
+    assert code != 0 and line.startswith(f"[rank 0] error: rollout failed: sglang-router {url} exited with code -9 "
+                                         f"(log {run_dir / 'logs' / 'router.log'})"), line
+    assert f"traceback : {line}" in job.output
+    print(f"\ndead router: '{line}' after {exit_s:.1f}s")
