@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
-import sys
-import threading
-import time
 from datetime import timedelta
 from typing import Callable, TypeVar
 
@@ -16,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from rl_core.errors import PeerFailed
-from workers.procs import free_port, set_parent_death_signal
+from workers.procs import free_port
 
 T = TypeVar("T")
 
@@ -119,36 +115,3 @@ def on_every_rank(fn: Callable[[], T]) -> T:
     if failed:
         raise PeerFailed(f"rank {failed[0]} failed: {failures[failed[0]]}")
     return result
-
-
-def exit_with_launcher(hard_stop: Callable[[], None] | None = None, grace_s: float = 15.0) -> None:
-    """Under torchrun, stop this rank within seconds of torchrun's death (kill -9 included).
-
-    torchrun starts every rank in its own session, so a signal to torchrun's process group
-    never reaches the ranks: killed alone, torchrun would leave ranks, engines and router
-    training unattended. The kernel sends this rank SIGTERM when torchrun exits
-    (PR_SET_PDEATHSIG), which becomes SystemExit and the normal clean-up; a watch thread also
-    polls the parent pid (covering a launcher that died before the prctl). A rank still alive
-    `grace_s` seconds later (stuck in a collective) calls `hard_stop` (kill its children) and exits.
-    """
-    if "TORCHELASTIC_RUN_ID" not in os.environ:  # a plain `python -m` run has no launcher to follow
-        return
-    launcher = os.getppid()
-    set_parent_death_signal(signal.SIGTERM)
-    threading.Thread(target=_watch_launcher, args=(launcher, hard_stop, grace_s), name="launcher-watch",
-                     daemon=True).start()
-
-
-def _watch_launcher(launcher: int, hard_stop: Callable[[], None] | None, grace_s: float) -> None:
-    while os.getppid() == launcher:
-        time.sleep(0.5)
-    try:
-        print(f"[rank {os.environ.get('RANK', 0)}] torchrun (pid {launcher}) is gone; stopping this rank, "
-              "its engine and the router", file=sys.stderr, flush=True)
-    except OSError:  # the launcher's end of the pipe may be gone with it
-        pass
-    os.kill(os.getpid(), signal.SIGTERM)  # the main thread's handler raises SystemExit: normal clean-up
-    time.sleep(grace_s)
-    if hard_stop is not None:
-        hard_stop()
-    os._exit(128 + signal.SIGTERM)

@@ -15,8 +15,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from rl_core.distributed import (device_for_rank, exit_with_launcher, init_distributed, local_world_size,
-                                 on_rank0, rank_seed)
+from rl_core.distributed import device_for_rank, init_distributed, local_world_size, on_rank0, rank_seed
 from rl_core.ppo.config import PPOConfig, engine_dtype
 from rl_core.run_dir import RunDirLock
 from workers.engines.client import EngineError
@@ -46,7 +45,6 @@ class JobRuntime:
     # ------------------------------------------------------------------ lifecycle
 
     def __enter__(self) -> "JobRuntime":
-        exit_with_launcher(hard_stop=self.procs.kill_all)  # killing torchrun stops this rank and its children
         self.rank, self.world_size = init_distributed(timeout_s=self.cfg.trainer.collective_timeout_s)
         try:
             self.local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -26,8 +26,7 @@ import torch.distributed as dist
 
 from rl_core.cli import parse_job_config, run_main
 from rl_core.config import save_config
-from rl_core.distributed import (device_for_rank, exit_with_launcher, init_distributed, on_every_rank, on_rank0,
-                                 seed_everything)
+from rl_core.distributed import device_for_rank, init_distributed, on_every_rank, on_rank0, seed_everything
 from rl_core.reward_model.config import RMConfig, check_lengths, validate
 from rl_core.reward_model.sampling import load_queries
 from rl_core.reward_model.training import (DataParallel, Log, build_reward_model, export_reward_model,
@@ -108,7 +107,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def _main(argv: list[str] | None) -> None:
     cfg = parse_job_config(argv, __doc__, "rm_sentiment.yaml", RMConfig, validate)
-    exit_with_launcher()  # killing torchrun stops this rank too
     rank, world_size = init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
     lock = None
     try:
