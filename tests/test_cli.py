@@ -10,6 +10,9 @@ import pytest
 from rl_core.cli import run_main
 from rl_core.errors import JobError, PeerFailed
 
+# pytest captures stderr, so torch's `record` cannot enable faulthandler on it; harmless here.
+pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+
 
 @pytest.fixture
 def error_file(tmp_path, monkeypatch):
