@@ -21,6 +21,19 @@ class PromptDataError(ValueError):
     """A prompt file or dataset that cannot be used as it is; the message says how to fix it."""
 
 
+@dataclass(frozen=True)
+class ConfigKeys:
+    """The config keys behind a prompt file, named in error messages (defaults: the PPO job's)."""
+
+    path: str = "data.train_path"
+    text_key: str = "data.text_key"
+    on_malformed: str | None = "data.on_malformed"  # None: the job has no such switch
+
+    @property
+    def skip_hint(self) -> str:
+        return f", or set {self.on_malformed}=skip to drop such rows" if self.on_malformed else ""
+
+
 # --- loading -------------------------------------------------------------------------------------
 
 
@@ -44,31 +57,32 @@ class PromptDataset:
 
 
 def load_prompt_dataset(path_or_name: str | Path, split: str = "train", text_key: str = "text",
-                        on_malformed: str = "error") -> PromptDataset:
+                        on_malformed: str = "error", keys: "ConfigKeys | None" = None) -> PromptDataset:
     """Load prompts from a local .jsonl/.json/.csv/.parquet file, or a hub dataset when online.
 
     `split` applies to hub datasets only (a local file is one split). With
     `on_malformed="skip"`, rows without a usable text (and unparseable JSON lines) are dropped
-    and counted in `.skipped` instead of stopping the job.
+    and counted in `.skipped` instead of stopping the job. `keys` names the config keys that
+    set path, text key and policy, so error messages point at what the user can change.
     """
+    keys = keys or ConfigKeys()
     if on_malformed not in MALFORMED_POLICIES:
         raise PromptDataError(f"on_malformed={on_malformed!r} is not one of {MALFORMED_POLICIES}")
     path = Path(path_or_name).expanduser()
     if path.is_file():
-        rows, skipped = _load_local(path, text_key, on_malformed)
+        rows, skipped = _load_local(path, text_key, on_malformed, keys)
         source = str(path)
     elif _looks_like_a_path(str(path_or_name)):
         raise PromptDataError(f"prompt file {path} does not exist (resolved to {path.resolve()}); "
-                              "check data.path or build the default prompts with "
-                              "scripts/bootstrap_assets.py")
+                              f"check {keys.path}, or set it to 'tiny' for the offline prompts")
     else:
-        rows, skipped, source = _load_from_hub(str(path_or_name), split), 0, str(path_or_name)
+        rows, skipped, source = _load_from_hub(str(path_or_name), split, keys), 0, str(path_or_name)
         source = f"{source} (hub, split {split})"
-    dataset, dropped = _validate_rows(rows, source, text_key, on_malformed)
+    dataset, dropped = _validate_rows(rows, source, text_key, on_malformed, keys)
     dataset = PromptDataset(dataset, source, text_key, skipped + dropped)
     if len(dataset) == 0:
         raise PromptDataError(f"{source} has no usable prompt rows ({dataset.skipped} malformed "
-                              f"skipped); every row needs a non-empty string field '{text_key}'")
+                              f"skipped); every row needs a non-empty string field '{text_key}' ({keys.text_key})")
     return dataset
 
 
@@ -76,7 +90,7 @@ def _looks_like_a_path(name: str) -> bool:
     return Path(name).suffix.lower() in LOADERS_BY_SUFFIX or name.startswith((".", "/", "~"))
 
 
-def _load_local(path: Path, text_key: str, on_malformed: str):
+def _load_local(path: Path, text_key: str, on_malformed: str, keys: "ConfigKeys"):
     """(datasets.Dataset, rows skipped while parsing) for one local file."""
     import datasets
 
@@ -90,7 +104,7 @@ def _load_local(path: Path, text_key: str, on_malformed: str):
         return datasets.load_dataset(loader, data_files=str(path), split="train"), 0
     except Exception as error:  # noqa: BLE001 - re-raised below with the file and line
         if loader == "json":
-            return _load_json_by_hand(path, text_key, on_malformed, error)
+            return _load_json_by_hand(path, text_key, on_malformed, error, keys)
         if loader == "csv" and _count_nonblank_lines(path) <= 1:
             raise PromptDataError(f"{path} has a header but no rows; add prompt rows") from error
         raise PromptDataError(f"could not read {path} as {loader}: {error}") from error
@@ -100,7 +114,7 @@ def _count_nonblank_lines(path: Path) -> int:
     return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
 
 
-def _load_json_by_hand(path: Path, text_key: str, on_malformed: str, error: Exception):
+def _load_json_by_hand(path: Path, text_key: str, on_malformed: str, error: Exception, keys: "ConfigKeys"):
     """The `datasets` JSON reader failed: find the bad line ourselves and say which it is."""
     import datasets
 
@@ -123,7 +137,7 @@ def _load_json_by_hand(path: Path, text_key: str, on_malformed: str, error: Exce
                 skipped += 1
                 continue
             raise PromptDataError(f"{path}, line {line_number}: invalid JSON ({bad.msg}); fix or "
-                                  "remove that line, or load with on_malformed='skip'") from error
+                                  f"remove that line{keys.skip_hint}") from error
         rows.append(row if isinstance(row, dict) else {})
     # Drop rows without a usable text here: Arrow cannot hold a column of mixed types.
     good = []
@@ -133,7 +147,7 @@ def _load_json_by_hand(path: Path, text_key: str, on_malformed: str, error: Exce
             good.append(row)
         elif on_malformed == "error":
             raise PromptDataError(f"{path}, row {index + 1}: {problem}; give every row a "
-                                  f"non-empty string '{text_key}'") from error
+                                  f"non-empty string '{text_key}'{keys.skip_hint}") from error
     skipped += len(rows) - len(good)
     try:
         return datasets.Dataset.from_list(good), skipped
@@ -141,7 +155,7 @@ def _load_json_by_hand(path: Path, text_key: str, on_malformed: str, error: Exce
         return datasets.Dataset.from_list([{text_key: row[text_key]} for row in good]), skipped
 
 
-def _load_from_hub(name: str, split: str):
+def _load_from_hub(name: str, split: str, keys: "ConfigKeys"):
     import datasets
 
     try:
@@ -149,8 +163,8 @@ def _load_from_hub(name: str, split: str):
     except Exception as error:  # noqa: BLE001 - offline, unknown name, unknown split
         raise PromptDataError(
             f"'{name}' is not an existing local file, and loading it from the Hugging Face hub "
-            f"failed ({type(error).__name__}: {error}); the hub may be unreachable (offline). "
-            "Give a local .jsonl/.json/.csv/.parquet path instead") from error
+            f"failed ({type(error).__name__}: {error}); the hub may be unreachable (offline); "
+            f"set {keys.path} to a local .jsonl/.json/.csv/.parquet path instead") from error
 
 
 def _row_problem(value: Any, text_key: str) -> str | None:
@@ -163,13 +177,13 @@ def _row_problem(value: Any, text_key: str) -> str | None:
     return None
 
 
-def _validate_rows(rows, source: str, text_key: str, on_malformed: str):
+def _validate_rows(rows, source: str, text_key: str, on_malformed: str, keys: "ConfigKeys"):
     """Keep rows whose `text_key` is a non-empty string; error on the first bad one unless skipping."""
     if len(rows) == 0:
         return rows, 0
     if text_key not in rows.column_names:
         raise PromptDataError(f"{source} has no '{text_key}' field in any row (fields: "
-                              f"{rows.column_names}); set the text key to one of them")
+                              f"{rows.column_names}); set {keys.text_key} to one of them")
     keep = []
     for index, value in enumerate(rows[text_key]):
         problem = _row_problem(value, text_key)
@@ -177,8 +191,7 @@ def _validate_rows(rows, source: str, text_key: str, on_malformed: str):
             keep.append(index)
         elif on_malformed == "error":
             raise PromptDataError(f"{source}, row {index + 1}: {problem}; give every row a "
-                                  f"non-empty string '{text_key}', or load with "
-                                  "on_malformed='skip' to drop such rows")
+                                  f"non-empty string '{text_key}'{keys.skip_hint}")
     if len(keep) == len(rows):
         return rows, 0
     return rows.select(keep), len(rows) - len(keep)

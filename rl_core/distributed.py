@@ -5,12 +5,16 @@ from __future__ import annotations
 import os
 import random
 from datetime import timedelta
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from rl_core.errors import PeerFailed
 from workers.procs import free_port
+
+T = TypeVar("T")
 
 # One seed per rank, `seed + rank * 100003` (OpenAI lm-human-preferences), so ranks sample differently.
 SEED_STRIDE = 100003
@@ -66,3 +70,48 @@ def broadcast_object(obj, src: int = 0):
     holder = [obj]
     dist.broadcast_object_list(holder, src=src)
     return holder[0]
+
+
+def on_rank0(fn: Callable[[], T]) -> T | None:
+    """Run `fn` on rank 0 only; if it fails, every rank fails at once.
+
+    Rank 0 re-raises its error; the others raise PeerFailed instead of walking into the next
+    collective and waiting there until rank 0's exit breaks it. Returns `fn()` on rank 0, None elsewhere.
+    """
+    if not dist.is_initialized():
+        return fn()
+    result, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = fn()
+        except Exception as err:  # noqa: BLE001 - re-raised below, after the others are told
+            error = err
+    failure = broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if failure is not None:
+        raise PeerFailed(f"rank 0 failed: {failure}")
+    return result
+
+
+def on_every_rank(fn: Callable[[], T]) -> T:
+    """Run `fn` on every rank (a check each rank must pass); if any rank fails, all stop together.
+
+    The lowest failing rank re-raises its error (the one line the user sees); the others raise
+    PeerFailed, which ends them quietly.
+    """
+    if not dist.is_initialized():
+        return fn()
+    result, error = None, None
+    try:
+        result = fn()
+    except Exception as err:  # noqa: BLE001 - re-raised below, once every rank knows
+        error = err
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, None if error is None else f"{type(error).__name__}: {error}")
+    failed = [rank for rank, failure in enumerate(failures) if failure is not None]
+    if failed and dist.get_rank() == failed[0]:
+        raise error
+    if failed:
+        raise PeerFailed(f"rank {failed[0]} failed: {failures[failed[0]]}")
+    return result

@@ -1,25 +1,41 @@
 """Run outputs on rank 0: metrics.jsonl (one line per step), TensorBoard, optional wandb, sample
-tables, the one-line console summary of a step, and the step timer."""
+tables, the one-line console summary of a step, and the step timer.
+
+A resumed run continues the files of the run it resumes, which may have logged steps past its
+last checkpoint before it stopped: those rows are dropped when the logger opens (and TensorBoard
+purges them), so every step appears exactly once and matches the weights that produced it.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Iterator
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, config_dict: dict, use_wandb: bool = False, wandb_project: str = "rl_core"):
+    """`resume_step`: the step the job starts after (the checkpoint's; 0 for a fresh run): rows of
+    later steps already in the run directory are dropped, so steps are logged exactly once."""
+
+    def __init__(self, run_dir: str | Path, config_dict: dict, use_wandb: bool = False, wandb_project: str = "rl_core",
+                 resume_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        dropped = truncate_jsonl(self.run_dir / "metrics.jsonl", resume_step, one_per_step=True)
+        truncate_jsonl(self.run_dir / "samples.jsonl", resume_step, one_per_step=False)
+        if dropped:
+            print(f"metrics.jsonl: dropped {dropped} rows logged after step {resume_step}, the step this run "
+                  "continues from", flush=True)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         self.samples = open(self.run_dir / "samples.jsonl", "a", buffering=1)
-        self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
+        # TensorBoard hides events at or after purge_step written by the interrupted run.
+        self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_step + 1)
         self.wandb = None
         if use_wandb:
             try:
@@ -57,6 +73,35 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+def truncate_jsonl(path: Path, last_step: int, one_per_step: bool) -> int:
+    """Keep rows with ``step <= last_step`` (the last one of each step if `one_per_step`); return rows dropped.
+
+    Unparseable lines (a write cut short by a kill) are dropped too. Rewritten atomically.
+    """
+    if not path.is_file():
+        return 0
+    rows, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+            keep = int(row["step"]) <= last_step
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        if keep:
+            rows.append(row)
+        else:
+            dropped += 1
+    if one_per_step:
+        latest = {int(row["step"]): row for row in rows}
+        dropped += len(rows) - len(latest)
+        rows = [latest[step] for step in sorted(latest)]
+    if dropped:
+        staging = path.with_name(path.name + ".tmp")
+        staging.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+        os.replace(staging, path)
+    return dropped
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -81,6 +126,21 @@ class StepTimer:
         out = {f"perf/{phase}_s": seconds for phase, seconds in self.seconds.items()}
         out["perf/step_s"] = time.perf_counter() - self.started
         return out
+
+
+def progress_bar(iterable=None, *, total: int | None = None, desc: str, enabled: bool = True, unit: str = "it"):
+    """A tqdm bar (rate and ETA) for a phase that takes more than a few seconds.
+
+    On a terminal it redraws in place; in a log file (torchrun piping, nohup) it writes a line
+    every 30 s instead of filling the file with redraws.
+    """
+    import sys
+
+    from tqdm.auto import tqdm
+
+    interactive = sys.stderr.isatty()
+    return tqdm(iterable, total=total, desc=desc, unit=unit, disable=not enabled, dynamic_ncols=interactive,
+                mininterval=0.5 if interactive else 30.0, file=sys.stderr)
 
 
 def print_step(step: int, total: int, metrics: dict[str, float]) -> None:

@@ -15,8 +15,9 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from rl_core.distributed import device_for_rank, init_distributed, local_world_size, rank_seed
+from rl_core.distributed import device_for_rank, init_distributed, local_world_size, on_rank0, rank_seed
 from rl_core.ppo.config import PPOConfig, engine_dtype
+from rl_core.run_dir import RunDirLock
 from workers.engines.client import EngineError
 from workers.engines.rank_engine import EngineSpec, RankEngine
 from workers.engines.weights import PROBE_TOLERANCE, WeightSyncError
@@ -37,27 +38,37 @@ class JobRuntime:
         self.router_url: str | None = None
         self.engine_version = 0
         self.service = None
+        self.env_executor = None
+        self.run_dir_lock = None
         self._loop = asyncio.new_event_loop()  # for this rank's own engine calls (release, push, check)
 
     # ------------------------------------------------------------------ lifecycle
 
     def __enter__(self) -> "JobRuntime":
         self.rank, self.world_size = init_distributed(timeout_s=self.cfg.trainer.collective_timeout_s)
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.local_world_size = local_world_size()
-        self.device = device_for_rank()
-        if self.device.type == "cpu":
-            # Trainer and engine share the cores of this node: split them instead of oversubscribing.
-            torch.set_num_threads(self.cpu_threads())
-        self.run_dir = Path(self.cfg.trainer.run_dir)
-        self.log_dir = self.run_dir / "logs"
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            self.local_world_size = local_world_size()
+            self.device = device_for_rank()
+            if self.device.type == "cpu":
+                # Trainer and engine share the cores of this node: split them instead of oversubscribing.
+                torch.set_num_threads(self.cpu_threads())
+            self.run_dir = Path(self.cfg.trainer.run_dir)
+            # One live job per run directory; every rank stops at once if another job holds it.
+            self.run_dir_lock = on_rank0(lambda: RunDirLock(self.run_dir).acquire())
+            self.log_dir = self.run_dir / "logs"
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             if self.service is not None:
                 self.service.close()
+            if self.env_executor is not None:
+                self.env_executor.shutdown(wait=False, cancel_futures=True)  # never wait on a stuck env call
             if self.engine is not None:
                 self._loop.run_until_complete(self.engine.close())
         finally:
@@ -66,8 +77,8 @@ class JobRuntime:
             self._loop.close()
             if dist.is_initialized():
                 dist.destroy_process_group()
-        if exc_type is not None and not issubclass(exc_type, (SystemExit, KeyboardInterrupt)):
-            print(f"[rank {getattr(self, 'rank', -1)}] job failed: {exc_type.__name__}: {exc}", file=sys.stderr)
+            if self.run_dir_lock is not None:
+                self.run_dir_lock.release()
 
     def cpu_threads(self) -> int:
         return max(1, (os.cpu_count() or 1) // self.local_world_size)
@@ -123,18 +134,23 @@ class JobRuntime:
         dist.barrier()
 
     def dead_engines(self) -> list[str]:
-        """Engines (with their log files) that no longer answer /health: the usual cause of a rollout error."""
+        """Router and engines (with their log files) that no longer answer: the usual cause of a rollout error."""
         import urllib.request
 
-        dead = []
-        for url in self.engine_urls:
+        def answers(url: str) -> bool:
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        continue
+                    return response.status == 200
             except OSError:
-                pass
-            dead.append(f"engine {url} (log {self.engine_logs.get(url)})")
+                return False
+
+        dead = []
+        exit_codes = {name: code for name, code, _ in self.procs.exited()}
+        if self.router_url is not None and ("sglang-router" in exit_codes or not answers(self.router_url)):
+            how = f"exited with code {exit_codes['sglang-router']}" if "sglang-router" in exit_codes else "stopped answering"
+            dead.append(f"sglang-router {self.router_url} {how} (log {self.log_dir / 'router.log'})")
+        dead += [f"engine {url} stopped answering (log {self.engine_logs.get(url)})"
+                 for url in self.engine_urls if not answers(url)]
         return dead
 
     def start_rollout_service(self, tokenizer, max_positions: int | None):
@@ -142,11 +158,12 @@ class JobRuntime:
         from rl_core.rollout.service import RolloutService
 
         cfg, ro = self.cfg, self.cfg.rollout
+        self.env_executor = make_executor(cfg.env.thread_pool_size)
         sampling = {"max_new_tokens": ro.response_length, "temperature": ro.temperature, "top_p": ro.top_p,
                     "top_k": ro.top_k if ro.top_k > 0 else -1, "ignore_eos": ro.ignore_eos}
         self.service = RolloutService(
             router_url=self.router_url, tokenizer=tokenizer,
-            env_factory=make_env_factory(cfg.env.cls, dict(cfg.env.kwargs), make_executor(cfg.env.thread_pool_size)),
+            env_factory=make_env_factory(cfg.env.cls, dict(cfg.env.kwargs), self.env_executor),
             num_envs=cfg.env.num_envs, step_timeout_s=cfg.env.step_timeout_s,
             max_failed_ratio=cfg.env.max_failed_ratio, sampling_params=sampling, max_turns=ro.max_turns,
             concurrency=ro.concurrency, max_total_tokens=max_positions, timeout_s=ro.engine_timeout_s,

@@ -2,7 +2,10 @@
 
 import sys
 
-from rl_core.ppo.job import main
+from workers.procs import follow_launcher
 
 if __name__ == "__main__":
+    follow_launcher()  # first, before seconds of imports: a torchrun killed meanwhile still stops this rank
+    from rl_core.ppo.job import main
+
     main(sys.argv[1:])

@@ -56,7 +56,7 @@ def test_malformed_row_names_file_row_and_fix(tmp_path, bad_row, problem):
         load_prompt_dataset(path)
     message = str(error.value)
     assert str(path) in message and "row 3" in message and problem in message
-    assert "on_malformed='skip'" in message
+    assert "data.on_malformed=skip" in message  # the real config key
 
 
 def test_bad_json_line_names_file_and_line(tmp_path):

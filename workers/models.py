@@ -34,6 +34,61 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 REQUIRED_BATCH_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
+# --------------------------------------------------------------------------- model paths
+
+
+class ModelPathError(ValueError):
+    """A configured model path is neither a local model directory nor a model on the hub."""
+
+
+HUB_HINT = "a local directory saved with save_pretrained (config.json + weights) or a Hugging Face hub name such as 'gpt2'"
+
+
+def check_model_path(path: str, key: str, need_config: bool = True) -> None:
+    """Fail in one line, before anything loads, when `key`'s model cannot be found.
+
+    A path that exists must be a directory (holding config.json when `need_config`); a path that
+    cannot be a hub name (absolute, ./, ../, ~, more than one '/') must exist. Anything else is a
+    hub name, looked up once: transformers would retry the hub for tens of seconds per file and
+    then report a repo-id or sentencepiece error. With HF_HUB_OFFLINE=1 only the local cache counts.
+    """
+    local = Path(path).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise ModelPathError(f"{key}={path} is a file, not a model directory; give {HUB_HINT}")
+        if need_config and not (local / "config.json").is_file():
+            raise ModelPathError(f"{key}={path} has no config.json, so it is not a Hugging Face model directory; "
+                                 f"give {HUB_HINT}")
+        return
+    if path.startswith(("/", "./", "../", "~")) or path.count("/") > 1 or "\\" in path:
+        raise ModelPathError(f"{key}={path} does not exist (resolved to {local.resolve()}); fix the path or give "
+                             f"{HUB_HINT}")
+    reason = _hub_lookup(path)
+    if reason is not None:
+        raise ModelPathError(f"{key}={path} is not a local directory (no {local.resolve()}) and not a model on the "
+                             f"Hugging Face hub ({reason}); give a local directory with config.json, or check the hub "
+                             "name and the network")
+
+
+def _hub_lookup(name: str) -> str | None:
+    """None if the hub (or, offline, the local cache) has `name`'s config.json, else why not (one request)."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return None
+        if constants.HF_HUB_OFFLINE:
+            return "HF_HUB_OFFLINE=1 and it is not in the local cache"
+        get_hf_file_metadata(hf_hub_url(name, "config.json"), timeout=10, retry_on_errors=False)
+    except HFValidationError:
+        return "not a valid repo id"
+    except Exception as err:  # noqa: BLE001 - any failure is reported in the one line
+        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return f"{type(err).__name__}: {text[:160]}"
+    return None
+
+
 # --------------------------------------------------------------------------- tokenizer and policy
 
 

@@ -6,7 +6,8 @@ kernel if its parent dies (Linux PR_SET_PDEATHSIG), so no server outlives the jo
 it. The kernel ties that signal to the *thread* that forked the child, not the process: a child
 started from a worker thread would be killed when that thread ends, so children are started
 from the main thread only. Every deliberate stop writes who stopped the child, and why, into
-the child's log.
+the child's log. The ranks themselves follow their launcher the same way (`follow_launcher`):
+torchrun puts each rank in its own session, so killing torchrun alone would leave them running.
 """
 
 from __future__ import annotations
@@ -32,11 +33,65 @@ class ProcessStartError(RuntimeError):
     """A child process died or did not answer in time while starting."""
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: ask the kernel to SIGTERM this child when the parent thread exits."""
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send `sig` to this process when the thread that forked it exits (Linux only)."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(PR_SET_PDEATHSIG, sig)
+
+
+def follow_launcher(grace_s: float = 15.0) -> None:
+    """Under torchrun, stop this rank within seconds of torchrun's death (kill -9 included).
+
+    torchrun starts every rank in its own session, so a signal to torchrun's process group never
+    reaches the ranks: killed alone, torchrun would leave ranks, engines and router training
+    unattended. The kernel sends this rank SIGTERM when torchrun exits (PR_SET_PDEATHSIG), which
+    the job turns into its normal clean-up; a thread also polls the parent pid, in case torchrun
+    died before the prctl. A rank still alive `grace_s` seconds later (stuck in a collective)
+    SIGKILLs its children's process groups and exits. Call it first thing, before heavy imports.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # a plain `python -m` run has no launcher to follow
+        return
+    launcher = os.getppid()
+    set_parent_death_signal(signal.SIGTERM)
+    threading.Thread(target=_watch_launcher, args=(launcher, grace_s), name="launcher-watch", daemon=True).start()
+
+
+def _watch_launcher(launcher: int, grace_s: float) -> None:
+    while os.getppid() == launcher:
+        time.sleep(0.5)
+    try:
+        print(f"[rank {os.environ.get('RANK', 0)}] torchrun (pid {launcher}) is gone; stopping this rank, "
+              "its engine and the router", file=sys.stderr, flush=True)
+    except OSError:  # the reading end of torchrun's pipe may be gone with it
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)  # the job's handler raises SystemExit: the normal clean-up
+    time.sleep(grace_s)
+    for child in _children():  # engines and router each lead their own process group
+        _signal_group(child, signal.SIGKILL)
+        try:
+            os.kill(child, signal.SIGKILL)
+        except OSError:
+            pass
+    os._exit(128 + signal.SIGTERM)
+
+
+def _children() -> list[int]:
+    me, found = os.getpid(), []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == me:
+                found.append(int(entry.name))
+    return found
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: ask the kernel to SIGTERM this child when the parent thread exits."""
+    set_parent_death_signal(signal.SIGTERM)
 
 
 def start_process(argv: Sequence[str], log_path: str | Path,

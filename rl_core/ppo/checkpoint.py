@@ -3,6 +3,8 @@ KL controller, data position and every rank's RNG.
 
 A checkpoint is written to `step_N.tmp/` and renamed to `step_N/` only after every rank has
 finished, so a run killed mid-save leaves the previous checkpoint as the latest complete one.
+Only the newest `keep_last` complete checkpoints are kept (0 keeps all): each one holds the
+models and optimizer states, so unbounded they fill the disk.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ PREFIX = "step_"
 
 
 class Checkpointer:
-    def __init__(self, root: str | Path, rank: int):
+    def __init__(self, root: str | Path, rank: int, keep_last: int = 0):
+        if keep_last < 0:
+            raise ValueError(f"keep_last must be >= 0 (0 keeps every checkpoint), got {keep_last}")
         self.root = Path(root)
         self.rank = rank
+        self.keep_last = keep_last
 
     def complete(self) -> list[Path]:
         if not self.root.is_dir():
@@ -52,8 +57,18 @@ class Checkpointer:
         if self.rank == 0:
             tmp.rename(final)
             print(f"checkpoint saved: {final}", flush=True)
+            self._prune()
         dist.barrier()
         return final
+
+    def _prune(self) -> None:
+        """Delete all but the newest `keep_last` complete checkpoints (rank 0, after a save)."""
+        if not self.keep_last:
+            return
+        for old in self.complete()[:-self.keep_last]:
+            doomed = old.with_name(old.name + ".tmp")  # renamed first: a half-deleted one never looks complete
+            old.rename(doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
 
     def maybe_resume(self, mode: str, trainer, prompts) -> int:
         """Load the checkpoint `mode` asks for; returns the step to continue from (0 when fresh)."""

@@ -137,6 +137,7 @@ class PPOTrainerConfig(TrainerConfig):
     mode: str = choice("sync", ("sync", "async"))
     total_episodes: int = 4096
     save_every: int = 0
+    keep_last: int = 2  # newest complete checkpoints kept on disk; 0 keeps all
     resume: str = "never"  # never | auto | <checkpoint dir>
     log_samples_every: int = 10
     export_hf: bool = True
@@ -206,6 +207,7 @@ def validate(cfg: PPOConfig) -> None:
             f"(algorithm.batch_size={algo.batch_size})")
     require(cfg.async_.max_staleness >= 0, "config key 'async.max_staleness' must be >= 0")
     require(trainer.save_every >= 0, "config key 'trainer.save_every' must be >= 0")
+    require(trainer.keep_last >= 0, "config key 'trainer.keep_last' must be >= 0 (0 keeps every checkpoint)")
     require(trainer.collective_timeout_s > 0, "config key 'trainer.collective_timeout_s' must be > 0")
     require(cfg.reward.truncate_after >= 0, "config key 'reward.truncate_after' must be >= 0")
     longest = max_sequence_length(cfg)

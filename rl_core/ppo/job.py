@@ -7,7 +7,6 @@ environments. `train` below is the whole loop; one step reads top to bottom in `
 
 from __future__ import annotations
 
-import signal
 import sys
 from pathlib import Path
 
@@ -15,9 +14,10 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from envs.base import load_env_class
-from rl_core.cli import parse_job_config
+from rl_core.cli import parse_job_config, run_main
 from rl_core.config import save_config, to_dict
-from rl_core.distributed import broadcast_object, rank_seed, seed_everything
+from rl_core.distributed import broadcast_object, on_every_rank, on_rank0, rank_seed, seed_everything
+from rl_core.errors import JobError
 from rl_core.logger import MetricsLogger, StepTimer, print_step
 from rl_core.ppo import algorithms as alg
 from rl_core.ppo.checkpoint import Checkpointer
@@ -32,9 +32,11 @@ from workers.engines.weights import probe_token_ids
 
 
 def main(argv: list[str] | None = None) -> None:
+    run_main(_main, argv, stop_hint="trainer.resume=auto continues from the last checkpoint")
+
+
+def _main(argv: list[str] | None) -> None:
     cfg = parse_job_config(argv, __doc__, "ppo_sentiment.yaml", PPOConfig, validate)
-    # torchrun stops workers with SIGTERM: turn it into SystemExit so every `finally` runs.
-    signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))
     with JobRuntime(cfg) as rt:
         train(cfg, rt)
 
@@ -49,17 +51,18 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
     run_dir = Path(cfg.trainer.run_dir)
     batch_size = cfg.algorithm.batch_size
     total_steps = cfg.trainer.total_episodes // batch_size
+    # Rank 0 reads the prompts before any engine or model loads: a data error costs seconds, not minutes.
+    prompts = on_rank0(lambda: prompt_samples(cfg.data, prompts_path, tokenizer, batch_size, cfg.algorithm.group_size,
+                                              cfg.trainer.seed))
     rt.start_engines(policy_path)
     trainer = PPOTrainer(cfg, tokenizer, policy_path, reward_path, total_steps, rt.device, rt.rank, rt.world_size)
-    checkpointer = Checkpointer(run_dir / "checkpoints", rt.rank)
-    prompts = None
-    if rt.rank == 0:
-        prompts = prompt_samples(cfg.data, prompts_path, tokenizer, batch_size, cfg.algorithm.group_size,
-                                 cfg.trainer.seed)
+    checkpointer = Checkpointer(run_dir / "checkpoints", rt.rank, keep_last=cfg.trainer.keep_last)
     start_step = checkpointer.maybe_resume(cfg.trainer.resume, trainer, prompts)
     logger = None
     if rt.rank == 0:
-        logger = MetricsLogger(run_dir, to_dict(cfg), cfg.trainer.wandb, cfg.trainer.wandb_project)
+        # Rows after the checkpoint's step (written by the interrupted run) are dropped: each step once.
+        logger = MetricsLogger(run_dir, to_dict(cfg), cfg.trainer.wandb, cfg.trainer.wandb_project,
+                               resume_step=start_step)
         save_config(cfg, run_dir / "config.yaml")
 
     probe = probe_token_ids(tokenizer)
@@ -89,11 +92,6 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
         with timer("sync"):  # 7. new weights into every engine, checked by version and probe logprobs
             version = step + 1
             metrics.update(rt.sync_weights(trainer.actor_weights(), version, probe, trainer.probe_logprobs(probe)))
-        if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
-            # Async: the position after the last batch trained on, not the producer's, which runs ahead.
-            data_state = None if rt.rank != 0 else (
-                prompts.state_dict() if cfg.trainer.mode == "sync" else service.resume_state)
-            checkpointer.save(step + 1, trainer, data_state)
         if rt.rank == 0:
             metrics.update(timer.metrics())
             tokens = sum(t.num_tokens for t in trajectories)
@@ -104,6 +102,13 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
             print_step(step + 1, total_steps, metrics)
             if cfg.trainer.log_samples_every and (step % cfg.trainer.log_samples_every == 0 or step + 1 == total_steps):
                 logger.log_samples(step + 1, sample_rows(tokenizer, exp, scores, n=4))
+        # Saved after the step is logged: a run killed in between resumes from the previous checkpoint
+        # and logs this step again (the resumed logger drops the extra row), so no step goes missing.
+        if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
+            # Async: the position after the last batch trained on, not the producer's, which runs ahead.
+            data_state = None if rt.rank != 0 else (
+                prompts.state_dict() if cfg.trainer.mode == "sync" else service.resume_state)
+            checkpointer.save(step + 1, trainer, data_state)
 
     if cfg.trainer.export_hf:
         export_policy(trainer, tokenizer, policy_path, run_dir / "final", rt.rank)
@@ -122,27 +127,41 @@ def collect_batch(cfg: PPOConfig, rt: JobRuntime, service, prompts, version: int
                 result, dropped = service.next_batch(cfg.algorithm.batch_size, version, cfg.async_.max_staleness)
         except EngineError as err:
             dead = rt.dead_engines()
-            raise RuntimeError(f"rollout failed: {'; '.join(dead) + ' stopped answering' if dead else err}") from err
+            if not dead:
+                raise
+            raise JobError(f"rollout failed: {'; '.join(dead)}; see that log (trainer.resume=auto continues from "
+                           f"the last checkpoint) [{err}]") from err
         trajectories, metrics = result.trajectories, dict(result.metrics)
         metrics["async/dropped_stale"] = dropped
         metrics["async/staleness_max"] = max((version - t.min_version for t in trajectories), default=0)
     trajectories, metrics = broadcast_object((trajectories, metrics))
     if not trajectories:
-        raise RuntimeError("the rollout produced no usable trajectory (every env failed); see rank 0's log")
+        raise JobError("the rollout produced no usable trajectory (every env failed); see rank 0's log")
     return trajectories, metrics
 
 
 def resolve_paths(cfg: PPOConfig, rank: int) -> tuple[str, str | None, str]:
-    """Policy, reward-model and prompt paths; the offline tiny assets are built if a path says "tiny"."""
+    """Policy, reward-model and prompt paths; the offline tiny assets are built if a path says "tiny".
+
+    Paths the user gave are checked first, before minutes go into building tiny assets or loading
+    models: a local path must be a model directory, anything else a hub name (tried once).
+    """
+    def check_user_paths() -> None:
+        for key, value in (("model.path", cfg.model.path), ("reward.model_path", cfg.reward.model_path),
+                           ("model.tokenizer_path", cfg.model.tokenizer_path)):
+            if value not in (None, "tiny"):
+                models.check_model_path(value, key, need_config=key != "model.tokenizer_path")
+
+    on_every_rank(check_user_paths)
     paths = None
     if "tiny" in (cfg.model.path, cfg.reward.model_path, cfg.data.train_path):
         from rl_core.tiny.assets import ensure_tiny_assets
         from rl_core.tiny.reward_model import ensure_tiny_reward_model
 
         if rank == 0:  # rank 0 builds (and logs) what is missing while the others wait; the build is locked anyway
-            paths = ensure_tiny_assets(log=print)
+            paths = ensure_tiny_assets(log=print, progress=cfg.trainer.progress)
             if cfg.reward.model_path == "tiny":
-                ensure_tiny_reward_model(paths, log=print)
+                ensure_tiny_reward_model(paths, log=print, progress=cfg.trainer.progress)
         dist.barrier()
         paths = ensure_tiny_assets(log=lambda *_: None)
     policy = str(paths.model_dir) if cfg.model.path == "tiny" else cfg.model.path

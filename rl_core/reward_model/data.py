@@ -317,7 +317,8 @@ def load_preference_dataset(
         raise PreferenceDataError(
             f"on_malformed={on_malformed!r} is unknown; use 'error' or 'skip'")
     if not path.is_file():
-        raise PreferenceDataError(f"preference file {path} does not exist")
+        raise PreferenceDataError(f"preference file {path} does not exist; check data.train_path / data.test_path "
+                                  "('tiny' builds the offline preferences)")
     if path.suffix.lower() not in SUPPORTED_SUFFIXES:
         raise PreferenceDataError(f"{path}: unsupported file type '{path.suffix}'; use one of "
                                   f"{sorted(SUPPORTED_SUFFIXES)}")
@@ -351,7 +352,7 @@ def _report_problems(problems: list[str], on_malformed: str, path: Path, n_rows:
     if on_malformed == "error":
         raise PreferenceDataError(
             f"{len(problems)} malformed row(s) in {path}:\n  {shown}{more}\n"
-            f"Fix these rows, or pass on_malformed='skip' to drop them."
+            f"Fix these rows, or set data.on_malformed=skip to drop them."
         )
     if len(problems) == n_rows:
         raise PreferenceDataError(f"every row of {path} is malformed:\n  {shown}{more}")

@@ -24,19 +24,29 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from rl_core.cli import parse_job_config
+from rl_core.cli import parse_job_config, run_main
 from rl_core.config import save_config
-from rl_core.distributed import device_for_rank, init_distributed, seed_everything
+from rl_core.distributed import device_for_rank, init_distributed, on_every_rank, on_rank0, seed_everything
 from rl_core.reward_model.config import RMConfig, check_lengths, validate
 from rl_core.reward_model.sampling import load_queries
 from rl_core.reward_model.training import (DataParallel, Log, build_reward_model, export_reward_model,
                                            fit_reward_model, load_preference_splits)
-from workers.models import context_length, load_causal_lm, load_tokenizer
+from rl_core.run_dir import RunDirLock
+from workers.models import check_model_path, context_length, load_causal_lm, load_tokenizer
 
 
 def resolve_inputs(cfg: RMConfig, dp: DataParallel, log: Log) -> dict:
     """Paths of policy, preference files and prompts ("tiny" ones are built, rank 0 first), and the
-    offline labeler named by labeler.name (the rater the fresh-sample check compares with)."""
+    offline labeler named by labeler.name (the rater the fresh-sample check compares with).
+
+    Model paths the user gave are checked first, in one line each, before anything is built or loaded.
+    """
+    def check_user_paths() -> None:
+        for key, value in (("model.policy_path", cfg.model.policy_path), ("model.init_from", cfg.model.init_from)):
+            if value not in (None, "tiny"):
+                check_model_path(value, key)
+
+    on_every_rank(check_user_paths)
     labeler = None
     if cfg.labeler.name:
         from rl_core.tiny.labeler import get_labeler
@@ -47,17 +57,17 @@ def resolve_inputs(cfg: RMConfig, dp: DataParallel, log: Log) -> dict:
         from rl_core.tiny.assets import ensure_tiny_assets
         from rl_core.tiny.reward_model import ensure_tiny_preferences, preference_files
 
-        def build(log_to: Log):
-            built = ensure_tiny_assets(log=log_to)
+        def build(log_to: Log, progress: bool):
+            built = ensure_tiny_assets(log=log_to, progress=progress)
             if cfg.data.train_path == "tiny":
-                ensure_tiny_preferences(built, cfg.labeler.name, log_to, noise=cfg.labeler.noise)
+                ensure_tiny_preferences(built, cfg.labeler.name, log_to, noise=cfg.labeler.noise, progress=progress)
             return built
 
-        if dp.rank == 0:  # rank 0 builds what is missing (and logs) while the others wait
-            paths = build(log)
+        if dp.rank == 0:  # rank 0 builds what is missing (and logs, with progress bars) while the others wait
+            paths = build(log, cfg.trainer.progress)
         dp.barrier()
         if dp.rank != 0:
-            paths = build(lambda *_: None)
+            paths = build(lambda *_: None, False)
     policy = str(paths.model_dir) if cfg.model.policy_path == "tiny" else cfg.model.policy_path
     train, test = cfg.data.train_path, cfg.data.test_path
     if train == "tiny":
@@ -92,9 +102,16 @@ def run_job(cfg: RMConfig, dp: DataParallel, log: Log = print) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> None:
     cfg = parse_job_config(argv, __doc__, "rm_sentiment.yaml", RMConfig, validate)
     rank, world_size = init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
+    lock = None
     try:
+        # One live job per run directory; every rank stops at once if another job holds it.
+        lock = on_rank0(lambda: RunDirLock(cfg.trainer.run_dir).acquire())
         seed_everything(cfg.trainer.seed)  # same init everywhere; sampling seeds are per rank (rank_seed)
         dp = DataParallel(rank, world_size, sharded=True, device=device_for_rank())
 
@@ -108,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(metrics), flush=True)
     finally:
         dist.destroy_process_group()
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":

@@ -14,9 +14,10 @@ from workers.models import single_token_id
 
 def load_queries(path: str, text_key: str, tokenizer, query_length: int) -> list[list[int]]:
     """Token ids of each prompt in a prompt file (see rl_core.data), cut to ``query_length`` tokens."""
-    from rl_core.data import load_prompt_dataset
+    from rl_core.data import ConfigKeys, load_prompt_dataset
 
-    texts = load_prompt_dataset(path, text_key=text_key).texts()
+    keys = ConfigKeys(path="normalize.prompts_path", text_key="normalize.text_key", on_malformed=None)
+    texts = load_prompt_dataset(path, text_key=text_key, keys=keys).texts()
     ids = [row[:query_length] for row in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     return [row for row in ids if row]
 
@@ -33,14 +34,17 @@ def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 
 @torch.no_grad()
 def sample_responses(policy, tokenizer, queries: list[list[int]], response_length: int,
-                     temperature: float, seed: int, batch_size: int = 64) -> list[list[int]]:
+                     temperature: float, seed: int, batch_size: int = 64, desc: str | None = None) -> list[list[int]]:
     """Fixed-length continuations of each query from the reference policy.
 
     OpenAI details: sampling with top_k=0 / top_p=1 at the given temperature, and exactly
     ``response_length`` tokens: EOS does not stop a sample (``eos_token_id=[]``).
     The global RNG is restored afterwards, so callers' random streams are untouched.
+    `desc`: show a progress bar with that title (sampling thousands of queries takes minutes on a CPU).
     """
     from transformers import GenerationConfig
+
+    from rl_core.logger import progress_bar
 
     config = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
                               max_new_tokens=response_length, eos_token_id=[],
@@ -50,7 +54,8 @@ def sample_responses(policy, tokenizer, queries: list[list[int]], response_lengt
     responses: list[list[int]] = []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        for start in range(0, len(queries), batch_size):
+        starts = range(0, len(queries), batch_size)
+        for start in progress_bar(starts, desc=desc or "", enabled=desc is not None, unit="batch"):
             ids, mask = _left_pad(queries[start:start + batch_size], tokenizer.pad_token_id)
             out = policy.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                                   generation_config=config)
@@ -59,7 +64,7 @@ def sample_responses(policy, tokenizer, queries: list[list[int]], response_lengt
 
 
 def sample_truncated(policy, tokenizer, queries: list[list[int]], cfg: NormalizeConfig,
-                     seed: int) -> tuple[list[list[int]], torch.Tensor]:
+                     seed: int, desc: str | None = None) -> tuple[list[list[int]], torch.Tensor]:
     """Reference-policy responses as the PPO job's reward model reads them, and which are scored.
 
     OpenAI rejection sampling: each response is cut through its first ``cfg.truncate_token`` at
@@ -67,7 +72,7 @@ def sample_truncated(policy, tokenizer, queries: list[list[int]], cfg: Normalize
     not valid (PPO penalises it instead of scoring it).
     """
     responses = sample_responses(policy, tokenizer, queries, cfg.response_length, cfg.temperature, seed,
-                                 cfg.batch_size)
+                                 cfg.batch_size, desc)
     if cfg.truncate_token is None:
         return responses, torch.ones(len(responses), dtype=torch.bool)
     token = single_token_id(tokenizer, cfg.truncate_token, "normalize.truncate_token")

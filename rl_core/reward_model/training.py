@@ -15,6 +15,7 @@ import torch.distributed as dist
 from rl_core.balance import micro_batches_for_rank as balanced_micro_batches
 from rl_core.balance import with_stand_ins
 from rl_core.distributed import rank_seed
+from rl_core.logger import progress_bar
 from rl_core.optim import build_optimizer, linear_anneal_schedule
 from rl_core.ppo.algorithms import reward_gain_bias
 from rl_core.reward_model.config import NormalizeConfig, RMConfig, RMDataConfig, RMTrainConfig
@@ -184,12 +185,13 @@ def heldout_metrics(model, examples: list, dp: DataParallel, max_tokens: int, pa
 
 
 def train_one_epoch(trainable, examples: list, cfg: RMTrainConfig, dp: DataParallel, pad_id: int,
-                    seed: int, log: Log) -> dict[str, float]:
+                    seed: int, log: Log, progress: bool = False) -> dict[str, float]:
     """One shuffled pass; the last incomplete minibatch is dropped (every step has batch_size examples)."""
     steps = len(examples) // cfg.batch_size
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
     loss_sum = correct = 0.0
-    for step in range(steps):
+    for step in progress_bar(range(steps), desc="[train_rm] training the reward model", unit="step",
+                             enabled=progress):
         minibatch = [examples[i] for i in order[step * cfg.batch_size:(step + 1) * cfg.batch_size]]
         micro_batches = micro_batches_for_rank(minibatch, dp, cfg.max_tokens_per_device, pad_id)
         metrics = trainable.forward_backward(micro_batches, preference_loss_fn(len(minibatch), dp.size))
@@ -221,10 +223,10 @@ def _valid_only(scores: torch.Tensor, cfg: NormalizeConfig) -> torch.Tensor:
 
 
 def normalize_reward(model, policy, tokenizer, queries: list[list[int]], cfg: NormalizeConfig,
-                     seed: int, dp: DataParallel) -> tuple[float, float]:
+                     seed: int, dp: DataParallel, desc: str | None = None) -> tuple[float, float]:
     """Set gain/bias so rewards of reference-policy samples have mean 0, std 1 (OpenAI detail)."""
     mine = pick_queries(queries, cfg.num_samples, seed, dp.rank, dp.size)
-    responses, valid = sample_truncated(policy, tokenizer, mine, cfg, rank_seed(seed, dp.rank))
+    responses, valid = sample_truncated(policy, tokenizer, mine, cfg, rank_seed(seed, dp.rank), desc)
     sequences = [q + r for q, r in zip(mine, responses)]
     raw = score_sequences(model, sequences, tokenizer.pad_token_id, dp.device, cfg.batch_size)
     raw = _valid_only(dp.gather(_mark_invalid(raw, valid)), cfg)
@@ -234,10 +236,10 @@ def normalize_reward(model, policy, tokenizer, queries: list[list[int]], cfg: No
 
 
 def fresh_sample_check(model, policy, tokenizer, queries: list[list[int]], cfg: NormalizeConfig,
-                       seed: int, dp: DataParallel, labeler=None) -> dict[str, float | None]:
+                       seed: int, dp: DataParallel, labeler=None, desc: str | None = None) -> dict[str, float | None]:
     """Normalised reward statistics on a new sample, and Spearman with the labeler's score."""
     mine = pick_queries(queries, cfg.num_samples, seed, dp.rank, dp.size)
-    responses, valid = sample_truncated(policy, tokenizer, mine, cfg, rank_seed(seed, dp.rank))
+    responses, valid = sample_truncated(policy, tokenizer, mine, cfg, rank_seed(seed, dp.rank), desc)
     sequences = [q + r for q, r in zip(mine, responses)]
     scores = score_sequences(model, sequences, tokenizer.pad_token_id, dp.device, cfg.batch_size, normalized=True)
     scores = dp.gather(_mark_invalid(scores, valid))
@@ -278,15 +280,21 @@ def fit_reward_model(model, policy, tokenizer, train_examples: list, test_exampl
         max_grad_norm=cfg.train.max_grad_norm,
         sharded=dp.sharded,
     )
+    # Bars (with ETAs) on rank 0: on a CPU each sampling or training phase can take minutes.
+    show = cfg.trainer.progress and dp.rank == 0
+    bar = (lambda what: f"[train_rm] {what}") if show else (lambda what: None)
     # OpenAI: normalise before training too, so the loss sees rewards at unit scale from step one.
-    gain_before, _ = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed, dp)
+    gain_before, _ = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed, dp,
+                                      bar("sampling to normalise before training"))
     before = heldout_metrics(model, test_examples, dp, max_tokens, pad_id)
     log(f"[train_rm] {len(train_examples)} train / {len(test_examples)} held-out comparisons, {steps} steps "
         f"on {dp.size} rank(s); held-out accuracy before training {before['accuracy']:.3f}")
-    stats = train_one_epoch(trainable, train_examples, cfg.train, dp, pad_id, cfg.trainer.seed, log)
+    stats = train_one_epoch(trainable, train_examples, cfg.train, dp, pad_id, cfg.trainer.seed, log, show)
     after = heldout_metrics(model, test_examples, dp, max_tokens, pad_id)
-    gain, bias = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed + 1, dp)
-    check = fresh_sample_check(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed + 2, dp, labeler)
+    gain, bias = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed + 1, dp,
+                                  bar("sampling to normalise after training"))
+    check = fresh_sample_check(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed + 2, dp, labeler,
+                               bar("sampling to check on fresh samples"))
     return {"heldout_accuracy": after["accuracy"], "heldout_loss": after["loss"],
             "heldout_accuracy_before": before["accuracy"], **stats, "gain_before": gain_before,
             "gain": gain, "bias": bias, **check}

@@ -192,9 +192,14 @@ def _learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
 
 def pretrain_tiny_gpt2(model, tokenizer, texts: list[str], steps: int, batch_size: int,
                        seq_len: int, lr: float, seed: int, num_threads: int = 2,
-                       log_every: int = 0, log: Callable[[str], None] = print) -> list[float]:
-    """Plain PyTorch language-model pretraining on packed text; returns the loss of every step."""
+                       log_every: int = 0, log: Callable[[str], None] = print, progress: bool = False) -> list[float]:
+    """Plain PyTorch language-model pretraining on packed text; returns the loss of every step.
+
+    `progress`: a bar with the loss and an ETA (the real build pretrains for about two minutes).
+    """
     import torch
+
+    from rl_core.logger import progress_bar
 
     if seq_len > model.config.n_positions:
         raise ValueError(f"seq_len={seq_len} exceeds the model's n_positions="
@@ -208,7 +213,8 @@ def pretrain_tiny_gpt2(model, tokenizer, texts: list[str], steps: int, batch_siz
     offsets = torch.arange(seq_len)
     losses = []
     model.train()
-    with torch_threads(num_threads):
+    bar = progress_bar(total=steps, desc="[rl_core.tiny] pretraining the tiny policy", unit="step", enabled=progress)
+    with torch_threads(num_threads), bar:
         for step in range(steps):
             for group in optimizer.param_groups:
                 group["lr"] = _learning_rate(step, steps, lr, warmup)
@@ -220,6 +226,8 @@ def pretrain_tiny_gpt2(model, tokenizer, texts: list[str], steps: int, batch_siz
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
             if log_every and (step + 1) % log_every == 0:
                 log(f"step {step + 1}/{steps} loss {sum(losses[-log_every:]) / log_every:.3f}")
     model.eval()
@@ -273,7 +281,7 @@ def staged_directory(final: Path) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def _quiet_transformers_progress() -> Iterator[None]:
-    """`save_pretrained` draws a progress bar; the build promises a single log line."""
+    """`save_pretrained` draws a progress bar of its own; the build shows only its own bars."""
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
@@ -285,7 +293,7 @@ def _quiet_transformers_progress() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _build_policy(paths: AssetPaths, settings: TinyAssetSettings) -> dict:
+def _build_policy(paths: AssetPaths, settings: TinyAssetSettings, progress: bool = False) -> dict:
     """Tokenizer + pretrained policy in one directory; returns the facts it recorded."""
     started = time.perf_counter()
     with staged_directory(paths.model_dir) as staging:
@@ -300,7 +308,7 @@ def _build_policy(paths: AssetPaths, settings: TinyAssetSettings) -> dict:
                              "shrink n_layer/n_embd/vocab_size")
         losses = pretrain_tiny_gpt2(model, tokenizer, texts, steps=settings.steps,
                                     batch_size=settings.batch_size, seq_len=settings.seq_len,
-                                    lr=settings.lr, seed=settings.seed)
+                                    lr=settings.lr, seed=settings.seed, progress=progress)
         with _quiet_transformers_progress():
             model.save_pretrained(staging)
         tail = losses[-max(1, len(losses) // 20):]
@@ -354,11 +362,12 @@ def _missing_components(paths: AssetPaths, settings: TinyAssetSettings) -> list[
 
 def ensure_tiny_assets(root: str | Path | None = None, *, small: bool = False,
                        force: bool = False, seed: int | None = None,
-                       log: Callable[[str], None] = print) -> AssetPaths:
+                       log: Callable[[str], None] = print, progress: bool = True) -> AssetPaths:
     """Build whatever tiny asset is missing or stale under `root`; return where they are.
 
     Idempotent and safe to call from every rank at once: the first caller builds under a file
-    lock (about 2-3 minutes on 2 CPU cores for the real assets), the others wait and reuse it.
+    lock (about 2-3 minutes on 2 CPU cores for the real assets, shown with a progress bar when
+    `progress`), the others wait and reuse it.
     """
     settings = SMALL_SETTINGS if small else REAL_SETTINGS
     if seed is not None:
@@ -374,7 +383,7 @@ def ensure_tiny_assets(root: str | Path | None = None, *, small: bool = False,
         log(f"[rl_core.tiny] building {kind} assets ({', '.join(missing)}) under {paths.root} "
             f"with seed {settings.seed}; cached for later runs")
         if "policy" in missing:
-            _build_policy(paths, settings)
+            _build_policy(paths, settings, progress)
         if "prompts" in missing:
             _build_prompts(paths, settings)
         _write_summary(paths, settings, small)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+from rl_core.logger import progress_bar
 from rl_core.ppo.algorithms import truncated_ids
 from rl_core.reward_model.config import LabelerConfig, RMConfig, check_lengths
 from rl_core.reward_model.sampling import load_queries, sample_responses
@@ -74,11 +75,12 @@ def _preference_settings(paths, task: str, settings: TinyRMSettings) -> dict:
                if k not in ("batch_size", "lr", "num_samples")}}
 
 
-def _write_pairs(path: Path, queries: list[str], pairs: list[tuple[int, str, str]], labeler) -> dict[str, int]:
+def _write_pairs(path: Path, queries: list[str], pairs: list[tuple[int, str, str]], labeler,
+                 desc: str | None = None) -> dict[str, int]:
     """Pairwise rows, labelled one by one; pairs the rater scores equal are left out (a tie says nothing)."""
     counts = {"written": 0, "ties": 0, "empty": 0}
     with open(path, "w", encoding="utf-8") as handle:
-        for query_index, first, second in pairs:
+        for query_index, first, second in progress_bar(pairs, desc=desc or "", enabled=desc is not None, unit="pair"):
             if not first.strip() or not second.strip():
                 counts["empty"] += 1  # a rater cannot judge an empty continuation
                 continue
@@ -116,7 +118,7 @@ def _labelled_pairs(queries: list[list[int]], responses: list[list[int]], draws:
     return pairs
 
 
-def _build_preferences(paths, task: str, settings: TinyRMSettings) -> dict:
+def _build_preferences(paths, task: str, settings: TinyRMSettings, progress: bool = False) -> dict:
     """Sample from the tiny policy, keep and cut samples at a period, label pairs, write jsonl + marker."""
 
     train_file, test_file, marker = preference_files(paths, task)
@@ -134,11 +136,13 @@ def _build_preferences(paths, task: str, settings: TinyRMSettings) -> dict:
         queries = load_queries(prompts, "text", tokenizer, settings.query_length)
         repeated = [query for query in queries for _ in range(draws)]
         responses = sample_responses(policy, tokenizer, repeated, settings.response_length, settings.temperature,
-                                     seed=settings.seed + offset, batch_size=256)
+                                     seed=settings.seed + offset, batch_size=256,
+                                     desc=f"[rl_core.tiny] sampling {split} continuations" if progress else None)
         pairs = _labelled_pairs(queries, responses, draws, settings, truncate_id, every_pair=split == "train")
         texts = [(index, tokenizer.decode(a), tokenizer.decode(b)) for index, a, b in pairs]
         staging = out.with_name(f".{out.name}.{os.getpid()}")
-        written = _write_pairs(staging, tokenizer.batch_decode(queries), texts, labeler)
+        written = _write_pairs(staging, tokenizer.batch_decode(queries), texts, labeler,
+                               f"[rl_core.tiny] labelling {split} pairs" if progress else None)
         os.replace(staging, out)
         counts[split], counts[f"{split}_ties_left_out"] = written["written"], written["ties"]
         if written["written"] == 0:
@@ -161,7 +165,7 @@ def tiny_rm_settings(paths, small: bool | None = None) -> TinyRMSettings:
 
 
 def ensure_tiny_preferences(paths, task: str = "sentiment", log: Log = print, small: bool | None = None,
-                            noise: float | None = None) -> tuple[Path, Path]:
+                            noise: float | None = None, progress: bool = True) -> tuple[Path, Path]:
     """Offline preference files ``<root>/preferences/<task>_{train,test}.jsonl``, built if missing."""
     settings = tiny_rm_settings(paths, small)
     if noise is not None:
@@ -171,7 +175,7 @@ def ensure_tiny_preferences(paths, task: str = "sentiment", log: Log = print, sm
         with file_lock(paths.root / f".{task}-rm.lock"):
             if not settings_match(marker, _preference_settings(paths, task, settings)):
                 log(f"[rl_core.tiny] labelling tiny {task} preferences under {marker.parent}; cached")
-                _build_preferences(paths, task, settings)
+                _build_preferences(paths, task, settings, progress)
     return train_file, test_file
 
 
@@ -194,13 +198,14 @@ def tiny_rm_job_config(task: str, settings: TinyRMSettings) -> RMConfig:
     return cfg
 
 
-def _train_tiny_reward_model(paths, task: str, settings: TinyRMSettings, out_dir: Path) -> dict:
+def _train_tiny_reward_model(paths, task: str, settings: TinyRMSettings, out_dir: Path, progress: bool) -> dict:
     """Single process, no torch.distributed: safe inside another job's process group."""
 
     cfg = tiny_rm_job_config(task, settings)
+    cfg.trainer.progress = progress
     train_file, test_file, marker = preference_files(paths, task)
     if not settings_match(marker, _preference_settings(paths, task, settings)):
-        _build_preferences(paths, task, settings)
+        _build_preferences(paths, task, settings, progress)
     tokenizer = load_tokenizer(str(paths.model_dir))
     policy = load_causal_lm(str(paths.model_dir)).eval()
     cfg.data.max_length = min(cfg.data.max_length, context_length(policy.config) or cfg.data.max_length)
@@ -208,7 +213,7 @@ def _train_tiny_reward_model(paths, task: str, settings: TinyRMSettings, out_dir
     train, test = load_preference_splits(cfg.data, str(train_file), str(test_file), tokenizer, cfg.trainer.seed)
     queries = load_queries(paths.train_prompts, "text", tokenizer, settings.query_length)
     model = build_reward_model(str(paths.model_dir), tokenizer, cfg.trainer.seed)
-    quiet: Log = lambda *_: None  # noqa: E731 - the bootstrap logs one line only
+    quiet: Log = lambda *_: None  # noqa: E731 - the bootstrap logs one line, and its progress bars
     metrics = fit_reward_model(model, policy, tokenizer, train, test, queries, cfg, DataParallel(),
                                get_labeler(task), quiet)
     export_reward_model(model, tokenizer, out_dir, DataParallel())
@@ -217,7 +222,7 @@ def _train_tiny_reward_model(paths, task: str, settings: TinyRMSettings, out_dir
 
 @contextlib.contextmanager
 def _quiet_libraries() -> Iterator[None]:
-    """Hide Hugging Face progress bars and load reports: the bootstrap promises one log line."""
+    """Hide Hugging Face progress bars and load reports: the bootstrap shows one log line and its own bars."""
     import datasets
     from transformers.utils import logging as hf_logging
 
@@ -236,13 +241,15 @@ def _quiet_libraries() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
-def ensure_tiny_reward_model(paths, log: Log = print, task: str = "sentiment", small: bool | None = None) -> Path:
+def ensure_tiny_reward_model(paths, log: Log = print, task: str = "sentiment", small: bool | None = None,
+                             progress: bool = True) -> Path:
     """The tiny reward model ``<root>/tiny-<task>-rm/`` for the PPO job, built if missing.
 
     Offline labels come from the task's labeler judging pairs of tiny-policy samples; the model
     is trained by the same code as the CLI job, in this process without torch.distributed (the
     PPO job calls this on rank 0 alone). Idempotent and locked, so concurrent callers build once.
-    ``small``: None = follow the assets (small test assets get a quick build).
+    ``small``: None = follow the assets (small test assets get a quick build). ``progress``: bars
+    with ETAs for sampling, labelling, training and normalisation (minutes on a CPU).
     """
     settings = tiny_rm_settings(paths, small)
     final = paths.root / f"tiny-{task}-rm"
@@ -258,7 +265,7 @@ def ensure_tiny_reward_model(paths, log: Log = print, task: str = "sentiment", s
         # One thread: the model is too small to gain from more, and on a shared CPU (ranks,
         # engines) extra threads oversubscribe the cores and run several times slower.
         with staged_directory(final) as staging, torch_threads(1), _quiet_libraries():
-            metrics = _train_tiny_reward_model(paths, task, settings, staging)
+            metrics = _train_tiny_reward_model(paths, task, settings, staging, progress)
             facts = {"settings": expected, "seconds": round(time.perf_counter() - started, 1), **metrics}
             (staging / "build.json").write_text(json.dumps(facts, indent=2))  # the marker, written last
     return final

@@ -385,3 +385,71 @@ def test_example_env_rewards_target_length():
     exact = run(env.step(act("one two three four")))
     off = run(env.step(act("one two")))
     assert exact.reward == 1.0 and 0.0 < off.reward < 1.0 and exact.done
+
+
+STUCK_ENV_SCRIPT = """
+import asyncio, itertools, sys, threading, time
+from envs.base import Action, StepResult, SyncEnv, make_env_factory, make_executor
+from envs.pool import EnvFailure, EnvPool
+
+calls = itertools.count()
+
+class FirstTwoStepsNeverReturn(SyncEnv):
+    def reset(self, sample):
+        return "state"
+
+    def step(self, action):
+        if next(calls) < 2:
+            threading.Event().wait()  # a hung subprocess or socket read: never returns
+        return StepResult(None, 1.0, True)
+
+pool = EnvPool(make_env_factory(FirstTwoStepsNeverReturn, {}, make_executor(2)), num_envs=8,
+               step_timeout_s=0.5, max_failed_ratio=1.0)
+
+async def trajectory(i):
+    await asyncio.sleep(0.05 * i)  # the two stuck calls come first
+    try:
+        async with pool.lease() as env:
+            await env.reset({})
+            return (await env.step(Action(text="x", token_ids=[]))).reward
+    except EnvFailure:
+        return None
+
+async def main():
+    return await asyncio.wait_for(asyncio.gather(*(trajectory(i) for i in range(8))), 20)
+
+results = asyncio.run(main())
+print("ok", sum(r == 1.0 for r in results), "failed", results.count(None), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_never_returning_sync_env_costs_its_thread_not_the_pool_nor_the_exit():
+    """Two stuck calls on a pool of two threads: the other six still run, and the process still exits."""
+    import subprocess
+    import sys
+
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", STUCK_ENV_SCRIPT], capture_output=True, text=True, timeout=40)
+    seconds = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["ok", "6", "failed", "2"], proc.stdout + proc.stderr[-2000:]
+    assert seconds < 20  # ThreadPoolExecutor would join the stuck threads at exit, forever
+
+
+def test_env_thread_pool_runs_queued_calls_and_cancels_them_on_shutdown():
+    from envs.base import EnvThreadPool
+
+    pool = EnvThreadPool(1)
+    gate = threading.Event()
+    first = pool.submit(gate.wait)
+    queued = pool.submit(lambda: "never")
+    deadline = time.monotonic() + 5
+    while not first.running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pool.shutdown()
+    assert queued.cancelled()
+    gate.set()
+    assert first.result(timeout=5) is True
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit(lambda: None)

@@ -121,7 +121,8 @@ def test_sync_steps_follow_the_gpu_engine_protocol_and_write_outputs(small_job, 
         assert set(re.findall(r"first call of \w+ (/\S+)", log)) <= SGLANG_PATHS, log
     assert all(0 <= m["weight_sync/probe_gap"] < 1e-3 for m in metrics)
     assert (run_dir / "config.yaml").is_file() and (run_dir / "tensorboard").is_dir()
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_0000000{i}" for i in (1, 2, 3)]
+    # trainer.keep_last=2 (the default): only the newest two checkpoints stay on disk.
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_0000000{i}" for i in (2, 3)]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     AutoModelForCausalLM.from_pretrained(run_dir / "final")
@@ -136,7 +137,7 @@ def test_sync_steps_follow_the_gpu_engine_protocol_and_write_outputs(small_job, 
 def test_async_mode_respects_staleness_bound(small_job, tmp_path, partial):
     run_dir = tmp_path / "async"
     run_job(small_job, run_dir, "trainer.total_episodes=32", "trainer.mode=async", "async.max_staleness=1",
-            f"async.partial_rollout={partial}", "async.queue_batches=2", "trainer.save_every=1")
+            f"async.partial_rollout={partial}", "async.queue_batches=2", "trainer.save_every=1", "trainer.keep_last=0")
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert all(m["async/staleness_max"] <= 1 for m in metrics)

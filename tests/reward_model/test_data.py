@@ -152,7 +152,7 @@ def test_malformed_llama2_row_names_file_and_row(tmp_path, bad_row, problem):
     message = str(err.value)
     assert f"{path}: row 2 (line 2): {problem}" in message
     assert "row 1" not in message and "row 3" not in message
-    assert "on_malformed='skip'" in message
+    assert "data.on_malformed=skip" in message  # the real config key
 
 
 def test_row_numbers_in_csv_and_jsonl_lines_with_blank_lines(tmp_path):

@@ -1,12 +1,20 @@
 """The tiny sentiment reward model: offline labels cut at a period, ties left out, built once and cached."""
 
 import json
+import re
 
 import pytest
 
 
+# Every phase of a first run that takes minutes on a CPU with the real assets shows a bar with an ETA.
+FIRST_RUN_BARS = ("pretraining the tiny policy", "sampling train continuations", "labelling train pairs",
+                  "sampling test continuations", "labelling test pairs", "sampling to normalise before training",
+                  "training the reward model", "sampling to normalise after training",
+                  "sampling to check on fresh samples")
+
+
 @pytest.mark.timeout(200)
-def test_tiny_reward_model_is_built_once_and_cached(tmp_path):
+def test_tiny_reward_model_is_built_once_and_cached_and_shows_progress(tmp_path, capsys):
     from rl_core.tiny.assets import ensure_tiny_assets
     from rl_core.tiny.reward_model import ensure_tiny_reward_model
     from workers.models import load_reward_model
@@ -14,6 +22,10 @@ def test_tiny_reward_model_is_built_once_and_cached(tmp_path):
     paths = ensure_tiny_assets(tmp_path, small=True, log=lambda *_: None)
     logged: list[str] = []
     first = ensure_tiny_reward_model(paths, log=logged.append)
+    shown = capsys.readouterr().err
+    for phase in FIRST_RUN_BARS:
+        bar = re.search(re.escape(phase) + r".*?100%\|.*?\| (\d+)/\1 \[[\d:]+<[\d:]+", shown)
+        assert bar, (phase, shown[-2000:])  # a finished bar: elapsed<remaining, tqdm's ETA field
     assert len(logged) == 1 and "reward model" in logged[0]
     facts = json.loads((first / "build.json").read_text())
     assert 0.0 <= facts["heldout_accuracy"] <= 1.0
@@ -23,6 +35,7 @@ def test_tiny_reward_model_is_built_once_and_cached(tmp_path):
     stamp = (first / "build.json").stat().st_mtime_ns
     assert ensure_tiny_reward_model(paths, log=logged.append) == first
     assert len(logged) == 1 and (first / "build.json").stat().st_mtime_ns == stamp
+    assert "[train_rm]" not in capsys.readouterr().err  # cached: nothing is built, no bar is drawn
 
 
 def test_labelled_pairs_keep_samples_with_a_period_and_cut_there():

@@ -19,6 +19,8 @@ Semantics kept strict, so CI exercises the GPU control flow:
   `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false` (how the job launches SGLang).
 - `stop` strings, penalties, min_p and constrained decoding are refused with 400: tokens,
   never text, cross the engine boundary.
+- Every /generate field is checked before it reaches the decode batch (validation.py), so a
+  malformed request gets its own 400 and never fails the requests decoded with it.
 
 Every control call and the first call of every path are logged, so the engine's log is a
 record of what the job asked of it.
@@ -28,66 +30,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
+import json
 import logging
 import queue
 import time
-import uuid
 from typing import Any
 
 from aiohttp import web
 
-from workers.engines.embedded.runner import GenRequest, ModelRunner, SamplingParams
+from workers.engines.embedded.runner import GenRequest, ModelRunner
+from workers.engines.embedded.validation import (MAX_BODY_BYTES, BadRequest, GenerateBody, fit_to_context,
+                                                 longest_token_chars, parse_generate)
 from workers.engines.weights import deserialize_for_engine, unflatten_bucket
 
 LOG = logging.getLogger("embedded_engine")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-
-# Sampling keys SGLang 0.5.23 knows, with the value meaning "feature off" for those we do not implement.
-IMPLEMENTED_SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)}
-NEUTRAL_SAMPLING_VALUES = {
-    "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-    "min_new_tokens": 0, "stop": None, "stop_regex": None, "json_schema": None, "regex": None,
-    "ebnf": None, "structural_tag": None, "custom_params": None, "logit_bias": None,
-}
-IGNORED_SAMPLING_KEYS = {"no_stop_trim", "spaces_between_special_tokens", "stream_interval"}
-
-
-class BadRequest(ValueError):
-    """The request is malformed; answered with 400 {"error": {"message"}}."""
-
-
-def parse_sampling_params(raw: dict | None) -> SamplingParams:
-    raw = dict(raw or {})
-    known = IMPLEMENTED_SAMPLING_KEYS | set(NEUTRAL_SAMPLING_VALUES) | IGNORED_SAMPLING_KEYS
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise BadRequest(f"unknown sampling_params keys {unknown}; allowed keys: {sorted(known)}")
-    for key, neutral in NEUTRAL_SAMPLING_VALUES.items():
-        value = raw.get(key, neutral)
-        if value not in (neutral, None) and value != [] and value != "":
-            raise BadRequest(f"sampling_params.{key}={value!r} is not supported by the embedded engine; "
-                             f"leave it at {neutral!r}")
-    params = SamplingParams(**{k: v for k, v in raw.items() if k in IMPLEMENTED_SAMPLING_KEYS and v is not None})
-    params.stop_token_ids = tuple(int(t) for t in (raw.get("stop_token_ids") or ()))
-    if "max_new_tokens" in raw and raw["max_new_tokens"] is None:
-        params.max_new_tokens = None  # SGLang: up to the context limit
-    _validate(params)
-    return params
-
-
-def _validate(params: SamplingParams) -> None:
-    if params.max_new_tokens is not None and (not isinstance(params.max_new_tokens, int) or params.max_new_tokens < 0):
-        raise BadRequest(f"max_new_tokens must be a non-negative integer, got {params.max_new_tokens!r}")
-    if params.temperature < 0:
-        raise BadRequest(f"temperature must be >= 0, got {params.temperature}")
-    if not 0 < params.top_p <= 1:
-        raise BadRequest(f"top_p must be in (0, 1], got {params.top_p}")
-    if not isinstance(params.top_k, int) or params.top_k < -1:
-        raise BadRequest(f"top_k must be -1 (off) or a positive integer, got {params.top_k!r}")
-    if not isinstance(params.n, int) or params.n < 1:
-        raise BadRequest(f"n must be a positive integer, got {params.n!r}")
-
 
 def error_response(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
@@ -112,6 +69,7 @@ class EmbeddedEngine:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.scheduler_task: asyncio.Task | None = None
         self.paths_seen: set[str] = set()
+        self.max_token_chars: int | None = None  # longest token in characters, computed on first text request
 
     # -- lifecycle
 
@@ -134,7 +92,7 @@ class EmbeddedEngine:
         return await handler(request)
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30, middlewares=[self.record_paths])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.record_paths])
         app.on_startup.append(self.on_startup)
         app.on_shutdown.append(self.on_shutdown)
         routes = [
@@ -212,70 +170,22 @@ class EmbeddedEngine:
 
     # -- /generate
 
-    def _parse_prompts(self, body: dict) -> tuple[list[list[int]], bool]:
-        if body.get("text") is not None:
-            texts = body["text"]
-            is_batch = isinstance(texts, list)
-            texts = texts if is_batch else [texts]
-            if not all(isinstance(t, str) for t in texts):
-                raise BadRequest("text must be a string or a list of strings")
-            return [self.runner.tokenizer(t)["input_ids"] for t in texts], is_batch
-        ids = body.get("input_ids")
-        if ids is None:
-            raise BadRequest("send either input_ids (list[int] or list[list[int]]) or text")
-        is_batch = bool(ids) and isinstance(ids[0], list)
-        prompts = ids if is_batch else [ids]
-        for prompt in prompts:
-            if not prompt or not all(isinstance(t, int) and 0 <= t < self.runner.vocab_size for t in prompt):
-                raise BadRequest(f"each prompt must be a non-empty list of token ids in [0, {self.runner.vocab_size})")
-        return prompts, is_batch
-
-    def _make_requests(self, body: dict) -> tuple[list[GenRequest], bool]:
-        prompts, is_batch = self._parse_prompts(body)
-        params = parse_sampling_params(body.get("sampling_params"))
-        rids = self._rids(body.get("rid"), len(prompts), is_batch, params.n)
-        start = body.get("logprob_start_len", -1)
-        if not isinstance(start, int) or isinstance(start, bool):
-            raise BadRequest(f"logprob_start_len must be an integer, got {start!r}")
-        requests = []
-        for index, prompt in enumerate(p for p in prompts for _ in range(params.n)):  # grouped per prompt
-            row_params = dataclasses.replace(params)
-            room = self.runner.context_len - len(prompt)
-            if row_params.max_new_tokens is None:
-                row_params.max_new_tokens = max(room, 0)
-            if len(prompt) + row_params.max_new_tokens > self.runner.context_len:
-                raise BadRequest(f"prompt of {len(prompt)} tokens + max_new_tokens {row_params.max_new_tokens} "
-                                 f"exceeds the model's context length {self.runner.context_len}")
-            return_logprob = bool(body.get("return_logprob", False))
-            requests.append(GenRequest(rid=rids[index], prompt_ids=list(prompt), params=row_params,
-                                       return_logprob=return_logprob, future=self.loop.create_future(),
-                                       logprob_start_len=start if return_logprob else -1))
-        return requests, is_batch or params.n > 1
-
-    @staticmethod
-    def _rids(rid, num_prompts: int, is_batch: bool, n: int) -> list[str]:
-        total = num_prompts * n
-        if n > 1 or rid is None:  # SGLang replaces caller rids when n > 1
-            return [uuid.uuid4().hex for _ in range(total)]
-        if isinstance(rid, list):
-            if len(rid) != num_prompts:
-                raise BadRequest(f"rid list has {len(rid)} entries for {num_prompts} prompts")
-            return [str(r) for r in rid]
-        return [f"{rid}_{i}" for i in range(total)] if is_batch else [str(rid)]
-
     async def generate(self, request: web.Request) -> web.Response:
         try:
-            body = await request.json()
-        except ValueError:
+            body = json.loads(await request.read())  # over MAX_BODY_BYTES: aiohttp answers 413 here
+        except (ValueError, UnicodeDecodeError):
             return error_response("request body is not valid JSON")
-        if body.get("stream"):
-            return error_response("stream=true is not supported by the embedded engine")
+        try:
+            parsed = parse_generate(body, self.runner.vocab_size)
+            prompts = parsed.input_ids if parsed.input_ids is not None else await self._tokenize(parsed.texts)
+        except BadRequest as err:
+            return error_response(str(err))
         await self.unpaused.wait()  # SGLang: new requests block while paused
         if self.released_tags:
             return error_response(f"memory released ({sorted(self.released_tags)}); "
                                   "call /resume_memory_occupation before generating")
         try:
-            requests, return_list = self._make_requests(body)
+            requests = self._make_requests(parsed, prompts)
         except BadRequest as err:
             return error_response(str(err))
         for gen_request in requests:
@@ -283,7 +193,36 @@ class EmbeddedEngine:
             self.incoming.put(gen_request)
         self.work_available.set()
         results = await asyncio.gather(*(r.future for r in requests))
-        return web.json_response(list(results) if return_list else results[0])
+        return web.json_response(list(results) if parsed.is_batch or parsed.n > 1 else results[0])
+
+    async def _tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Texts to ids off the event loop (a long text must not stall /health or other requests)."""
+        if self.max_token_chars is None:
+            self.max_token_chars = longest_token_chars(self.runner.tokenizer)
+        # No token covers more than max_token_chars characters, so a longer text cannot fit the
+        # context (4x slack for normalisers that shrink text); refused without tokenizing it.
+        limit = 4 * self.runner.context_len * self.max_token_chars
+        for index, text in enumerate(texts):
+            if len(text) > limit:
+                raise BadRequest(f"text{f'[{index}]' if len(texts) > 1 else ''} has {len(text)} characters, "
+                                 f"more than the model's context of {self.runner.context_len} tokens can hold")
+        ids = await asyncio.to_thread(lambda: self.runner.tokenizer(texts)["input_ids"])
+        for index, row in enumerate(ids):
+            if not row:
+                raise BadRequest(f"text{f'[{index}]' if len(texts) > 1 else ''} tokenizes to no tokens")
+        return ids
+
+    def _make_requests(self, parsed: GenerateBody, prompts: list[list[int]]) -> list[GenRequest]:
+        requests = []
+        for index in range(len(prompts) * parsed.n):  # rows grouped per prompt, as SGLang orders them
+            which = index // parsed.n
+            prompt = prompts[which]
+            row = f"prompt {which}" if len(prompts) > 1 else "prompt"
+            params = fit_to_context(parsed.sampling[which], len(prompt), self.runner.context_len, row)
+            requests.append(GenRequest(rid=parsed.rids[index], prompt_ids=list(prompt), params=params,
+                                       return_logprob=parsed.return_logprob, future=self.loop.create_future(),
+                                       logprob_start_len=parsed.logprob_start_len if parsed.return_logprob else -1))
+        return requests
 
     # -- info
 
@@ -346,7 +285,10 @@ class EmbeddedEngine:
         return web.json_response({"success": True, "message": "continued"})
 
     async def release_memory(self, request: web.Request) -> web.Response:
-        tags = (await self._json(request)).get("tags") or list(MEMORY_TAGS)
+        try:
+            tags = self._tags(await self._json(request))
+        except BadRequest as err:
+            return error_response(str(err))
         if bad := sorted(set(tags) - set(MEMORY_TAGS)):
             return error_response(f"unknown memory tags {bad}; use {list(MEMORY_TAGS)}")
         if self.live:
@@ -359,7 +301,10 @@ class EmbeddedEngine:
         return web.json_response(None)
 
     async def resume_memory(self, request: web.Request) -> web.Response:
-        tags = (await self._json(request)).get("tags") or list(MEMORY_TAGS)
+        try:
+            tags = self._tags(await self._json(request))
+        except BadRequest as err:
+            return error_response(str(err))
         if not_released := sorted(set(tags) - self.released_tags):
             return error_response(f"cannot resume {not_released}: not released (released: {sorted(self.released_tags)})")
         if "weights" in tags:
@@ -388,6 +333,8 @@ class EmbeddedEngine:
         if "weights" in self.released_tags:
             return error_response("weights are released; /resume_memory_occupation {tags: [weights]} first")
         entries = body.get("serialized_named_tensors") or []
+        if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+            return error_response("serialized_named_tensors must be a list of strings (one per TP rank)")
         if len(entries) != 1:
             return error_response(f"serialized_named_tensors needs one entry per TP rank; this engine has 1, "
                                   f"got {len(entries)}")
@@ -412,6 +359,13 @@ class EmbeddedEngine:
         LOG.info("call /update_weights_from_tensor tensors=%d seconds=%.3f weight_version=%s",
                  count, time.perf_counter() - started, self.runner.weight_version)
         return web.json_response({"success": True, "message": f"loaded {count} tensors"})
+
+    @staticmethod
+    def _tags(body: dict) -> list[str]:
+        tags = body.get("tags") or list(MEMORY_TAGS)
+        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+            raise BadRequest(f"tags must be a list of strings from {list(MEMORY_TAGS)}")
+        return tags
 
     @staticmethod
     async def _json(request: web.Request) -> dict:

@@ -1,0 +1,95 @@
+"""How a job ends: one line for every failure and stop, the same line in torchrun's error file."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from rl_core.cli import run_main
+from rl_core.errors import JobError, PeerFailed
+
+# pytest captures stderr, so torch's `record` cannot enable faulthandler on it; harmless here.
+pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+
+
+@pytest.fixture
+def error_file(tmp_path, monkeypatch):
+    """torchrun's per-rank error file, and the signal handlers run_main replaces, restored afterwards."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    monkeypatch.setenv("RANK", "0")
+    yield path
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def recorded(path) -> tuple[str, int]:
+    """(the line torchrun's summary will show, its timestamp)."""
+    message = json.loads(path.read_text())["message"]
+    return message["extraInfo"]["py_callstack"], int(message["extraInfo"]["timestamp"])
+
+
+def ends(main, capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as stopped:
+        run_main(lambda argv: main(), [])
+    return stopped.value.code, capsys.readouterr().err
+
+
+def test_a_user_error_is_one_line_without_traceback(error_file, capsys):
+    def main():
+        raise JobError("model.path=/x does not exist; fix the path")
+
+    code, err = ends(main, capsys)
+    assert code == 1
+    assert err == "[rank 0] error: model.path=/x does not exist; fix the path\n"
+    assert recorded(error_file)[0] == "[rank 0] error: model.path=/x does not exist; fix the path"
+
+
+def test_a_bug_keeps_its_traceback_and_ends_with_the_line(error_file, capsys):
+    def main():
+        raise KeyError("boom")
+
+    code, err = ends(main, capsys)
+    assert code == 1 and "Traceback (most recent call last)" in err
+    assert err.rstrip().splitlines()[-1] == "[rank 0] error: KeyError: 'boom'"
+
+
+def test_a_rank_stopped_by_a_failed_peer_stays_quiet_and_never_hides_the_cause(error_file, capsys):
+    def main():
+        raise PeerFailed("rank 0 failed: bad data")
+
+    code, err = ends(main, capsys)
+    assert code == 1 and err == ""
+    line, stamp = recorded(error_file)
+    assert line == "[rank 0] stopped: rank 0 failed: bad data"
+    assert stamp > time.time() + 30  # later than any real cause, so torchrun names that one the root cause
+
+
+def test_a_collective_broken_by_a_dead_peer_is_one_line(error_file, capsys):
+    def main():
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:3814")
+
+    code, err = ends(main, capsys)
+    assert code == 1 and "Traceback" not in err
+    assert err.startswith("[rank 0] stopped: another rank failed or exited first (") and err.count("\n") == 1
+
+
+def test_ctrl_c_is_one_line_and_a_second_one_does_not_cut_the_clean_up_short(error_file, capsys):
+    cleaned = []
+
+    def main():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # interrupted by the handler's SystemExit
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C during the clean-up
+            time.sleep(0.1)
+            cleaned.append(True)
+
+    code, err = ends(main, capsys)
+    assert code == 128 + signal.SIGINT and cleaned == [True]
+    assert err == "[rank 0] stopped by SIGINT; engines and router were shut down\n"
+    assert "KeyboardInterrupt" not in err
