@@ -96,7 +96,7 @@ def error_response(message: str, status: int = 400) -> web.Response:
 class EmbeddedEngine:
     """HTTP front end, request queue and control state around one ModelRunner."""
 
-    def __init__(self, runner: ModelRunner, max_batch_size: int = 64, collect_window_s: float = 0.003):
+    def __init__(self, runner: ModelRunner, max_batch_size: int = 64, collect_window_s: float = 0.0):
         self.runner = runner
         self.max_batch_size = max_batch_size
         self.collect_window_s = collect_window_s
@@ -163,7 +163,9 @@ class EmbeddedEngine:
         while True:
             await self.work_available.wait()
             self.work_available.clear()  # cleared before the loop drains `incoming`, so no wake-up is lost
-            await asyncio.sleep(self.collect_window_s)  # let requests sent together start in one prefill
+            # No fixed wait (a lone request starts at once): one yield lets requests already read
+            # from their sockets join the first prefill; later ones join between decode steps.
+            await asyncio.sleep(self.collect_window_s)
             try:
                 await self.loop.run_in_executor(self.executor, self.runner.run_until_idle, self.incoming,
                                                 self.max_batch_size, self._finish_threadsafe)
