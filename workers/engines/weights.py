@@ -15,13 +15,14 @@ its logprobs of a fixed probe sequence (`/generate` with `max_new_tokens=0`,
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import dataclasses
 import io
 import pickle
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -57,9 +58,10 @@ def tensor_nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                         bucket_bytes: int) -> Iterable[list[tuple[str, torch.Tensor]]]:
-    """Group tensors, in order, into buckets of at most `bucket_bytes` (a bigger tensor travels alone).
+def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                         cpu_limit: int | None = None) -> Iterable[list[tuple[str, torch.Tensor]]]:
+    """Group tensors, in order, into buckets of at most `bucket_bytes` (a bigger tensor travels alone);
+    CPU tensors into buckets of at most `cpu_limit` when it is smaller.
 
     Lazy: a bucket is yielded as soon as it is full, so a generator of gathered parameters is
     consumed (and its memory released) bucket by bucket.
@@ -70,7 +72,8 @@ def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]],
     current_bytes = 0
     for name, tensor in named_tensors:
         size = tensor_nbytes(tensor)
-        if current and current_bytes + size > bucket_bytes:
+        limit = min(bucket_bytes, cpu_limit) if cpu_limit and not tensor.is_cuda else bucket_bytes
+        if current and current_bytes + size > limit:
             yield current
             current, current_bytes = [], 0
         current.append((name, tensor))
@@ -220,11 +223,18 @@ def encode_bucket(bucket: list[tuple[str, torch.Tensor]], staging: Callable[[int
 # ---------------------------------------------------------------- push
 
 
+CPU_BUCKET_BYTES = 64 << 20  # CPU buckets are at most this: smaller ones overlap packing with loading
+
+
 class WeightPusher:
     """Streams one rank's full weights into its engine, bucket by bucket, in the engine's dtype.
 
-    CPU buckets are packed into one shared-memory staging buffer reused for every bucket and
-    every push; GPU buckets are packed on the device and travel as CUDA IPC handles.
+    Pipelined: while the engine loads bucket k (its HTTP call in flight), bucket k+1 is gathered,
+    cast and packed in a worker thread, so a push costs about one copy of the weights plus the
+    last bucket, not a copy on each side one after the other. CPU buckets go through two
+    shared-memory staging buffers used in turn (at most `CPU_BUCKET_BYTES` each, so a model
+    spans several buckets and there is something to overlap); the engine keeps them mapped
+    between pushes. GPU buckets are packed on the device and travel as CUDA IPC handles.
     """
 
     def __init__(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES, tp_size: int = 1,
@@ -233,53 +243,82 @@ class WeightPusher:
         self.bucket_bytes = bucket_bytes
         self.tp_size = tp_size
         self.encode = encode
-        self._staging: torch.Tensor | None = None
+        self._staging: list[torch.Tensor | None] = [None, None]
 
-    def _staging_buffer(self, nbytes: int) -> torch.Tensor:
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = shared_cpu_buffer(nbytes)
-        return self._staging
+    def _staging_buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        buffer = self._staging[slot]
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._staging[slot] = shared_cpu_buffer(nbytes)
+        return buffer
 
     def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+
+    def _pack_next(self, buckets: Iterator, slot: int) -> tuple[str, int, bool, bool, float] | None:
+        """Gather, cast and pack the next bucket into staging `slot`: (payload, bytes, is_last, on_gpu, seconds)."""
+        started = time.perf_counter()
+        item = next(buckets, None)
+        if item is None:
+            return None
+        bucket, is_last = item
+        on_gpu = bucket[0][1].is_cuda
+        serialized = self.encode(bucket, lambda nbytes: self._staging_buffer(slot, nbytes))
+        if on_gpu:
+            torch.cuda.synchronize()  # the receiver reads the tensors through IPC: they must be written
+        return serialized, sum(tensor_nbytes(t) for _, t in bucket), is_last, on_gpu, time.perf_counter() - started
 
     async def push(self, client: EngineClient, named_tensors: Iterable[tuple[str, torch.Tensor]],
                    version: str, flush_cache: bool = True) -> dict[str, float]:
         """Send every tensor inside one weight-update session; returns bytes and seconds."""
         started = time.perf_counter()
         session = await _begin_session(client)
-        sent_bytes = buckets = 0
+        casted = ((name, self._cast(tensor)) for name, tensor in named_tensors)
+        buckets = _with_last(bucket_named_tensors(casted, self.bucket_bytes, cpu_limit=CPU_BUCKET_BYTES))
+        sent_bytes = count = 0
+        pack_s = 0.0
         try:
-            casted = ((name, self._cast(tensor)) for name, tensor in named_tensors)
-            pending = None  # one bucket held back, so the last one is known when it is sent
-            for bucket in bucket_named_tensors(casted, self.bucket_bytes):
-                if pending is not None:
-                    sent_bytes += await self._send(client, pending, version, False, flush_cache)
-                    buckets += 1
-                pending = bucket
-            if pending is not None:
-                sent_bytes += await self._send(client, pending, version, True, flush_cache)
-                buckets += 1
+            packed = await asyncio.to_thread(self._pack_next, buckets, 0)
+            while packed is not None:
+                serialized, nbytes, is_last, on_gpu, seconds = packed
+                pack_s += seconds
+                body = update_tensor_payload(serialized, self.tp_size, is_last, version, flush_cache)
+                # The next bucket is packed into the other staging buffer while this one loads.
+                upcoming = None if is_last else asyncio.ensure_future(
+                    asyncio.to_thread(self._pack_next, buckets, (count + 1) % 2))
+                try:
+                    await self._send(client, body, on_gpu)
+                except BaseException:
+                    if upcoming is not None:
+                        await asyncio.gather(upcoming, return_exceptions=True)  # never leave a gather half-done
+                    raise
+                sent_bytes += nbytes
+                count += 1
+                packed = await upcoming if upcoming is not None else None
         finally:
             if session:
                 await client.post("/end_weight_update")
-        seconds = time.perf_counter() - started
-        return {"weight_sync/push_s": seconds, "weight_sync/bytes": float(sent_bytes), "weight_sync/buckets": float(buckets)}
+        return {"weight_sync/push_s": time.perf_counter() - started, "weight_sync/pack_s": pack_s,
+                "weight_sync/bytes": float(sent_bytes), "weight_sync/buckets": float(count)}
 
-    async def _send(self, client: EngineClient, bucket: list[tuple[str, torch.Tensor]], version: str,
-                    is_last: bool, flush_cache: bool) -> int:
-        on_gpu = bucket[0][1].is_cuda
-        if on_gpu:
-            torch.cuda.synchronize()  # the receiver reads the tensors through IPC: they must be written
-        body = update_tensor_payload(self.encode(bucket, self._staging_buffer), self.tp_size, is_last, version,
-                                     flush_cache)
+    @staticmethod
+    async def _send(client: EngineClient, body: dict, on_gpu: bool) -> None:
         reply = await client.post("/update_weights_from_tensor", body, timeout_s=client.timeout_s)
         if isinstance(reply, dict) and reply.get("success") is False:
             raise WeightSyncError(f"{client.base_url}/update_weights_from_tensor refused a bucket: "
                                   f"{reply.get('message', '')}")
         if on_gpu:
             torch.cuda.ipc_collect()  # the server holds no more references to this bucket
-        return sum(tensor_nbytes(t) for _, t in bucket)
+
+
+def _with_last(buckets: Iterable[list]) -> Iterator[tuple[list, bool]]:
+    """(bucket, is_last) pairs; a bucket is known to be last once the source is exhausted."""
+    previous = None
+    for bucket in buckets:
+        if previous is not None:
+            yield previous, False
+        previous = bucket
+    if previous is not None:
+        yield previous, True
 
 
 async def _begin_session(client: EngineClient) -> bool:

@@ -105,6 +105,11 @@ class EmbeddedEngine:
         self.unpaused.set()
         self.released_tags: set[str] = set()
         self.in_weight_session = False
+        # Buckets received in this and the previous weight-update session. Holding them keeps the
+        # sender's shared-memory staging buffers mapped here, so the next push that reuses them
+        # skips re-mapping (and the page faults of touching fresh mappings).
+        self.mapped_buckets: list = []
+        self.previous_buckets: list = []
         self.incoming: queue.SimpleQueue[GenRequest] = queue.SimpleQueue()  # handed to the decode thread
         self.work_available = asyncio.Event()
         self.live: set[GenRequest] = set()  # submitted and not yet answered
@@ -374,11 +379,13 @@ class EmbeddedEngine:
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         self.in_weight_session = True
+        self.previous_buckets, self.mapped_buckets = self.mapped_buckets, []
         LOG.info("call /begin_weight_update")
         return web.json_response({"success": True, "message": "weight update session started"})
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
         self.in_weight_session = False
+        self.previous_buckets = []
         LOG.info("call /end_weight_update")
         return web.json_response({"success": True, "message": "weight update session ended"})
 
@@ -404,6 +411,7 @@ class EmbeddedEngine:
         def load() -> int:
             payload = deserialize_for_engine(entries[0])
             named = unflatten_bucket(payload) if isinstance(payload, dict) else list(payload)
+            self.mapped_buckets.append(payload)
             return self.runner.load_tensors(named, version)
 
         try:
