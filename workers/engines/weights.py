@@ -277,7 +277,7 @@ class WeightPusher:
         sent_bytes = count = 0
         pack_s = 0.0
         try:
-            packed = await asyncio.to_thread(self._pack_next, buckets, 0)
+            packed = self._pack_next(buckets, 0)  # nothing to overlap yet: no thread hop for the first bucket
             while packed is not None:
                 serialized, nbytes, is_last, on_gpu, seconds = packed
                 pack_s += seconds
