@@ -155,3 +155,24 @@ def test_inverse_cdf_sampling_follows_the_filtered_distribution():
     # top_p: keep the smallest prefix whose mass reaches top_p (here the first two tokens).
     torch.testing.assert_close(frequencies(top_p=float(probs[0]) + 0.01), top2, atol=0.01, rtol=0)
     assert frequencies(top_k=1)[0] == 1.0 and frequencies(top_p=1e-6)[0] == 1.0
+
+
+def test_shared_tensors_are_served_in_place_until_a_later_session_replaces_them(runner):
+    """Weight loading adopts shared CPU tensors (no copy); settling a session copies out what an
+    older session left, so the sender may reuse that buffer."""
+    name = "transformer.h.0.mlp.c_fc.bias"
+    other = "transformer.h.1.mlp.c_fc.bias"
+    params = dict(runner.model.named_parameters())
+    original = {n: params[n].detach().clone() for n in (name, other)}
+    first = original[name].clone().share_memory_()
+    runner.load_tensors([(name, first), (other, original[other].clone().share_memory_())], None, session=1)
+    first.add_(1.0)  # the sender writes its buffer: the engine serves these very bytes
+    assert torch.equal(params[name].detach(), original[name] + 1.0)
+    plain = original[other].clone()  # not shared: copied in
+    runner.load_tensors([(other, plain)], None, session=2)
+    plain.add_(5.0)
+    assert torch.equal(params[other].detach(), original[other])
+    assert runner.settle_weights(session=2) == 1  # `name` still lived in session 1's buffer
+    first.add_(1.0)
+    assert torch.equal(params[name].detach(), original[name] + 1.0)  # copied out: no longer the sender's
+    runner.load_tensors([(name, original[name]), (other, original[other])], None, session=3)

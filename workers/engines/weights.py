@@ -5,8 +5,9 @@ Both engines receive weights the same way (reference: SGLang's weight-update API
 (one uint8 buffer + per-tensor metadata, SGLang's `FlattenedTensorBucket` layout), then
 `/end_weight_update`. The payload pickles handles, not bytes: CUDA IPC handles on GPU,
 shared-memory file names for CPU tensors, so the sender keeps each bucket alive and unchanged
-until its HTTP call returns. Tensors arrive in the engine's dtype, one bucket at a time: the
-host never holds a full copy of the model for the push.
+until its HTTP call returns (CPU staging buffers longer: see `WeightPusher`). Tensors arrive
+in the engine's dtype, one bucket at a time: on GPU the host never holds a copy of the model
+for the push; on CPU the embedded engine serves from the staging buffers, so they are its weights.
 
 The check after a push (`check_pushed_weights`) asks the engine for its `weight_version` and for
 its logprobs of a fixed probe sequence (`/generate` with `max_new_tokens=0`,
@@ -15,7 +16,6 @@ its logprobs of a fixed probe sequence (`/generate` with `max_new_tokens=0`,
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import dataclasses
@@ -58,10 +58,9 @@ def tensor_nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                         cpu_limit: int | None = None) -> Iterable[list[tuple[str, torch.Tensor]]]:
-    """Group tensors, in order, into buckets of at most `bucket_bytes` (a bigger tensor travels alone);
-    CPU tensors into buckets of at most `cpu_limit` when it is smaller.
+def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                         bucket_bytes: int) -> Iterable[list[tuple[str, torch.Tensor]]]:
+    """Group tensors, in order, into buckets of at most `bucket_bytes` (a bigger tensor travels alone).
 
     Lazy: a bucket is yielded as soon as it is full, so a generator of gathered parameters is
     consumed (and its memory released) bucket by bucket.
@@ -72,8 +71,7 @@ def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], buck
     current_bytes = 0
     for name, tensor in named_tensors:
         size = tensor_nbytes(tensor)
-        limit = min(bucket_bytes, cpu_limit) if cpu_limit and not tensor.is_cuda else bucket_bytes
-        if current and current_bytes + size > limit:
+        if current and current_bytes + size > bucket_bytes:
             yield current
             current, current_bytes = [], 0
         current.append((name, tensor))
@@ -223,18 +221,16 @@ def encode_bucket(bucket: list[tuple[str, torch.Tensor]], staging: Callable[[int
 # ---------------------------------------------------------------- push
 
 
-CPU_BUCKET_BYTES = 64 << 20  # CPU buckets are at most this: smaller ones overlap packing with loading
-
-
 class WeightPusher:
     """Streams one rank's full weights into its engine, bucket by bucket, in the engine's dtype.
 
-    Pipelined: while the engine loads bucket k (its HTTP call in flight), bucket k+1 is gathered,
-    cast and packed in a worker thread, so a push costs about one copy of the weights plus the
-    last bucket, not a copy on each side one after the other. CPU buckets go through two
-    shared-memory staging buffers used in turn (at most `CPU_BUCKET_BYTES` each, so a model
-    spans several buckets and there is something to overlap); the engine keeps them mapped
-    between pushes. GPU buckets are packed on the device and travel as CUDA IPC handles.
+    GPU buckets are packed on the device and travel as CUDA IPC handles (the server copies them).
+    CPU buckets are packed into shared-memory staging buffers that the embedded engine keeps
+    serving from: it adopts the received tensors as its weights instead of copying them, so a
+    push costs one copy of the weights (the packing). Pushes therefore alternate between two
+    sets of staging buffers: a set is rewritten only two pushes later, when the engine has
+    replaced every tensor that lived in it (it copies out any it still holds from an older
+    session, see the server's `/end_weight_update`).
     """
 
     def __init__(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES, tp_size: int = 1,
@@ -243,57 +239,42 @@ class WeightPusher:
         self.bucket_bytes = bucket_bytes
         self.tp_size = tp_size
         self.encode = encode
-        self._staging: list[torch.Tensor | None] = [None, None]
+        self._staging: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # per push parity, per bucket
+        self._pushes = 0
 
-    def _staging_buffer(self, slot: int, nbytes: int) -> torch.Tensor:
-        buffer = self._staging[slot]
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = self._staging[slot] = shared_cpu_buffer(nbytes)
-        return buffer
+    def _staging_buffer(self, parity: int, index: int, nbytes: int) -> torch.Tensor:
+        buffers = self._staging[parity]
+        if index == len(buffers):
+            buffers.append(shared_cpu_buffer(nbytes))
+        elif buffers[index].numel() < nbytes:
+            buffers[index] = shared_cpu_buffer(nbytes)
+        return buffers[index]
 
     def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
-
-    def _pack_next(self, buckets: Iterator, slot: int) -> tuple[str, int, bool, bool, float] | None:
-        """Gather, cast and pack the next bucket into staging `slot`: (payload, bytes, is_last, on_gpu, seconds)."""
-        started = time.perf_counter()
-        item = next(buckets, None)
-        if item is None:
-            return None
-        bucket, is_last = item
-        on_gpu = bucket[0][1].is_cuda
-        serialized = self.encode(bucket, lambda nbytes: self._staging_buffer(slot, nbytes))
-        if on_gpu:
-            torch.cuda.synchronize()  # the receiver reads the tensors through IPC: they must be written
-        return serialized, sum(tensor_nbytes(t) for _, t in bucket), is_last, on_gpu, time.perf_counter() - started
 
     async def push(self, client: EngineClient, named_tensors: Iterable[tuple[str, torch.Tensor]],
                    version: str, flush_cache: bool = True) -> dict[str, float]:
         """Send every tensor inside one weight-update session; returns bytes and seconds."""
         started = time.perf_counter()
+        parity = self._pushes % 2
+        self._pushes += 1
         session = await _begin_session(client)
         casted = ((name, self._cast(tensor)) for name, tensor in named_tensors)
-        buckets = _with_last(bucket_named_tensors(casted, self.bucket_bytes, cpu_limit=CPU_BUCKET_BYTES))
         sent_bytes = count = 0
         pack_s = 0.0
         try:
-            packed = self._pack_next(buckets, 0)  # nothing to overlap yet: no thread hop for the first bucket
-            while packed is not None:
-                serialized, nbytes, is_last, on_gpu, seconds = packed
-                pack_s += seconds
-                body = update_tensor_payload(serialized, self.tp_size, is_last, version, flush_cache)
-                # The next bucket is packed into the other staging buffer while this one loads.
-                upcoming = None if is_last else asyncio.ensure_future(
-                    asyncio.to_thread(self._pack_next, buckets, (count + 1) % 2))
-                try:
-                    await self._send(client, body, on_gpu)
-                except BaseException:
-                    if upcoming is not None:
-                        await asyncio.gather(upcoming, return_exceptions=True)  # never leave a gather half-done
-                    raise
-                sent_bytes += nbytes
+            for index, (bucket, is_last) in enumerate(_with_last(bucket_named_tensors(casted, self.bucket_bytes))):
+                packing = time.perf_counter()
+                on_gpu = bucket[0][1].is_cuda
+                serialized = self.encode(bucket, lambda nbytes: self._staging_buffer(parity, index, nbytes))
+                if on_gpu:
+                    torch.cuda.synchronize()  # the receiver reads the tensors through IPC: they must be written
+                pack_s += time.perf_counter() - packing
+                await self._send(client, update_tensor_payload(serialized, self.tp_size, is_last, version,
+                                                               flush_cache), on_gpu)
+                sent_bytes += sum(tensor_nbytes(t) for _, t in bucket)
                 count += 1
-                packed = await upcoming if upcoming is not None else None
         finally:
             if session:
                 await client.post("/end_weight_update")

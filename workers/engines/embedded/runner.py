@@ -88,6 +88,7 @@ class ModelRunner:
         self.step_gate = threading.Event()  # cleared by pause in_place/retract: decoding waits
         self.step_gate.set()
         self.released_shapes: dict[str, torch.Size] | None = None
+        self.adopted: dict[str, int] = {}  # parameter -> weight-update session whose buffer holds it
         self.stats = {"batches_run": 0, "forward_steps": 0, "max_batch_seen": 0, "rows_run": 0,
                       "requests_finished": 0, "tokens_generated": 0, "kv_relayouts": 0}
 
@@ -110,6 +111,7 @@ class ModelRunner:
             self.released_shapes = {name: p.shape for name, p in params.items()}
             for param in params.values():
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            self.adopted.clear()
 
     def resume_weights(self) -> None:
         """Allocate the weights again (zeros): they must be pushed before the next generation."""
@@ -118,10 +120,17 @@ class ModelRunner:
                 param.data = torch.zeros(self.released_shapes[name], dtype=param.dtype, device=param.device)
             self.released_shapes = None
 
-    def load_tensors(self, named_tensors: list[tuple[str, torch.Tensor]], version: str | None) -> int:
-        """Copy tensors into the live weights by HF name (any subset), under the forward lock."""
+    def load_tensors(self, named_tensors: list[tuple[str, torch.Tensor]], version: str | None,
+                     session: int = 0) -> int:
+        """Take tensors as the live weights by HF name (any subset), under the forward lock.
+
+        A shared-memory CPU tensor of the parameter's dtype and shape is adopted as it is (the
+        parameter now lives in the sender's staging buffer: no copy); anything else is copied in.
+        `session` tags adopted parameters for `settle_weights`.
+        """
         with self.forward_lock:
             own = self.model.state_dict()
+            params = self.unique_parameters()
             unknown = sorted(name for name, _ in named_tensors if name not in own)
             if unknown:
                 raise ValueError(f"unknown weight names {unknown[:5]} (the model's look like {sorted(own)[:3]})")
@@ -130,10 +139,28 @@ class ModelRunner:
                     if tuple(own[name].shape) != tuple(tensor.shape):
                         raise ValueError(f"shape mismatch for {name}: engine {tuple(own[name].shape)}, "
                                          f"sent {tuple(tensor.shape)}")
-                    own[name].copy_(tensor)
+                    param = params.get(name)
+                    if param is not None and _adoptable(tensor, param):
+                        param.data = tensor
+                        self.adopted[name] = session
+                    else:
+                        own[name].copy_(tensor)
+                        self.adopted.pop(name, None)
             if version is not None:  # under the lock: no forward sees new weights with the old label
                 self.weight_version = str(version)
         return len(named_tensors)
+
+    def settle_weights(self, session: int) -> int:
+        """After a weight-update session: copy out every parameter still living in the buffers of an
+        older session, so the engine holds no sender buffer but the latest session's (which the
+        sender rewrites only after the next push). Returns how many were copied."""
+        with self.forward_lock, torch.no_grad():
+            params = self.unique_parameters()
+            stale = [name for name, tagged in self.adopted.items() if tagged != session]
+            for name in stale:
+                params[name].data = params[name].data.clone()
+                del self.adopted[name]
+        return len(stale)
 
     # -- finishing
 
@@ -372,6 +399,12 @@ class DecodeBatch:
         self.sampling = self.sampling.select(index)
         if not self.requests:
             self.can_stop = False
+
+
+def _adoptable(tensor: torch.Tensor, param: torch.Tensor) -> bool:
+    """A received tensor the engine can serve from directly: shared CPU memory, the parameter's dtype."""
+    return (tensor.device.type == "cpu" and param.device.type == "cpu" and tensor.dtype == param.dtype
+            and tensor.is_shared())
 
 
 def _cat_padded(a: torch.Tensor, b: torch.Tensor, value: int = 0) -> torch.Tensor:

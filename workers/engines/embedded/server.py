@@ -14,7 +14,9 @@ Semantics kept strict, so CI exercises the GPU control flow:
   released is an error.
 - `update_weights_from_tensor` needs a `begin/end_weight_update` session (SGLang >= 0.5.21)
   and takes flattened buckets of shared tensors; `weight_version` moves with the bucket that
-  carries it.
+  carries it. Shared CPU tensors are served from as they arrive, not copied (the pusher
+  rewrites a staging buffer only two pushes later); `/end_weight_update` copies out any weight
+  still held from an older session.
 - `/health` stays 200 while paused or released, as SGLang does with
   `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false` (how the job launches SGLang).
 - `stop` strings, penalties, min_p and constrained decoding are refused with 400: tokens,
@@ -105,11 +107,11 @@ class EmbeddedEngine:
         self.unpaused.set()
         self.released_tags: set[str] = set()
         self.in_weight_session = False
-        # Buckets received in this and the previous weight-update session. Holding them keeps the
-        # sender's shared-memory staging buffers mapped here, so the next push that reuses them
-        # skips re-mapping (and the page faults of touching fresh mappings).
-        self.mapped_buckets: list = []
-        self.previous_buckets: list = []
+        # Weight-update sessions, and the buckets received in the last two: holding them keeps the
+        # sender's shared-memory staging buffers (it alternates two sets) mapped here, so a push
+        # that reuses a set skips re-mapping it (and the page faults of touching a fresh mapping).
+        self.weight_session = 0
+        self.received_buckets: dict[int, list] = {}
         self.incoming: queue.SimpleQueue[GenRequest] = queue.SimpleQueue()  # handed to the decode thread
         self.work_available = asyncio.Event()
         self.live: set[GenRequest] = set()  # submitted and not yet answered
@@ -379,14 +381,17 @@ class EmbeddedEngine:
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         self.in_weight_session = True
-        self.previous_buckets, self.mapped_buckets = self.mapped_buckets, []
+        self.weight_session += 1
+        self.received_buckets[self.weight_session] = []
         LOG.info("call /begin_weight_update")
         return web.json_response({"success": True, "message": "weight update session started"})
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
         self.in_weight_session = False
-        self.previous_buckets = []
-        LOG.info("call /end_weight_update")
+        session = self.weight_session
+        copied = await asyncio.to_thread(self.runner.settle_weights, session)
+        self.received_buckets = {s: b for s, b in self.received_buckets.items() if s >= session - 1}
+        LOG.info("call /end_weight_update copied_out=%d", copied)
         return web.json_response({"success": True, "message": "weight update session ended"})
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
@@ -411,8 +416,8 @@ class EmbeddedEngine:
         def load() -> int:
             payload = deserialize_for_engine(entries[0])
             named = unflatten_bucket(payload) if isinstance(payload, dict) else list(payload)
-            self.mapped_buckets.append(payload)
-            return self.runner.load_tensors(named, version)
+            self.received_buckets.setdefault(self.weight_session, []).append(payload)
+            return self.runner.load_tensors(named, version, self.weight_session)
 
         try:
             count = await asyncio.to_thread(load)
