@@ -19,10 +19,10 @@
    - `skewed`: the same lengths, engines of unequal speed (batch capacities 16 and 4, as when
      one GPU has less free memory for its KV cache) and as many requests in flight as both can
      run (20), so the slow engine's static share (10 in flight) is above its capacity: it
-     works through a queue while the fast one idles. The router sends each request to the
-     engine with the fewest in flight when its balance thresholds are (0, 1.0)
-     (`router_vs_static_skewed`); with the default thresholds (64, 1.5) it never balances at
-     this load (`default_router_vs_static_skewed`).
+     works through a queue while the fast one idles. `router_vs_static_skewed`: the router
+     with balance thresholds (0, 1.0), i.e. each request to the engine with the fewest in
+     flight; `default_router_vs_static_skewed`: the job's router (default thresholds 64, 1.5,
+     below which cache_aware spreads requests by its prefix trees).
    Static shares are fixed and equal up front (every n-th request), each with its share of
    the in-flight limit.
 
