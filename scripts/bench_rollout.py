@@ -54,6 +54,8 @@ from workers.engines.rank_engine import EngineSpec, engine_argv  # noqa: E402
 from workers.procs import ManagedProcesses, free_port, wait_http_ok  # noqa: E402
 from workers.router import launch_router  # noqa: E402
 
+from bench_train import SGLANG_ARGS  # noqa: E402  (this script's folder is on sys.path)
+
 CORPUS = ["the old man walked to the market and felt happy.", "she smiled at the bright morning sun.",
           "the dark room was cold and sad.", "a terrible storm broke the quiet night."] * 30
 
@@ -265,7 +267,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--engine", default="embedded", choices=["embedded", "sglang"])
-    parser.add_argument("--sglang-args", default="{}", help="JSON object of extra SGLang ServerArgs")
+    parser.add_argument("--sglang-args", default=json.dumps(SGLANG_ARGS),
+                        help="JSON object of extra SGLang ServerArgs (default: what SGLang 0.5.17 needs for "
+                             "the tiny-tokenizer GPT-2, as in bench_train.py)")
     parser.add_argument("--concurrency", default="1,64,256", help="comma-separated request counts")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=48)
