@@ -16,10 +16,11 @@
    - `longtail`: lognormal response lengths (a few much longer than the rest), engines with
      room for every request they get, 64 in flight; the job's router (cache_aware, default
      balance thresholds) against static equal shares.
-   - `skewed`: the same lengths, engines of unequal speed (batch capacities 16 and 4, as when
-     one GPU has less free memory for its KV cache) and as many requests in flight as both can
-     run (20), so the slow engine's static share (10 in flight) is above its capacity: it
-     works through a queue while the fast one idles. `router_vs_static_skewed`: the router
+   - `skewed`: longer long-tailed responses (median 50 tokens), engines of unequal speed
+     (batch capacities 16 and 4, as when one GPU has less free memory for its KV cache) and
+     twice as many requests in flight as both can run (40), so each engine's static share (20
+     in flight) is above its capacity: the slow one works through its queue while the fast
+     one idles. `router_vs_static_skewed`: the router
      with balance thresholds (0, 1.0), i.e. each request to the engine with the fewest in
      flight; `default_router_vs_static_skewed`: the job's router (default thresholds 64, 1.5,
      below which cache_aware spreads requests by its prefix trees).
@@ -187,9 +188,10 @@ def engine_vs_generate(args, workdir: Path, procs: ManagedProcesses) -> dict:
 # ---------------------------------------------------------------- part 2: router vs static
 
 
-def make_workload(num_requests: int, max_tokens: int, seed: int) -> list[tuple[list[int], int]]:
+def make_workload(num_requests: int, max_tokens: int, seed: int, log_median: float = 3.2) -> list[tuple[list[int], int]]:
+    """Short prompts and lognormal response lengths (median e^log_median tokens, a long tail up to max_tokens)."""
     rng = np.random.default_rng(seed)
-    lengths = np.clip(rng.lognormal(mean=3.2, sigma=0.9, size=num_requests), 2, max_tokens).astype(int)
+    lengths = np.clip(rng.lognormal(mean=log_median, sigma=0.9, size=num_requests), 2, max_tokens).astype(int)
     prompts = [rng.integers(2, 250, size=int(rng.integers(4, 12))).tolist() for _ in range(num_requests)]
     return list(zip(prompts, lengths.tolist()))
 
@@ -225,7 +227,8 @@ async def mean_latency_ms(url: str, repeats: int) -> float:
 
 
 def router_vs_static(name: str, capacities: list[int], concurrency: int, args, model_path: str, workdir: Path,
-                     procs: ManagedProcesses, balances: dict[str, tuple[int, float] | None]) -> dict:
+                     procs: ManagedProcesses, balances: dict[str, tuple[int, float] | None],
+                     log_median: float = 3.2) -> dict:
     """Makespan of the workload through the router (one router per `balances` entry) and in static shares."""
     threads = max(1, (os.cpu_count() or 1) // len(capacities))
     cores = sorted(os.sched_getaffinity(0))
@@ -237,7 +240,7 @@ def router_vs_static(name: str, capacities: list[int], concurrency: int, args, m
     routers = {label: launch_router("127.0.0.1", None, urls, workdir / f"{name}_{label}_router.log",
                                     policy="cache_aware", processes=procs, balance=balance)
                for label, balance in balances.items()}
-    workload = make_workload(args.requests, args.max_tokens, args.seed)
+    workload = make_workload(args.requests, args.max_tokens, args.seed, log_median)
 
     async def run() -> dict:
         first = next(iter(routers.values())).url
@@ -300,15 +303,16 @@ def main() -> None:
         if not args.skip_generate:
             summary.update(engine_vs_generate(args, workdir, procs))
         if not args.skip_router:
+            placement = "each on its own core" if args.pin_engines else "sharing every core"
             print(f"\n2. router vs static sharding: {args.requests} requests, lognormal lengths up to "
-                  f"{args.max_tokens}, {args.rollout_concurrency} in flight, 2 embedded engines")
+                  f"{args.max_tokens}, 2 embedded engines, {placement}")
             model_path = router_model(workdir, context=args.max_tokens + 64)
             default, shortest = "default thresholds", "least loaded"
             longtail = router_vs_static("longtail", [args.rollout_concurrency] * 2, args.rollout_concurrency, args,
                                         model_path, workdir, procs, {default: None})
             capacities = [int(c) for c in args.skewed_capacities.split(",")]
-            skewed = router_vs_static("skewed", capacities, sum(capacities), args, model_path, workdir, procs,
-                                      {shortest: (0, 1.0), default: None})
+            skewed = router_vs_static("skewed", capacities, 2 * sum(capacities), args, model_path, workdir, procs,
+                                      {shortest: (0, 1.0), default: None}, log_median=3.9)
             seconds = {"longtail": longtail["seconds"], "skewed": skewed["seconds"]}
             summary.update({
                 "router_vs_static_longtail": round(seconds["longtail"]["static"] / seconds["longtail"][default], 3),
