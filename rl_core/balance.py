@@ -7,16 +7,19 @@ Every rank holds the whole batch; each one trains on its share:
         for indices, real in with_stand_ins(mine):                            # gradient accumulation
             ...                                                               # loss x real, scaled globally
 
-Partition indices are positions in the list given to :func:`balanced_partitions`.
+Two levels: Karmarkar-Karp splits the tokens evenly across ranks (so no rank waits for the
+others at the next collective), then each rank cuts its share into micro-batches of similar
+lengths (so padding to the longest sequence of a micro-batch wastes little), the same number on
+every rank (FSDP collectives line up). Indices are positions in the list of lengths given.
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 from typing import Sequence
 
 import torch
+
 
 def _karmarkar_karp(seqlens: Sequence[int], k: int) -> list[list[int]]:
     """Largest-differencing k-way partition of ``seqlens`` into index lists.
@@ -71,48 +74,65 @@ def _expand_group(root: int, n: int, merged_left: list[int], merged_right: list[
     return sorted(members)
 
 
-def balanced_partitions(seqlens: Sequence[int], dp_size: int, max_tokens: int) -> list[list[int]]:
-    """Split sequence indices into token-balanced micro-batches, a multiple of ``dp_size`` of them.
+def rank_shares(seqlens: Sequence[int], dp_size: int) -> list[list[int]]:
+    """Split sequence indices into ``dp_size`` shares of (nearly) equal token count (Karmarkar-Karp)."""
+    if dp_size < 1:
+        raise ValueError(f"need dp_size >= 1, got {dp_size}")
+    return _karmarkar_karp([int(length) for length in seqlens], dp_size)
 
-    Starts from the smallest multiple of ``dp_size`` that is at least
-    ``ceil(sum(seqlens) / max_tokens)`` (fewer parts could not all fit) and adds ``dp_size``
-    until no part exceeds ``max_tokens``. Parts come back ordered by token count, largest first,
-    each non-empty whenever there are at least as many sequences as parts.
+
+def length_sorted_micro_batches(indices: Sequence[int], seqlens: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Cut one share into micro-batches of similar lengths, longest first.
+
+    Each micro-batch is padded to its longest sequence, so neighbours in length order go
+    together and the padded size (count x longest) stays within ``max_tokens``.
     """
-    if dp_size < 1 or max_tokens < 1:
-        raise ValueError(f"need dp_size >= 1 and max_tokens >= 1, got dp_size={dp_size}, max_tokens={max_tokens}")
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for index in sorted(indices, key=lambda i: (-seqlens[i], i)):
+        if current and (len(current) + 1) * seqlens[current[0]] > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(index)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def micro_batch_plan(seqlens: Sequence[int], dp_size: int, max_tokens: int) -> list[list[list[int]]]:
+    """Every rank's micro-batches (index lists), the same number on every rank.
+
+    Tokens are balanced across ranks first (``rank_shares``); each share is then cut into
+    length-sorted micro-batches (``length_sorted_micro_batches``). A rank with fewer micro-batches
+    than the others splits its biggest ones in half (still length-sorted) until the counts match,
+    and runs empty stand-ins only when it has fewer sequences than micro-batches.
+    """
     lengths = [int(length) for length in seqlens]
     if not lengths:
-        raise ValueError("balanced_partitions got no sequences; the minibatch is empty")
+        raise ValueError("the micro-batch plan got no sequences; the minibatch is empty")
+    if max_tokens < 1:
+        raise ValueError(f"need max_tokens >= 1, got {max_tokens}")
     if min(lengths) < 0:
         raise ValueError(f"sequence lengths must be >= 0, got {min(lengths)}")
-    longest = max(lengths)
-    if longest > max_tokens:
-        raise ValueError(f"a sequence of {longest} tokens exceeds max_tokens={max_tokens} per micro-batch; "
-                         f"raise max_tokens to at least {longest} or shorten the sequences")
-    lower_bound = max(1, math.ceil(sum(lengths) / max_tokens))
-    k = math.ceil(lower_bound / dp_size) * dp_size
-    while True:
-        partitions = _karmarkar_karp(lengths, k)
-        totals = [sum(lengths[i] for i in part) for part in partitions]
-        if max(totals) <= max_tokens:
-            order = sorted(range(k), key=lambda p: -totals[p])
-            return [partitions[p] for p in order]
-        k += dp_size
+    if max(lengths) > max_tokens:
+        raise ValueError(f"a sequence of {max(lengths)} tokens exceeds max_tokens={max_tokens} per micro-batch; "
+                         f"raise max_tokens to at least {max(lengths)} or shorten the sequences")
+    plan = [length_sorted_micro_batches(share, lengths, max_tokens) for share in rank_shares(lengths, dp_size)]
+    count = max(len(batches) for batches in plan)
+    for batches in plan:
+        while len(batches) < count:
+            biggest = max(range(len(batches)), key=lambda b: len(batches[b]) * _longest(batches[b], lengths),
+                          default=None)
+            if biggest is None or len(batches[biggest]) < 2:
+                batches.append([])  # fewer sequences than micro-batches: a stand-in (see with_stand_ins)
+                continue
+            half = len(batches[biggest]) // 2
+            batches[biggest:biggest + 1] = [batches[biggest][:half], batches[biggest][half:]]
+    return plan
 
 
-def partitions_for_rank(partitions: list[list[int]], rank: int, dp_size: int) -> list[list[int]]:
-    """This rank's micro-batches: partition ``i`` goes to rank ``i % dp_size`` (round robin).
-
-    Round robin over the largest-first order spreads the biggest parts evenly, and every rank
-    gets the same number of micro-batches, so FSDP collectives line up on every rank.
-    """
-    if not 0 <= rank < dp_size:
-        raise ValueError(f"rank {rank} is outside [0, dp_size={dp_size})")
-    if len(partitions) % dp_size:
-        raise ValueError(f"{len(partitions)} partitions cannot be shared equally by {dp_size} ranks; "
-                         "build them with balanced_partitions(..., dp_size, ...)")
-    return partitions[rank::dp_size]
+def _longest(indices: list[int], lengths: list[int]) -> int:
+    return max((lengths[i] for i in indices), default=0)
 
 
 def minibatch_indices(batch_size: int, nminibatches: int, generator: torch.Generator | None = None) -> list[list[int]]:
@@ -126,8 +146,11 @@ def minibatch_indices(batch_size: int, nminibatches: int, generator: torch.Gener
 
 
 def micro_batches_for_rank(lengths: Sequence[int], rank: int, dp_size: int, max_tokens: int) -> list[list[int]]:
-    """This rank's token-balanced micro-batches (index lists; the same count on every rank)."""
-    return partitions_for_rank(balanced_partitions(lengths, dp_size, max_tokens), rank, dp_size)
+    """This rank's micro-batches (index lists): token-balanced across ranks, length-sorted within
+    the rank, the same count on every rank (see ``micro_batch_plan``)."""
+    if not 0 <= rank < dp_size:
+        raise ValueError(f"rank {rank} is outside [0, dp_size={dp_size})")
+    return micro_batch_plan(lengths, dp_size, max_tokens)[rank]
 
 
 def with_stand_ins(micro_batches: list[list[int]]) -> list[tuple[list[int], bool]]:

@@ -81,7 +81,8 @@ class JobRuntime:
                 self.run_dir_lock.release()
 
     def cpu_threads(self) -> int:
-        return max(1, (os.cpu_count() or 1) // self.local_world_size)
+        # The cores this process may run on (taskset, cgroups cpusets), not every core of the machine.
+        return max(1, len(os.sched_getaffinity(0)) // self.local_world_size)
 
     def run(self, coro, timeout: float | None = None):
         return self._loop.run_until_complete(asyncio.wait_for(coro, timeout))

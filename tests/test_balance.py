@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from rl_core.balance import balanced_partitions, minibatch_indices, partitions_for_rank
+from rl_core.balance import micro_batch_plan, micro_batches_for_rank, minibatch_indices
 
 
 def lognormal_lengths(n: int, seed: int, mean_tokens: float = 300.0, sigma: float = 1.0) -> list[int]:
@@ -20,72 +20,72 @@ def totals(partitions, lengths):
     return [sum(lengths[i] for i in part) for part in partitions]
 
 
+def padded(batch, lengths):
+    return len(batch) * max((lengths[i] for i in batch), default=0)
+
+
 @pytest.mark.parametrize(
-    "n,dp_size,max_tokens", [(1, 1, 10), (7, 2, 50), (100, 4, 2048), (513, 8, 8192), (64, 3, 4096)]
+    "n,dp_size,max_tokens", [(1, 1, 10), (7, 2, 50), (100, 4, 2048), (513, 8, 8192), (64, 3, 4096), (3, 4, 100)]
 )
-def test_partition_invariants(n, dp_size, max_tokens):
+def test_plan_invariants(n, dp_size, max_tokens):
     lengths = [min(max_tokens, x) for x in lognormal_lengths(n, seed=n)]
-    partitions = balanced_partitions(lengths, dp_size, max_tokens)
-    assert sorted(i for part in partitions for i in part) == list(range(n))
-    assert len(partitions) % dp_size == 0
-    assert max(totals(partitions, lengths)) <= max_tokens
-    lower = max(1, math.ceil(sum(lengths) / max_tokens))
-    assert len(partitions) >= math.ceil(lower / dp_size) * dp_size
-    if n >= len(partitions):
-        assert all(partitions)
+    plan = micro_batch_plan(lengths, dp_size, max_tokens)
+    assert len(plan) == dp_size and len({len(batches) for batches in plan}) == 1  # same count on every rank
+    assert sorted(i for batches in plan for batch in batches for i in batch) == list(range(n))
+    assert all(padded(batch, lengths) <= max_tokens for batches in plan for batch in batches)
+    for batches in plan:  # length-sorted: every sequence of a micro-batch is at least as long as the next one's
+        real = [batch for batch in batches if batch]
+        for a, b in zip(real, real[1:]):
+            assert min(lengths[i] for i in a) >= max(lengths[i] for i in b)
+    assert plan[min(1, dp_size - 1)] == micro_batches_for_rank(lengths, min(1, dp_size - 1), dp_size, max_tokens)
 
 
-def test_partition_count_starts_at_smallest_multiple_of_dp():
-    # 10 x 100 tokens, max 250 -> at least ceil(1000/250)=4 parts; dp 3 -> 6 parts; 6 parts of <= 2 fit
-    partitions = balanced_partitions([100] * 10, dp_size=3, max_tokens=250)
-    assert len(partitions) == 6
-    # 3 x 60 with max 100 needs 2 parts by volume but 3 by packing: raised by dp_size until it fits
-    partitions = balanced_partitions([60, 60, 60], dp_size=2, max_tokens=100)
-    assert len(partitions) == 4 and max(totals(partitions, [60, 60, 60])) == 60
+def test_micro_batch_count_is_the_fewest_that_fit_once_padded():
+    # 10 x 100 tokens, max 250: two per micro-batch fit (200), three do not (300)
+    assert [len(b) for b in micro_batch_plan([100] * 10, 1, 250)[0]] == [2, 2, 2, 2, 2]
+    # one long and many short: the long one goes alone, the short ones together
+    lengths = [90] + [10] * 9
+    assert micro_batch_plan(lengths, 1, 100)[0] == [[0], list(range(1, 10))]
 
 
-def test_more_parts_than_sequences_leaves_some_empty():
-    partitions = balanced_partitions([5, 7, 3], dp_size=4, max_tokens=100)
-    assert len(partitions) == 4 and sum(1 for p in partitions if p) == 3
+def test_ranks_with_fewer_micro_batches_split_the_biggest_or_stand_in():
+    lengths = [50, 50, 50, 50, 10, 10]
+    plan = micro_batch_plan(lengths, 2, 100)
+    assert len(plan[0]) == len(plan[1])
+    assert micro_batch_plan([5, 7, 3], 4, 100)[3] == [[]]  # more ranks than sequences: a stand-in
 
 
 def test_sequence_longer_than_max_tokens_is_a_clear_error():
     with pytest.raises(ValueError, match=r"5000 tokens exceeds max_tokens=4096"):
-        balanced_partitions([10, 5000, 20], dp_size=2, max_tokens=4096)
+        micro_batch_plan([10, 5000, 20], dp_size=2, max_tokens=4096)
     with pytest.raises(ValueError, match="no sequences"):
-        balanced_partitions([], dp_size=2, max_tokens=10)
+        micro_batch_plan([], dp_size=2, max_tokens=10)
+    with pytest.raises(ValueError, match="outside"):
+        micro_batches_for_rank([1, 2], 2, 2, 10)
 
 
-def test_balance_quality_on_lognormal_lengths_beats_equal_count():
+def test_balance_and_padding_on_lognormal_lengths():
     lengths = lognormal_lengths(1024, seed=0)
     for dp_size in (2, 4, 8):
-        partitions = balanced_partitions(lengths, dp_size, max_tokens=16384)
-        per_rank = [sum(totals(partitions_for_rank(partitions, r, dp_size), lengths)) for r in range(dp_size)]
+        plan = micro_batch_plan(lengths, dp_size, max_tokens=16384)
+        per_rank = [sum(totals(batches, lengths)) for batches in plan]
         balanced_ratio = max(per_rank) / (sum(per_rank) / dp_size)
         chunk = len(lengths) // dp_size
         equal_count = [sum(lengths[r * chunk:(r + 1) * chunk]) for r in range(dp_size)]
-        equal_ratio = max(equal_count) / (sum(equal_count) / dp_size)
         assert balanced_ratio <= 1.02, (dp_size, balanced_ratio)
-        assert balanced_ratio < equal_ratio
-        part_totals = totals(partitions, lengths)
-        assert max(part_totals) / (sum(part_totals) / len(part_totals)) <= 1.02
+        assert balanced_ratio < max(equal_count) / (sum(equal_count) / dp_size)
+        # Padding: against micro-batches of the same shares and counts, dealt out in no length order.
+        waste = 1 - sum(per_rank) / sum(padded(b, lengths) for batches in plan for b in batches)
+        unsorted = [[share[j::len(batches)] for j in range(len(batches))]
+                    for share, batches in zip((sorted(i for b in bs for i in b) for bs in plan), plan)]
+        unsorted_waste = 1 - sum(per_rank) / sum(padded(b, lengths) for batches in unsorted for b in batches)
+        assert waste < 0.4 and waste < unsorted_waste / 2, (dp_size, waste, unsorted_waste)
 
 
-def test_partitions_for_rank_round_robin_equal_counts():
-    partitions = balanced_partitions(lognormal_lengths(200, seed=3), dp_size=4, max_tokens=4096)
-    per_rank = [partitions_for_rank(partitions, r, 4) for r in range(4)]
-    assert len({len(p) for p in per_rank}) == 1
-    assert per_rank[1][0] == partitions[1] and per_rank[1][1] == partitions[5]
-    with pytest.raises(ValueError, match="cannot be shared equally"):
-        partitions_for_rank(partitions[:-1], 0, 4)
-    with pytest.raises(ValueError, match="outside"):
-        partitions_for_rank(partitions, 4, 4)
-
-
-def test_partition_speed_4096_sequences():
+def test_plan_speed_4096_sequences():
     lengths = lognormal_lengths(4096, seed=1)
     start = time.perf_counter()
-    balanced_partitions(lengths, dp_size=8, max_tokens=16384)
+    micro_batch_plan(lengths, dp_size=8, max_tokens=16384)
     elapsed = time.perf_counter() - start
     assert elapsed < 0.5, f"{elapsed * 1000:.0f} ms (target < 200 ms; loose bound for a busy CI box)"
 

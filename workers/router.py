@@ -26,14 +26,19 @@ POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
 def build_router_argv(host: str, port: int, prometheus_port: int, policy: str = "cache_aware",
                       request_timeout_s: int = 1800, log_level: str = "warn", worker_urls: Sequence[str] = (),
-                      python: str = sys.executable) -> list[str]:
+                      python: str = sys.executable, balance: tuple[int, float] | None = None) -> list[str]:
     """Command line for `python -m sglang_router.launch_router`.
 
     `worker_urls` known at launch go on the command line (power_of_two refuses to start with
-    fewer than 2); more can be added later with `RouterProcess.add_workers`.
+    fewer than 2); more can be added later with `RouterProcess.add_workers`. `balance`
+    (cache_aware only) is (abs, rel): the router sends a request to the engine with the fewest
+    requests in flight once `max - min > abs` and `max > min * rel` (router defaults: 64, 1.5);
+    (0, 1.0) always picks the least loaded engine.
     """
     if policy not in POLICIES:
         raise ValueError(f"router policy {policy!r} is not one of {POLICIES}")
+    thresholds = (["--balance-abs-threshold", str(int(balance[0])), "--balance-rel-threshold", str(float(balance[1]))]
+                  if balance is not None else [])
     return [
         python, "-m", "sglang_router.launch_router",
         "--host", host, "--port", str(port),
@@ -42,7 +47,7 @@ def build_router_argv(host: str, port: int, prometheus_port: int, policy: str = 
         "--disable-health-check", "--disable-circuit-breaker", "--disable-retries",
         "--request-timeout-secs", str(int(request_timeout_s)),
         "--log-level", log_level,
-    ] + (["--worker-urls", *worker_urls] if worker_urls else [])
+    ] + thresholds + (["--worker-urls", *worker_urls] if worker_urls else [])
 
 
 def _http_json(method: str, url: str, payload: dict | None = None, timeout: float = 5.0) -> tuple[int, object]:
@@ -65,14 +70,15 @@ class RouterProcess:
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, log_path: str | Path = "router.log",
                  policy: str = "cache_aware", request_timeout_s: int = 1800,
-                 processes: ManagedProcesses | None = None, worker_urls: Sequence[str] = ()):
+                 processes: ManagedProcesses | None = None, worker_urls: Sequence[str] = (),
+                 balance: tuple[int, float] | None = None):
         self.host = host
         self.port = port or free_port(host)
         self.prometheus_port = free_port(host)
         self.log_path = Path(log_path)
         self.initial_workers = list(worker_urls)
         self.argv = build_router_argv(host, self.port, self.prometheus_port, policy, request_timeout_s,
-                                      worker_urls=self.initial_workers)
+                                      worker_urls=self.initial_workers, balance=balance)
         self.processes = processes
         self.proc = None
 
@@ -139,9 +145,10 @@ class RouterProcess:
 
 
 def launch_router(host: str, port: int | None, worker_urls: Sequence[str], log_path: str | Path, policy: str = "cache_aware", request_timeout_s: int = 1800,
-                  processes: ManagedProcesses | None = None, deadline_s: float = 60.0) -> RouterProcess:
+                  processes: ManagedProcesses | None = None, deadline_s: float = 60.0,
+                  balance: tuple[int, float] | None = None) -> RouterProcess:
     """Start a router, register `worker_urls`, wait until they are healthy; stop it on any failure."""
-    router = RouterProcess(host, port, log_path, policy, request_timeout_s, processes, worker_urls)
+    router = RouterProcess(host, port, log_path, policy, request_timeout_s, processes, worker_urls, balance)
     router.start(deadline_s)
     try:
         router.wait_workers_healthy(worker_urls, deadline_s)

@@ -73,18 +73,32 @@ class PPOTrainer:
             chosen = [{**chosen[0], "action_mask": [0] * len(chosen[0]["action_mask"])}]
         return models.to_device(models.make_micro_batch(chosen, self.tokenizer.pad_token_id), self.device)
 
-    def _distributed_map(self, rows: list[dict], fn: Callable) -> list:
-        """Apply `fn(micro_batch) -> per-row results` over this rank's balanced share; gather everywhere."""
-        mine = {}
+    def _distributed_map(self, rows: list[dict], fn: Callable) -> list[torch.Tensor]:
+        """Run `fn(micro_batch)` over this rank's balanced share; every rank gets every row's outputs.
+
+        `fn` returns a tuple of `[b, T]` (per token) or `[b]` (per row) tensors; the result holds
+        one `[len(rows), longest]` or `[len(rows)]` float tensor per output. Each row is computed by
+        exactly one rank into zero-filled buffers, so one sum over ranks gathers them (no pickling).
+        """
+        width = max(len(r["input_ids"]) for r in rows)
+        outputs: list[torch.Tensor] | None = None
         for indices, real in self._micro_batches(rows):
             with torch.no_grad():
-                outputs = fn(self._collate(rows, indices, real))
+                results = fn(self._collate(rows, indices, real))
+            if outputs is None:
+                outputs = [torch.zeros((len(rows), width) if r.dim() == 2 else (len(rows),), device=self.device)
+                           for r in results]
             if real:
-                mine.update(zip(indices, outputs))
-        gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, mine)
-        merged = {k: v for part in gathered for k, v in part.items()}
-        return [merged[i] for i in range(len(rows))]
+                index = torch.tensor(indices, device=self.device)
+                for out, result in zip(outputs, results):
+                    if result.dim() == 2:
+                        out[index, :result.shape[1]] = result.float()
+                    else:
+                        out[index] = result.float()
+        if self.world_size > 1:
+            for out in outputs:
+                dist.all_reduce(out)
+        return [out.cpu() for out in outputs]
 
     # ------------------------------------------------------------------ scoring (forward only)
 
@@ -94,26 +108,27 @@ class PPOTrainer:
         temperature = self.cfg.rollout.temperature
 
         def forward(batch):
-            lengths = batch["attention_mask"].sum(dim=1).tolist()
-            old = models.token_logprobs(self.actor.model, batch, temperature).float().cpu()
-            ref = models.token_logprobs(self.reference, batch, temperature).float().cpu()
-            values = (models.token_values(self.critic.model, batch).float().cpu() if self.critic is not None
+            old = models.token_logprobs(self.actor.model, batch, temperature)
+            ref = models.token_logprobs(self.reference, batch, temperature)
+            values = (models.token_values(self.critic.model, batch) if self.critic is not None
                       else torch.zeros_like(old))
-            return [(old[j, :n], ref[j, :n], values[j, :n]) for j, n in enumerate(lengths)]
+            return old, ref, values
 
-        results = self._distributed_map([exp.seq_row(i) for i in range(len(exp.sequences))], forward)
-        exp.old_logprobs, exp.ref_logprobs, exp.values = (list(r) for r in zip(*results))
+        outputs = self._distributed_map([exp.seq_row(i) for i in range(len(exp.sequences))], forward)
+        lengths = [len(seq) for seq in exp.sequences]
+        exp.old_logprobs, exp.ref_logprobs, exp.values = ([out[i, :n] for i, n in enumerate(lengths)]
+                                                          for out in outputs)
         exp.scores = torch.zeros(len(trajectories))
         exp.rejected = torch.zeros(len(trajectories), dtype=torch.bool)
         if self.reward_model is not None:
             rm_ids, exp.rejected = reward_model_inputs(trajectories, self.truncate_id, self.cfg.reward.truncate_after)
 
             def rm_forward(batch):
-                return models.reward_scores(self.reward_model, batch["input_ids"], batch["attention_mask"],
-                                            batch["position_ids"]).float().cpu()
+                return (models.reward_scores(self.reward_model, batch["input_ids"], batch["attention_mask"],
+                                             batch["position_ids"]),)
 
             rm_rows = [{"input_ids": ids, "action_mask": [0] * len(ids)} for ids in rm_ids]
-            exp.scores = torch.stack(self._distributed_map(rm_rows, rm_forward))
+            exp.scores = self._distributed_map(rm_rows, rm_forward)[0]
         return exp
 
     # ------------------------------------------------------------------ PPO epochs

@@ -338,3 +338,20 @@ def test_the_log_records_every_path_and_control_call(engine):
     assert "first call of GET /health" in text and "first call of POST /generate" in text
     assert "call /release_memory_occupation tags=kv_cache,weights" in text
     assert "call /update_weights_from_tensor tensors=" in text
+
+
+@pytest.mark.timeout(180)
+def test_alternating_pushes_never_touch_the_weights_being_served(engine, model_dir):
+    """The engine serves from the pusher's staging buffers: each push writes the set the engine is
+    not using, so after every push the engine has exactly the weights just sent."""
+    models = [model_weights(model_dir, seed=s) for s in (3, 4, 5)] + [model_weights(model_dir)]
+    pusher = WeightPusher(torch.float32, bucket_bytes=32 << 10)
+
+    async def body(client):
+        gaps = []
+        for version, model in enumerate(models, start=20):
+            named = list(dict(model.named_parameters()).items())
+            await pusher.push(client, named, str(version))
+            gaps.append(await check_pushed_weights(client, str(version), PROBE, probe_expectation(model, PROBE), 2e-3))
+        return gaps
+    assert all(gap < 1e-4 for gap in run(engine, body))

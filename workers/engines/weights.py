@@ -5,8 +5,9 @@ Both engines receive weights the same way (reference: SGLang's weight-update API
 (one uint8 buffer + per-tensor metadata, SGLang's `FlattenedTensorBucket` layout), then
 `/end_weight_update`. The payload pickles handles, not bytes: CUDA IPC handles on GPU,
 shared-memory file names for CPU tensors, so the sender keeps each bucket alive and unchanged
-until its HTTP call returns. Tensors arrive in the engine's dtype, one bucket at a time: the
-host never holds a full copy of the model for the push.
+until its HTTP call returns (CPU staging buffers longer: see `WeightPusher`). Tensors arrive
+in the engine's dtype, one bucket at a time: on GPU the host never holds a copy of the model
+for the push; on CPU the embedded engine serves from the staging buffers, so they are its weights.
 
 The check after a push (`check_pushed_weights`) asks the engine for its `weight_version` and for
 its logprobs of a fixed probe sequence (`/generate` with `max_new_tokens=0`,
@@ -21,7 +22,7 @@ import dataclasses
 import io
 import pickle
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -223,8 +224,13 @@ def encode_bucket(bucket: list[tuple[str, torch.Tensor]], staging: Callable[[int
 class WeightPusher:
     """Streams one rank's full weights into its engine, bucket by bucket, in the engine's dtype.
 
-    CPU buckets are packed into one shared-memory staging buffer reused for every bucket and
-    every push; GPU buckets are packed on the device and travel as CUDA IPC handles.
+    GPU buckets are packed on the device and travel as CUDA IPC handles (the server copies them).
+    CPU buckets are packed into shared-memory staging buffers that the embedded engine keeps
+    serving from: it adopts the received tensors as its weights instead of copying them, so a
+    push costs one copy of the weights (the packing). Pushes therefore alternate between two
+    sets of staging buffers: a set is rewritten only two pushes later, when the engine has
+    replaced every tensor that lived in it (it copies out any it still holds from an older
+    session, see the server's `/end_weight_update`).
     """
 
     def __init__(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES, tp_size: int = 1,
@@ -233,12 +239,16 @@ class WeightPusher:
         self.bucket_bytes = bucket_bytes
         self.tp_size = tp_size
         self.encode = encode
-        self._staging: torch.Tensor | None = None
+        self._staging: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # per push parity, per bucket
+        self._pushes = 0
 
-    def _staging_buffer(self, nbytes: int) -> torch.Tensor:
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = shared_cpu_buffer(nbytes)
-        return self._staging
+    def _staging_buffer(self, parity: int, index: int, nbytes: int) -> torch.Tensor:
+        buffers = self._staging[parity]
+        if index == len(buffers):
+            buffers.append(shared_cpu_buffer(nbytes))
+        elif buffers[index].numel() < nbytes:
+            buffers[index] = shared_cpu_buffer(nbytes)
+        return buffers[index]
 
     def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
@@ -247,39 +257,49 @@ class WeightPusher:
                    version: str, flush_cache: bool = True) -> dict[str, float]:
         """Send every tensor inside one weight-update session; returns bytes and seconds."""
         started = time.perf_counter()
+        parity = self._pushes % 2
+        self._pushes += 1
         session = await _begin_session(client)
-        sent_bytes = buckets = 0
+        casted = ((name, self._cast(tensor)) for name, tensor in named_tensors)
+        sent_bytes = count = 0
+        pack_s = 0.0
         try:
-            casted = ((name, self._cast(tensor)) for name, tensor in named_tensors)
-            pending = None  # one bucket held back, so the last one is known when it is sent
-            for bucket in bucket_named_tensors(casted, self.bucket_bytes):
-                if pending is not None:
-                    sent_bytes += await self._send(client, pending, version, False, flush_cache)
-                    buckets += 1
-                pending = bucket
-            if pending is not None:
-                sent_bytes += await self._send(client, pending, version, True, flush_cache)
-                buckets += 1
+            for index, (bucket, is_last) in enumerate(_with_last(bucket_named_tensors(casted, self.bucket_bytes))):
+                packing = time.perf_counter()
+                on_gpu = bucket[0][1].is_cuda
+                serialized = self.encode(bucket, lambda nbytes: self._staging_buffer(parity, index, nbytes))
+                if on_gpu:
+                    torch.cuda.synchronize()  # the receiver reads the tensors through IPC: they must be written
+                pack_s += time.perf_counter() - packing
+                await self._send(client, update_tensor_payload(serialized, self.tp_size, is_last, version,
+                                                               flush_cache), on_gpu)
+                sent_bytes += sum(tensor_nbytes(t) for _, t in bucket)
+                count += 1
         finally:
             if session:
                 await client.post("/end_weight_update")
-        seconds = time.perf_counter() - started
-        return {"weight_sync/push_s": seconds, "weight_sync/bytes": float(sent_bytes), "weight_sync/buckets": float(buckets)}
+        return {"weight_sync/push_s": time.perf_counter() - started, "weight_sync/pack_s": pack_s,
+                "weight_sync/bytes": float(sent_bytes), "weight_sync/buckets": float(count)}
 
-    async def _send(self, client: EngineClient, bucket: list[tuple[str, torch.Tensor]], version: str,
-                    is_last: bool, flush_cache: bool) -> int:
-        on_gpu = bucket[0][1].is_cuda
-        if on_gpu:
-            torch.cuda.synchronize()  # the receiver reads the tensors through IPC: they must be written
-        body = update_tensor_payload(self.encode(bucket, self._staging_buffer), self.tp_size, is_last, version,
-                                     flush_cache)
+    @staticmethod
+    async def _send(client: EngineClient, body: dict, on_gpu: bool) -> None:
         reply = await client.post("/update_weights_from_tensor", body, timeout_s=client.timeout_s)
         if isinstance(reply, dict) and reply.get("success") is False:
             raise WeightSyncError(f"{client.base_url}/update_weights_from_tensor refused a bucket: "
                                   f"{reply.get('message', '')}")
         if on_gpu:
             torch.cuda.ipc_collect()  # the server holds no more references to this bucket
-        return sum(tensor_nbytes(t) for _, t in bucket)
+
+
+def _with_last(buckets: Iterable[list]) -> Iterator[tuple[list, bool]]:
+    """(bucket, is_last) pairs; a bucket is known to be last once the source is exhausted."""
+    previous = None
+    for bucket in buckets:
+        if previous is not None:
+            yield previous, False
+        previous = bucket
+    if previous is not None:
+        yield previous, True
 
 
 async def _begin_session(client: EngineClient) -> bool:

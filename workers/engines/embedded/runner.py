@@ -1,8 +1,12 @@
 """The embedded engine's model side: one Hugging Face causal LM, decoded with continuous batching.
 
-Concurrent requests are decoded together: between two decode steps, waiting requests are
-left-padded and prefilled together, then merged into the running batch (its KV cache
-left-padded to a common length); finished rows leave the batch and their cache is dropped.
+Concurrent requests are decoded together. Between two decode steps, waiting requests are
+left-padded and prefilled together straight into the shared KV cache (`kv_cache.SlotCache`);
+finished rows leave the batch. A decode step costs a fixed number of tensor operations
+whatever the batch size: sampling is vectorised (`sampling.py`), sampled tokens and logprobs
+stay in per-row tensors until their request finishes, and a request finishing by length is
+known on the host without reading the device. Only stop tokens (EOS, `stop_token_ids`) need
+the sampled ids on the host, and only when some running row can stop on them.
 Everything here runs in one worker thread, so the server's event loop keeps accepting requests.
 """
 
@@ -10,14 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-GREEDY_TEMPERATURE = 1e-6  # SGLang: a temperature below this samples greedily
+from workers.engines.embedded.kv_cache import SlotCache
+from workers.engines.embedded.sampling import GREEDY_TEMPERATURE, RowSampling, draw_uniforms, sample
 
 
 @dataclasses.dataclass
@@ -53,7 +59,7 @@ class GenRequest:
     abort_message: str | None = None
     admitted: bool = False  # set by the decode thread once the request is in the batch
     finished: bool = False
-    generator: torch.Generator | None = None  # own RNG when sampling_seed is set
+    joined_step: int = 0  # the batch's step counter when it joined: its k-th token is sampled at joined_step + k
 
 
 class ModelRunner:
@@ -71,6 +77,9 @@ class ModelRunner:
         config = self.model.config
         self.context_len = int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions"))
         self.vocab_size = int(config.vocab_size)
+        self.num_layers = int(config.get_text_config().num_hidden_layers)
+        # Prefill computes the vocabulary projection for the last position only, when the model can.
+        self.keeps_last_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_ids = self._eos_ids()
         self.rng = torch.Generator().manual_seed(seed)
@@ -79,8 +88,9 @@ class ModelRunner:
         self.step_gate = threading.Event()  # cleared by pause in_place/retract: decoding waits
         self.step_gate.set()
         self.released_shapes: dict[str, torch.Size] | None = None
+        self.adopted: dict[str, int] = {}  # parameter -> weight-update session whose buffer holds it
         self.stats = {"batches_run": 0, "forward_steps": 0, "max_batch_seen": 0, "rows_run": 0,
-                      "requests_finished": 0, "tokens_generated": 0}
+                      "requests_finished": 0, "tokens_generated": 0, "kv_relayouts": 0}
 
     def _eos_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -101,6 +111,7 @@ class ModelRunner:
             self.released_shapes = {name: p.shape for name, p in params.items()}
             for param in params.values():
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            self.adopted.clear()
 
     def resume_weights(self) -> None:
         """Allocate the weights again (zeros): they must be pushed before the next generation."""
@@ -109,10 +120,17 @@ class ModelRunner:
                 param.data = torch.zeros(self.released_shapes[name], dtype=param.dtype, device=param.device)
             self.released_shapes = None
 
-    def load_tensors(self, named_tensors: list[tuple[str, torch.Tensor]], version: str | None) -> int:
-        """Copy tensors into the live weights by HF name (any subset), under the forward lock."""
+    def load_tensors(self, named_tensors: list[tuple[str, torch.Tensor]], version: str | None,
+                     session: int = 0) -> int:
+        """Take tensors as the live weights by HF name (any subset), under the forward lock.
+
+        A shared-memory CPU tensor of the parameter's dtype and shape is adopted as it is (the
+        parameter now lives in the sender's staging buffer: no copy); anything else is copied in.
+        `session` tags adopted parameters for `settle_weights`.
+        """
         with self.forward_lock:
             own = self.model.state_dict()
+            params = self.unique_parameters()
             unknown = sorted(name for name, _ in named_tensors if name not in own)
             if unknown:
                 raise ValueError(f"unknown weight names {unknown[:5]} (the model's look like {sorted(own)[:3]})")
@@ -121,38 +139,28 @@ class ModelRunner:
                     if tuple(own[name].shape) != tuple(tensor.shape):
                         raise ValueError(f"shape mismatch for {name}: engine {tuple(own[name].shape)}, "
                                          f"sent {tuple(tensor.shape)}")
-                    own[name].copy_(tensor)
+                    param = params.get(name)
+                    if param is not None and _adoptable(tensor, param):
+                        param.data = tensor
+                        self.adopted[name] = session
+                    else:
+                        own[name].copy_(tensor)
+                        self.adopted.pop(name, None)
             if version is not None:  # under the lock: no forward sees new weights with the old label
                 self.weight_version = str(version)
         return len(named_tensors)
 
-    # -- sampling
-
-    def sample(self, logits: torch.Tensor, requests: list[GenRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample one token per row; return (token ids, their logprobs under logits/T over the full vocab)."""
-        logits = logits.float()
-        temps = torch.tensor([r.params.temperature for r in requests])
-        greedy = temps < GREEDY_TEMPERATURE
-        # OpenAI detail (and SGLang): logprobs come from logits / temperature (greedy rows stay unscaled).
-        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-        logprobs = torch.log_softmax(scaled, dim=-1)
-        filtered = scaled.clone()
-        for row, request in enumerate(requests):
-            top_k, top_p = request.params.top_k, request.params.top_p
-            if 0 < top_k < filtered.shape[-1]:
-                kth = torch.topk(filtered[row], top_k).values[-1]
-                filtered[row][filtered[row] < kth] = float("-inf")
-            if top_p < 1.0:
-                probs, order = torch.sort(torch.softmax(filtered[row], -1), descending=True)
-                drop = (torch.cumsum(probs, -1) - probs) >= top_p  # keep the smallest prefix reaching top_p
-                filtered[row][order[drop]] = float("-inf")
-        probs = torch.softmax(filtered, dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=self.rng).squeeze(-1)
-        for row, request in enumerate(requests):
-            if request.params.sampling_seed is not None:
-                tokens[row] = torch.multinomial(probs[row], 1, generator=request.generator).item()
-        tokens = torch.where(greedy, logits.argmax(-1), tokens)
-        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    def settle_weights(self, session: int) -> int:
+        """After a weight-update session: copy out every parameter still living in the buffers of an
+        older session, so the engine holds no sender buffer but the latest session's (which the
+        sender rewrites only after the next push). Returns how many were copied."""
+        with self.forward_lock, torch.no_grad():
+            params = self.unique_parameters()
+            stale = [name for name, tagged in self.adopted.items() if tagged != session]
+            for name in stale:
+                params[name].data = params[name].data.clone()
+                del self.adopted[name]
+        return len(stale)
 
     # -- finishing
 
@@ -164,9 +172,13 @@ class ModelRunner:
         if len(request.output_ids) >= params.max_new_tokens:
             return {"type": "length", "length": params.max_new_tokens}
         last = request.output_ids[-1] if request.output_ids else None
-        if last is not None and not params.ignore_eos and (last in params.stop_token_ids or last in self.eos_ids):
+        if last is not None and last in self.stop_ids(params):
             return {"type": "stop", "matched": last}
         return None
+
+    def stop_ids(self, params: SamplingParams) -> set[int]:
+        """Tokens that end this request: none with ignore_eos (SGLang), else EOS and stop_token_ids."""
+        return set() if params.ignore_eos else set(params.stop_token_ids) | self.eos_ids
 
     # -- continuous batching
 
@@ -174,20 +186,18 @@ class ModelRunner:
                        on_finish: Callable[[GenRequest, dict], None]) -> None:
         """Decode until no row is active and nothing is waiting; new requests join between steps."""
         with torch.inference_mode():
-            batch: DecodeBatch | None = None
+            batch = DecodeBatch(SlotCache(self.num_layers, self.device, max_batch_size))
             while True:
                 self.step_gate.wait()  # a pause in place holds here, between two decode steps
-                room = max_batch_size - (len(batch.requests) if batch else 0)
-                joining = self._take(incoming, room, on_finish)
+                joining = self._take(incoming, max_batch_size - batch.size, on_finish)
                 if joining:
-                    batch = self._prefill(joining) if batch is None else batch.merge(self._prefill(joining))
-                if batch is None:
+                    self._prefill(batch, joining)
+                if batch.size == 0:
+                    self.stats["kv_relayouts"] += batch.cache.relayouts
                     return
-                batch = self._sample_and_finish(batch, on_finish)
-                if batch is not None:
-                    batch.logits, batch.cache, _ = self._forward(batch.last_tokens[:, None], batch.mask,
-                                                                 batch.next_position[:, None], batch.cache)
-                    batch.next_position = batch.next_position + 1
+                self._sample_and_finish(batch, on_finish)
+                if batch.size:
+                    self._decode(batch)
 
     def _take(self, incoming, room: int, on_finish) -> list[GenRequest]:
         taken = []
@@ -203,67 +213,8 @@ class ModelRunner:
                 taken.append(request)
         return taken
 
-    def _left_padded(self, requests: list[GenRequest]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        width = max(len(r.prompt_ids) for r in requests)
-        input_ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(requests), width), dtype=torch.long)
-        for row, request in enumerate(requests):  # left padding, so every row's last token is at -1
-            input_ids[row, width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
-            mask[row, width - len(request.prompt_ids):] = 1
-        # OpenAI detail: position ids are the exclusive cumsum of the mask, so pads don't shift positions.
-        return input_ids, mask, torch.cumsum(mask, -1) - mask
-
-    def _prefill(self, requests: list[GenRequest]) -> "DecodeBatch":
-        self.stats["batches_run"] += 1
-        self.stats["rows_run"] += len(requests)
-        for request in requests:
-            if request.params.sampling_seed is not None:
-                request.generator = torch.Generator().manual_seed(int(request.params.sampling_seed))
-        input_ids, mask, positions = self._left_padded(requests)
-        wants_input = [r.logprob_start_len >= 0 for r in requests]
-        logits, cache, all_logits = self._forward(input_ids, mask, positions, None, keep_all=any(wants_input))
-        for row, request in enumerate(requests):
-            if wants_input[row]:
-                request.input_logprobs = self._input_logprobs(all_logits[row], request)
-        return DecodeBatch(list(requests), cache, mask, mask.sum(-1), logits, None)
-
-    def _prefill_only(self, request: GenRequest, on_finish) -> None:
-        input_ids, mask, positions = self._left_padded([request])
-        if request.logprob_start_len >= 0:
-            _, _, all_logits = self._forward(input_ids, mask, positions, None, keep_all=True)
-            request.input_logprobs = self._input_logprobs(all_logits[0], request)
-        request.finished = True
-        self.stats["requests_finished"] += 1
-        on_finish(request, {"type": "length", "length": 0})
-
-    @staticmethod
-    def _input_logprobs(row_logits: torch.Tensor, request: GenRequest) -> list[float | None]:
-        """SGLang: log_softmax of the raw logits (no temperature) for prompt[start:], first entry null."""
-        ids = request.prompt_ids
-        row_logits = row_logits[-len(ids):].float()  # the row is left-padded
-        logprobs = torch.log_softmax(row_logits[:-1], dim=-1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
-        values: list[float | None] = [None] + logprobs.tolist()
-        start = request.logprob_start_len
-        return [None] + values[start + 1:] if start < len(ids) else []
-
-    def _sample_and_finish(self, batch: "DecodeBatch", on_finish) -> "DecodeBatch | None":
-        tokens, logprobs = self.sample(batch.logits, batch.requests)
-        keep = []
-        for row, request in enumerate(batch.requests):
-            request.output_ids.append(int(tokens[row]))
-            request.logprobs.append(float(logprobs[row]))
-            self.stats["tokens_generated"] += 1
-            if not self._finish_if_done(request, on_finish):
-                keep.append(row)
-        if not keep:
-            return None
-        batch.last_tokens = tokens
-        if len(keep) < len(batch.requests):  # finished rows leave the batch and the KV cache
-            batch.select(keep, self.device)
-        batch.mask = torch.cat([batch.mask, torch.ones((len(keep), 1), dtype=torch.long)], dim=-1)
-        return batch
-
     def _finish_if_done(self, request: GenRequest, on_finish) -> bool:
+        """For requests not in the batch (yet): aborted or cancelled before decoding."""
         if request.future.cancelled() and request.abort_message is None:
             request.abort_message = "client disconnected"
         reason = self.finish_reason(request)
@@ -274,57 +225,190 @@ class ModelRunner:
         on_finish(request, reason)
         return True
 
-    def _forward(self, input_ids, mask, positions, cache, keep_all: bool = False):
+    def _left_padded(self, requests: list[GenRequest]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        width = max(len(r.prompt_ids) for r in requests)
+        input_ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for row, request in enumerate(requests):  # left padding, so every row's last token is at -1
+            input_ids[row, width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
+            mask[row, width - len(request.prompt_ids):] = 1
+        # OpenAI detail: position ids are the exclusive cumsum of the mask, so pads don't shift positions.
+        return input_ids, mask, torch.cumsum(mask, -1) - mask
+
+    def _prefill(self, batch: "DecodeBatch", requests: list[GenRequest]) -> None:
+        """Prefill joining requests into new rows of the running batch."""
+        self.stats["batches_run"] += 1
+        self.stats["rows_run"] += len(requests)
+        params = [r.params for r in requests]
+        input_ids, mask, positions = self._left_padded(requests)
+        wants_input = [r.logprob_start_len >= 0 for r in requests]
+        batch.cache.begin_join(len(requests), mask, max(p.max_new_tokens for p in params))
+        logits = self._forward(input_ids, mask, positions, batch.cache, last_only=not any(wants_input))
+        batch.cache.end_join(len(requests))
+        for row, request in enumerate(requests):
+            if wants_input[row]:
+                request.input_logprobs = self._input_logprobs(logits[row], request)
+        stops = [sorted(self.stop_ids(p)) for p in params]
+        width = max(1, max(len(s) for s in stops))
+        stop_table = torch.tensor([s + [-1] * (width - len(s)) for s in stops], dtype=torch.long)
+        sampling = RowSampling.build(params, draw_uniforms(params, self.rng), self.vocab_size, self.device)
+        batch.add(requests, logits[:, -1].float(), mask.sum(-1).to(self.device), sampling,
+                  stop_table.to(self.device))
+        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], batch.size)
+
+    def _prefill_only(self, request: GenRequest, on_finish) -> None:
+        if request.logprob_start_len >= 0:
+            input_ids, mask, positions = self._left_padded([request])
+            logits = self._forward(input_ids, mask, positions, None, last_only=False)
+            request.input_logprobs = self._input_logprobs(logits[0], request)
+        request.finished = True
+        self.stats["requests_finished"] += 1
+        on_finish(request, {"type": "length", "length": 0})
+
+    @staticmethod
+    def _input_logprobs(row_logits: torch.Tensor, request: GenRequest) -> list[float | None]:
+        """SGLang: log_softmax of the raw logits (no temperature) for prompt[start:], first entry null."""
+        ids = request.prompt_ids
+        row_logits = row_logits[-len(ids):].float()  # the row is left-padded
+        targets = torch.tensor(ids[1:], device=row_logits.device)[:, None]
+        logprobs = torch.log_softmax(row_logits[:-1], dim=-1).gather(-1, targets).squeeze(-1)
+        values: list[float | None] = [None] + logprobs.tolist()
+        start = request.logprob_start_len
+        return [None] + values[start + 1:] if start < len(ids) else []
+
+    def _sample_and_finish(self, batch: "DecodeBatch", on_finish) -> None:
+        """Sample every row, record the tokens in the per-row tensors, finish the rows that are done."""
+        batch.step += 1
+        steps = batch.counts
+        tokens, logprobs = sample(batch.logits, batch.sampling, steps)
+        rows = torch.arange(batch.size, device=self.device)
+        batch.out_ids[rows, steps] = tokens
+        batch.out_logprobs[rows, steps] = logprobs
+        batch.counts = steps + 1
+        batch.last_tokens = tokens
+        self.stats["tokens_generated"] += batch.size
+        finished = batch.finished_rows(tokens)
+        if finished:
+            self._finish_rows(batch, finished, on_finish)
+
+    def _finish_rows(self, batch: "DecodeBatch", finished: dict[int, dict], on_finish) -> None:
+        rows = sorted(finished)
+        index = torch.tensor(rows, device=self.device)
+        ids, logprobs = batch.out_ids[index].tolist(), batch.out_logprobs[index].tolist()  # one transfer each
+        for k, row in enumerate(rows):
+            request = batch.requests[row]
+            count = batch.step - request.joined_step
+            request.output_ids, request.logprobs = ids[k][:count], logprobs[k][:count]
+            reason = finished[row]
+            if reason["type"] == "stop":
+                reason["matched"] = request.output_ids[-1]
+            request.finished = True
+            self.stats["requests_finished"] += 1
+            on_finish(request, reason)
+        batch.remove(rows)
+
+    def _decode(self, batch: "DecodeBatch") -> None:
+        """One forward of every running row's last token."""
+        mask = batch.cache.begin_decode()
+        batch.logits = self._forward(batch.last_tokens[:, None], mask, batch.positions[:, None], batch.cache,
+                                     last_only=True)[:, -1].float()
+        batch.cache.end_decode()
+        batch.positions = batch.positions + 1
+
+    def _forward(self, input_ids, mask, positions, cache, last_only: bool) -> torch.Tensor:
+        extra = {"logits_to_keep": 1} if last_only and self.keeps_last_logits else {}
         with self.forward_lock:
             if self.released_shapes is not None:
                 raise RuntimeError("weights are released; resume them before generating")
             out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
-                             position_ids=positions.to(self.device), past_key_values=cache, use_cache=True)
+                             position_ids=positions.to(self.device), past_key_values=cache,
+                             use_cache=cache is not None, **extra)
         self.stats["forward_steps"] += 1
-        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], input_ids.shape[0])
-        all_logits = out.logits.to("cpu") if keep_all else None
-        return out.logits[:, -1, :].to("cpu"), out.past_key_values, all_logits
+        return out.logits
 
 
-@dataclasses.dataclass
 class DecodeBatch:
-    """Rows being decoded together: left-aligned KV cache, attention mask and per-row next position."""
-    requests: list[GenRequest]
-    cache: Any
-    mask: torch.Tensor
-    next_position: torch.Tensor
-    logits: torch.Tensor
-    last_tokens: torch.Tensor | None
+    """The running rows: their requests, KV cache, and per-row tensors in the same row order."""
 
-    def select(self, rows: list[int], device) -> None:
-        """Keep only `rows`, then drop leading columns that no remaining row attends to."""
-        index = torch.tensor(rows)
-        self.cache.batch_select_indices(index.to(device))
-        self.requests = [self.requests[i] for i in rows]
-        self.mask, self.next_position = self.mask[index], self.next_position[index]
-        self.last_tokens = self.last_tokens[index]
-        first_used = int(self.mask.any(0).nonzero()[0])
-        if first_used > 0:
-            self.mask = self.mask[:, first_used:]
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[..., first_used:, :], layer.values[..., first_used:, :]
+    def __init__(self, cache: SlotCache):
+        self.cache = cache
+        self.requests: list[GenRequest] = []
+        self.step = 0
+        self.due: dict[int, list[GenRequest]] = {}  # step -> requests reaching max_new_tokens then
+        self.can_stop = False  # some running row has stop tokens (else no device read per step)
+        self.logits = self.positions = self.counts = self.last_tokens = None
+        self.out_ids = self.out_logprobs = self.stop_table = None
+        self.sampling: RowSampling | None = None
 
-    def merge(self, other: "DecodeBatch") -> "DecodeBatch":
-        """Append freshly prefilled rows; the shorter side is left-padded with masked zeros."""
-        width = max(self.mask.shape[1], other.mask.shape[1])
+    @property
+    def size(self) -> int:
+        return len(self.requests)
 
-        def left_pad(t: torch.Tensor, dim_from_end: int) -> torch.Tensor:
-            missing = width - t.shape[-dim_from_end]
-            if missing == 0:
-                return t
-            pad = [0, 0] * (dim_from_end - 1) + [missing, 0]
-            return torch.nn.functional.pad(t, pad)
+    def add(self, requests: list[GenRequest], logits: torch.Tensor, positions: torch.Tensor,
+            sampling: RowSampling, stop_table: torch.Tensor) -> None:
+        """Append freshly prefilled rows."""
+        device = logits.device
+        width = sampling.uniforms.shape[1]
+        counts = torch.zeros(len(requests), dtype=torch.long, device=device)
+        out_ids = torch.zeros((len(requests), width), dtype=torch.long, device=device)
+        out_logprobs = torch.zeros((len(requests), width), dtype=torch.float32, device=device)
+        for request in requests:
+            request.joined_step = self.step
+            self.due.setdefault(self.step + request.params.max_new_tokens, []).append(request)
+        self.can_stop = self.can_stop or bool((stop_table >= 0).any())
+        if not self.requests:
+            self.logits, self.positions, self.counts, self.sampling = logits, positions, counts, sampling
+            self.out_ids, self.out_logprobs, self.stop_table = out_ids, out_logprobs, stop_table
+            self.last_tokens = None
+        else:
+            self.logits = torch.cat([self.logits, logits])
+            self.positions = torch.cat([self.positions, positions])
+            self.counts = torch.cat([self.counts, counts])
+            self.sampling = self.sampling.cat(sampling)
+            self.out_ids = _cat_padded(self.out_ids, out_ids)
+            self.out_logprobs = _cat_padded(self.out_logprobs, out_logprobs)
+            self.stop_table = _cat_padded(self.stop_table, stop_table, value=-1)
+        self.requests = self.requests + requests
 
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys = torch.cat([left_pad(mine.keys, 2), left_pad(theirs.keys, 2)], dim=0)
-            mine.values = torch.cat([left_pad(mine.values, 2), left_pad(theirs.values, 2)], dim=0)
-        self.mask = torch.cat([left_pad(self.mask, 1), left_pad(other.mask, 1)], dim=0)
-        self.requests += other.requests
-        self.next_position = torch.cat([self.next_position, other.next_position])
-        self.logits = torch.cat([self.logits, other.logits])
-        return self
+    def finished_rows(self, tokens: torch.Tensor) -> dict[int, dict]:
+        """Rows done after this step's tokens -> SGLang finish reason (abort, then length, then stop)."""
+        finished: dict[int, dict] = {}
+        for row, request in enumerate(self.requests):  # attribute reads only: cheap even for big batches
+            if request.future.cancelled() and request.abort_message is None:
+                request.abort_message = "client disconnected"
+            if request.abort_message is not None:
+                finished[row] = {"type": "abort", "message": request.abort_message}
+        due = [request for request in self.due.pop(self.step, ()) if not request.finished]
+        if due:
+            row_of = {id(request): row for row, request in enumerate(self.requests)}
+            for request in due:
+                finished.setdefault(row_of[id(request)], {"type": "length", "length": request.params.max_new_tokens})
+        if self.can_stop:
+            hit = (self.stop_table == tokens[:, None]).any(-1)
+            for row in hit.nonzero().flatten().tolist():
+                finished.setdefault(row, {"type": "stop", "matched": None})
+        return finished
+
+    def remove(self, rows: list[int]) -> None:
+        source = self.cache.remove(rows)
+        index = torch.tensor(source, dtype=torch.long, device=self.logits.device)
+        self.requests = [self.requests[i] for i in source]
+        self.logits, self.positions, self.counts = self.logits[index], self.positions[index], self.counts[index]
+        self.out_ids, self.out_logprobs = self.out_ids[index], self.out_logprobs[index]
+        self.stop_table, self.last_tokens = self.stop_table[index], self.last_tokens[index]
+        self.sampling = self.sampling.select(index)
+        if not self.requests:
+            self.can_stop = False
+
+
+def _adoptable(tensor: torch.Tensor, param: torch.Tensor) -> bool:
+    """A received tensor the engine can serve from directly: shared CPU memory, the parameter's dtype."""
+    return (tensor.device.type == "cpu" and param.device.type == "cpu" and tensor.dtype == param.dtype
+            and tensor.is_shared())
+
+
+def _cat_padded(a: torch.Tensor, b: torch.Tensor, value: int = 0) -> torch.Tensor:
+    """Rows of `a` then rows of `b`, the narrower one right-padded with `value`."""
+    width = max(a.shape[1], b.shape[1])
+    pad = torch.nn.functional.pad
+    return torch.cat([pad(a, (0, width - a.shape[1]), value=value), pad(b, (0, width - b.shape[1]), value=value)])

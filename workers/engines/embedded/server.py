@@ -14,7 +14,9 @@ Semantics kept strict, so CI exercises the GPU control flow:
   released is an error.
 - `update_weights_from_tensor` needs a `begin/end_weight_update` session (SGLang >= 0.5.21)
   and takes flattened buckets of shared tensors; `weight_version` moves with the bucket that
-  carries it.
+  carries it. Shared CPU tensors are served from as they arrive, not copied (the pusher
+  rewrites a staging buffer only two pushes later); `/end_weight_update` copies out any weight
+  still held from an older session.
 - `/health` stays 200 while paused or released, as SGLang does with
   `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false` (how the job launches SGLang).
 - `stop` strings, penalties, min_p and constrained decoding are refused with 400: tokens,
@@ -53,7 +55,7 @@ def error_response(message: str, status: int = 400) -> web.Response:
 class EmbeddedEngine:
     """HTTP front end, request queue and control state around one ModelRunner."""
 
-    def __init__(self, runner: ModelRunner, max_batch_size: int = 64, collect_window_s: float = 0.003):
+    def __init__(self, runner: ModelRunner, max_batch_size: int = 64, collect_window_s: float = 0.0):
         self.runner = runner
         self.max_batch_size = max_batch_size
         self.collect_window_s = collect_window_s
@@ -62,6 +64,11 @@ class EmbeddedEngine:
         self.unpaused.set()
         self.released_tags: set[str] = set()
         self.in_weight_session = False
+        # Weight-update sessions, and the buckets received in the last two: holding them keeps the
+        # sender's shared-memory staging buffers (it alternates two sets) mapped here, so a push
+        # that reuses a set skips re-mapping it (and the page faults of touching a fresh mapping).
+        self.weight_session = 0
+        self.received_buckets: dict[int, list] = {}
         self.incoming: queue.SimpleQueue[GenRequest] = queue.SimpleQueue()  # handed to the decode thread
         self.work_available = asyncio.Event()
         self.live: set[GenRequest] = set()  # submitted and not yet answered
@@ -121,7 +128,9 @@ class EmbeddedEngine:
         while True:
             await self.work_available.wait()
             self.work_available.clear()  # cleared before the loop drains `incoming`, so no wake-up is lost
-            await asyncio.sleep(self.collect_window_s)  # let requests sent together start in one prefill
+            # No fixed wait (a lone request starts at once): one yield lets requests already read
+            # from their sockets join the first prefill; later ones join between decode steps.
+            await asyncio.sleep(self.collect_window_s)
             try:
                 await self.loop.run_in_executor(self.executor, self.runner.run_until_idle, self.incoming,
                                                 self.max_batch_size, self._finish_threadsafe)
@@ -317,12 +326,17 @@ class EmbeddedEngine:
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         self.in_weight_session = True
+        self.weight_session += 1
+        self.received_buckets[self.weight_session] = []
         LOG.info("call /begin_weight_update")
         return web.json_response({"success": True, "message": "weight update session started"})
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
         self.in_weight_session = False
-        LOG.info("call /end_weight_update")
+        session = self.weight_session
+        copied = await asyncio.to_thread(self.runner.settle_weights, session)
+        self.received_buckets = {s: b for s, b in self.received_buckets.items() if s >= session - 1}
+        LOG.info("call /end_weight_update copied_out=%d", copied)
         return web.json_response({"success": True, "message": "weight update session ended"})
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
@@ -349,7 +363,8 @@ class EmbeddedEngine:
         def load() -> int:
             payload = deserialize_for_engine(entries[0])
             named = unflatten_bucket(payload) if isinstance(payload, dict) else list(payload)
-            return self.runner.load_tensors(named, version)
+            self.received_buckets.setdefault(self.weight_session, []).append(payload)
+            return self.runner.load_tensors(named, version, self.weight_session)
 
         try:
             count = await asyncio.to_thread(load)
