@@ -1,0 +1,40 @@
+"""The sentiment task env and the README's example env."""
+
+import asyncio
+
+import pytest
+
+from envs.base import Action, load_env_class
+from envs.sentiment import SentimentEnv
+
+
+def act(text: str) -> Action:
+    return Action(text=text, token_ids=[])
+
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+
+def test_sentiment_env_left_pads_to_query_length():
+    env = SentimentEnv(query_length=6, pad_token_id=1)
+    assert run(env.reset({"query_ids": [5, 6, 7]})) == [1, 1, 1, 5, 6, 7]
+    assert run(env.reset({"query_ids": list(range(10, 20))})) == list(range(14, 20))
+    result = run(env.step(Action("text", [3, 4, 5], "length")))
+    assert result.done and result.reward == 0.0 and result.observation is None
+    assert result.info["response_tokens"] == 3
+    with pytest.raises(KeyError, match="query_ids"):
+        run(env.reset({"text": "no ids"}))
+    with pytest.raises(ValueError, match="pad_token_id"):
+        SentimentEnv(query_length=4)
+
+
+def test_example_env_rewards_target_length():
+    env_cls = load_env_class("envs.examples.echo_length:TargetLengthEnv")
+    env = env_cls(target_words=4)
+    assert run(env.reset({"text": "hello"})) == "hello"
+    exact = run(env.step(act("one two three four")))
+    off = run(env.step(act("one two")))
+    assert exact.reward == 1.0 and 0.0 < off.reward < 1.0 and exact.done
