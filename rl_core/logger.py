@@ -18,7 +18,7 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        self.samples = open(self.run_dir / "samples.jsonl", "a", buffering=1)
+        self.tables = {"samples": open(self.run_dir / "samples.jsonl", "a", buffering=1)}
         self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
         self.wandb = None
         if use_wandb:
@@ -37,27 +37,35 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log(clean, step=step)
 
-    def log_samples(self, step: int, rows: list[dict]) -> None:
-        """A table of (query, response, score): samples.jsonl, TensorBoard text, wandb table."""
+    def log_samples(self, step: int, rows: list[dict], table: str = "samples") -> None:
+        """A table of (query, response, score, ...): `<table>.jsonl`, TensorBoard text, wandb table."""
+        if not rows:
+            return
+        if table not in self.tables:
+            self.tables[table] = open(self.run_dir / f"{table}.jsonl", "a", buffering=1)
         for row in rows:
-            self.samples.write(json.dumps({"step": step, **row}) + "\n")
-        table = "| query | response | score |\n|---|---|---|\n" + "\n".join(
-            f"| {_cell(r['query'])} | {_cell(r['response'])} | {r['score']:.3f} |" for r in rows)
-        self.tensorboard.add_text("samples", table, step)
+            self.tables[table].write(json.dumps({"step": step, **row}) + "\n")
+        columns = list(rows[0])
+        text = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n" + "\n".join(
+            "| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows)
+        self.tensorboard.add_text(table, text, step)
         if self.wandb is not None:
             import wandb
 
-            self.wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}, step=step)
+            self.wandb.log({table: wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])},
+                           step=step)
 
     def close(self) -> None:
         self.jsonl.close()
-        self.samples.close()
+        for handle in self.tables.values():
+            handle.close()
         self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
 
 
-def _cell(text: str) -> str:
+def _cell(value) -> str:
+    text = f"{value:.3f}" if isinstance(value, float) else str(value)
     return text.replace("|", "\\|").replace("\n", " ")
 
 

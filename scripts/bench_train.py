@@ -48,7 +48,7 @@ def run_mode(mode: str, args, policy: Path, rm: Path, prompts: Path, workdir: Pa
             "-m", "rl_core.train", "--config", "ppo_sentiment.yaml",
             f"model.path={policy}", f"reward.model_path={rm}", f"data.train_path={prompts}",
             f"trainer.run_dir={run_dir}", f"trainer.total_episodes={episodes}", f"trainer.mode={mode}",
-            "algorithm.batch_size=32", "algorithm.noptepochs=4", "data.query_length=8",
+            "algorithm.batch_size=32", "algorithm.noptepochs=4", "data.max_prompt_length=8",
             "rollout.response_length=16", "reward.truncate_after=4", "trainer.progress=false",
             "trainer.export_hf=false", "trainer.log_samples_every=0"]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
