@@ -54,10 +54,11 @@ class PromptDataset:
 
 
 def load_prompt_dataset(path_or_name: str | Path, split: str = "train", text_key: str | None = "text",
-                        on_malformed: str = "error") -> PromptDataset:
+                        on_malformed: str = "error", hub_config: str | None = None) -> PromptDataset:
     """Load prompts from a local .jsonl/.json/.csv/.parquet file, or a hub dataset when online.
 
-    `split` applies to hub datasets only (a local file is one split). `text_key=None` takes
+    `split` and `hub_config` (e.g. "main" for openai/gsm8k) apply to hub datasets only (a local
+    file is one split). `text_key=None` takes
     the first of `messages`, `prompt`, `text` the data has. With `on_malformed="skip"`, rows
     without a usable prompt (and unparseable JSON lines) are dropped and counted in `.skipped`
     instead of stopping the job.
@@ -73,7 +74,7 @@ def load_prompt_dataset(path_or_name: str | Path, split: str = "train", text_key
                               "check data.path or build the default prompts with "
                               "scripts/bootstrap_assets.py")
     else:
-        rows, skipped, source = _load_from_hub(str(path_or_name), split), 0, str(path_or_name)
+        rows, skipped, source = _load_from_hub(str(path_or_name), split, hub_config), 0, str(path_or_name)
         source = f"{source} (hub, split {split})"
     if text_key is None:
         text_key = _resolve_key(rows.column_names, source)
@@ -164,11 +165,11 @@ def _load_json_by_hand(path: Path, text_key: str, on_malformed: str, error: Exce
         return datasets.Dataset.from_list([{text_key: row[text_key]} for row in good]), skipped
 
 
-def _load_from_hub(name: str, split: str):
+def _load_from_hub(name: str, split: str, hub_config: str | None = None):
     import datasets
 
     try:
-        return datasets.load_dataset(name, split=split)
+        return datasets.load_dataset(name, hub_config, split=split)
     except Exception as error:  # noqa: BLE001 - offline, unknown name, unknown split
         raise PromptDataError(
             f"'{name}' is not an existing local file, and loading it from the Hugging Face hub "

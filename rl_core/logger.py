@@ -93,6 +93,7 @@ class StepTimer:
 
 def print_step(step: int, total: int, metrics: dict[str, float]) -> None:
     """One console line per step with the numbers a glance needs."""
-    keys = ("reward/score_mean", "kl/mean", "kl/coef", "policy/entropy", "value/loss", "perf/step_s")
+    keys = ("reward/score_mean", "reward/fn_total_mean", "kl/mean", "kl/coef", "policy/entropy", "value/loss",
+            "perf/step_s")
     shown = "  ".join(f"{k.split('/')[-1]}={metrics[k]:.3f}" for k in keys if k in metrics)
     print(f"step {step}/{total}  {shown}", flush=True)

@@ -51,6 +51,7 @@ class DataConfig:
     # "tiny" = the offline prompt set; otherwise a local json/jsonl/csv/parquet file or hub name.
     train_path: str = "tiny"
     train_split: str = "train"  # hub datasets only
+    hub_config: Optional[str] = None  # hub datasets only: the configuration, e.g. "main" for openai/gsm8k
     # Held-out prompts evaluated at step 0, every trainer.eval_every steps and at the end; null = no eval.
     eval_path: Optional[str] = None
     eval_split: str = "test"

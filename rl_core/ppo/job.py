@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -110,12 +111,6 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
         with timer("sync"):  # 7. new weights into every engine, checked by version and probe logprobs
             version = step + 1
             metrics.update(rt.sync_weights(trainer.actor_weights(), version, probe, trainer.probe_logprobs(probe)))
-        eval_rows_ = None
-        if eval_path is not None and (step + 1 == total_steps or (cfg.trainer.eval_every
-                                                                  and (step + 1) % cfg.trainer.eval_every == 0)):
-            with timer("eval"):  # 8. held-out prompts with the new weights
-                eval_metrics_, eval_rows_ = evaluate(cfg, rt, service, trainer, tokenizer, held_out, version)
-                metrics.update(eval_metrics_)
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
             # Async: the position after the last batch trained on, not the producer's, which runs ahead.
             data_state = None if rt.rank != 0 else (
@@ -128,6 +123,13 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
                             "perf/episodes_per_s": len(trajectories) / metrics["perf/step_s"],
                             "episodes": (step + 1) * batch_size})
             metrics["data/prompts_skipped"] = prompts.skipped
+        eval_rows_ = None
+        if eval_path is not None and (step + 1 == total_steps or (cfg.trainer.eval_every
+                                                                  and (step + 1) % cfg.trainer.eval_every == 0)):
+            started = time.perf_counter()  # 8. held-out prompts with the new weights (not in perf/step_s)
+            eval_metrics_, eval_rows_ = evaluate(cfg, rt, service, trainer, tokenizer, held_out, version)
+            metrics.update(eval_metrics_, **{"perf/eval_s": time.perf_counter() - started})
+        if rt.rank == 0:
             logger.log(step + 1, metrics)
             print_step(step + 1, total_steps, metrics)
             if eval_rows_ is not None:

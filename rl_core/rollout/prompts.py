@@ -71,7 +71,7 @@ def prompt_encoder(data_cfg, tokenizer) -> PromptEncoder:
 def prompt_samples(data_cfg, prompts_path: str, tokenizer, batch_size: int, group_size: int, seed: int) -> PromptSamples:
     """The PPO job's prompt stream from its `data` config section."""
     dataset = load_prompt_dataset(prompts_path, split=data_cfg.train_split, text_key=data_cfg.prompt_key,
-                                  on_malformed=data_cfg.on_malformed)
+                                  on_malformed=data_cfg.on_malformed, hub_config=data_cfg.hub_config)
     if dataset.skipped:
         print(f"skipped {dataset.skipped} malformed prompt rows in {dataset.source}")
     loader = PromptLoader(dataset, batch_size // group_size, seed=seed, processor=prompt_encoder(data_cfg, tokenizer))
@@ -82,7 +82,7 @@ def eval_samples(data_cfg, eval_path: str, tokenizer, n: int, max_prompts: int |
     """The held-out prompts in file order (`n` samples each, one group per prompt) and how many were
     skipped for length; the same list at every evaluation, so the numbers are comparable."""
     dataset = load_prompt_dataset(eval_path, split=data_cfg.eval_split, text_key=data_cfg.prompt_key,
-                                  on_malformed=data_cfg.on_malformed)
+                                  on_malformed=data_cfg.on_malformed, hub_config=data_cfg.hub_config)
     encode = prompt_encoder(data_cfg, tokenizer)
     samples, skipped = [], 0
     for index in range(len(dataset)):

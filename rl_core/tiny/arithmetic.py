@@ -49,6 +49,7 @@ class ArithmeticSettings:
     seed: int = 2024
     max_operand: int = 30
     two_step_frac: float = 0.3  # "a + b - c" problems, the harder kind
+    worked_frac: float = 0.5  # fine-tuning solutions that show the equation; the rest give the bare answer
     train_problems: int = 4000
     eval_problems: int = 200
     sft_problems: int = 20000  # the fine-tuning corpus (seeds disjoint from train and eval)
@@ -83,8 +84,9 @@ class ArithmeticPaths:
 # --- problems ------------------------------------------------------------------------------------
 
 
-def make_problem(rng: random.Random, max_operand: int, two_step_frac: float) -> dict:
-    """One word problem: the chat prompt, the reference answer and the worked solution."""
+def make_problem(rng: random.Random, max_operand: int, two_step_frac: float, worked_frac: float = 1.0) -> dict:
+    """One word problem: the chat prompt, the reference answer and a solution, worked
+    ("7 + 5 = 12\n#### 12") with probability `worked_frac`, else the bare answer ("#### 12")."""
     she = rng.random() < 0.5
     name = rng.choice(NAMES_SHE if she else NAMES_HE)
     pronoun = "She" if she else "He"
@@ -102,13 +104,13 @@ def make_problem(rng: random.Random, max_operand: int, two_step_frac: float) -> 
         a, b = max(a, b), min(a, b)
         question = f"{name} has {a} {things} and gives {b} away. How many {things} are left?"
         answer, work = a - b, f"{a} - {b} = {a - b}"
-    return {"messages": [{"role": "user", "content": question}], "answer": str(answer),
-            "solution": f"{work}\n#### {answer}"}
+    solution = f"{work}\n#### {answer}" if rng.random() < worked_frac else f"#### {answer}"
+    return {"messages": [{"role": "user", "content": question}], "answer": str(answer), "solution": solution}
 
 
 def make_problems(count: int, seed: int, settings: ArithmeticSettings) -> list[dict]:
     rng = random.Random(f"arithmetic:{seed}")
-    return [make_problem(rng, settings.max_operand, settings.two_step_frac) for _ in range(count)]
+    return [make_problem(rng, settings.max_operand, settings.two_step_frac, settings.worked_frac) for _ in range(count)]
 
 
 # --- the policy ----------------------------------------------------------------------------------

@@ -42,7 +42,9 @@ def arithmetic_job(tmp_path_factory):
 @pytest.mark.timeout(600)
 def test_arithmetic_recipe_logs_eval_at_step_0_and_at_the_end(arithmetic_job, tmp_path):
     run_dir = tmp_path / "arithmetic"
-    output = run_job(arithmetic_job, run_dir, "trainer.total_episodes=48", "trainer.eval_every=2")
+    # gradient checkpointing on: the key is wired through FSDP2 (the unit test below checks its gradients)
+    output = run_job(arithmetic_job, run_dir, "trainer.total_episodes=48", "trainer.eval_every=2",
+                     "model.gradient_checkpointing=true")
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
     evaluated = [m["step"] for m in metrics if "eval/accuracy" in m]
@@ -80,3 +82,22 @@ def test_dynamic_sampling_fills_the_batch_and_counts_what_it_dropped(arithmetic_
         assert m["rollout/groups_launched"] - m["rollout/groups_dropped"] + m["rollout/groups_filled"] == 4
         assert "reward/overlong_penalty_mean" in m
     assert wait_gone(str(arithmetic_job["root"])) == []
+
+
+def test_gradient_checkpointing_recomputes_without_changing_gradients(tiny_model_dir):
+    import torch
+
+    from rl_core.ppo.trainer import enable_gradient_checkpointing
+    from workers.models import load_causal_lm
+
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for checkpointing in (False, True):
+        model = load_causal_lm(tiny_model_dir)
+        if checkpointing:
+            enable_gradient_checkpointing(model)
+            assert model.is_gradient_checkpointing
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1])
