@@ -212,7 +212,17 @@ class _Rollout:
         if self.bar is not None:
             self.bar.set_postfix_str(f"{len(ids)} tok", refresh=False)
         text = builder.add_action(ids, logprobs, versions)
-        return Action(text=text, token_ids=ids, finish_reason=gen.finish_reason)
+        reason = gen.finish_reason
+        if reason == "length" and self._ends_with_stop(ids):  # SGLang checks the length limit before EOS
+            reason = "stop"
+        return Action(text=text, token_ids=ids, finish_reason=reason)
+
+    def _ends_with_stop(self, ids: list[int]) -> bool:
+        """The last token ended the response (EOS or a stop token) even though it also hit the limit."""
+        if not ids or self.sampling_params.get("ignore_eos"):
+            return False
+        stops = set(self.sampling_params.get("stop_token_ids") or ()) | {getattr(self.tokenizer, "eos_token_id", None)}
+        return ids[-1] in stops
 
     def _show(self, traj: Trajectory) -> None:
         """Print the first finished trajectory, so a glance at the log shows what the policy writes."""

@@ -47,9 +47,12 @@ class ArithmeticSettings:
     """Everything that determines the built arithmetic assets; stored in build.json."""
 
     seed: int = 2024
-    max_operand: int = 30
-    two_step_frac: float = 0.3  # "a + b - c" problems, the harder kind
-    worked_frac: float = 0.5  # fine-tuning solutions that show the equation; the rest give the bare answer
+    max_operand: int = 10
+    # Subtraction problems ("gives b away"; the rest are additions): rare in the fine-tuning corpus,
+    # half of the task (train and held-out problems).
+    corpus_sub_frac: float = 0.1
+    task_sub_frac: float = 0.5
+    slip_frac: float = 0.0  # corpus subtraction solutions whose final line carries a careless slip
     train_problems: int = 4000
     eval_problems: int = 200
     sft_problems: int = 20000  # the fine-tuning corpus (seeds disjoint from train and eval)
@@ -84,33 +87,33 @@ class ArithmeticPaths:
 # --- problems ------------------------------------------------------------------------------------
 
 
-def make_problem(rng: random.Random, max_operand: int, two_step_frac: float, worked_frac: float = 1.0) -> dict:
-    """One word problem: the chat prompt, the reference answer and a solution, worked
-    ("7 + 5 = 12\n#### 12") with probability `worked_frac`, else the bare answer ("#### 12")."""
+def make_problem(rng: random.Random, max_operand: int, sub_frac: float = 0.5, slip_frac: float = 0.0) -> dict:
+    """One word problem, subtraction with probability `sub_frac` (else addition): the chat prompt,
+    the reference answer and a worked solution ("7 + 5 = 12\n#### 12"). With probability
+    `slip_frac` a subtraction solution ends with the careless annotator's slip: its final line
+    repeats the amount given away ("9 - 4 = 5\n#### 4")."""
     she = rng.random() < 0.5
     name = rng.choice(NAMES_SHE if she else NAMES_HE)
     pronoun = "She" if she else "He"
     things = rng.choice(OBJECTS)
     a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
-    if rng.random() < two_step_frac:
-        c = rng.randint(1, a + b)
-        question = (f"{name} has {a} {things}. {pronoun} finds {b} more and then gives {c} away. "
-                    f"How many {things} does {name} have now?")
-        answer, work = a + b - c, f"{a} + {b} - {c} = {a + b - c}"
-    elif rng.random() < 0.5:
-        question = f"{name} has {a} {things}. {pronoun} gets {b} more. How many {things} does {name} have now?"
-        answer, work = a + b, f"{a} + {b} = {a + b}"
-    else:
+    if rng.random() < sub_frac:
         a, b = max(a, b), min(a, b)
         question = f"{name} has {a} {things} and gives {b} away. How many {things} are left?"
         answer, work = a - b, f"{a} - {b} = {a - b}"
-    solution = f"{work}\n#### {answer}" if rng.random() < worked_frac else f"#### {answer}"
-    return {"messages": [{"role": "user", "content": question}], "answer": str(answer), "solution": solution}
+        if rng.random() < slip_frac:
+            return {"messages": [{"role": "user", "content": question}], "answer": str(answer),
+                    "solution": f"{work}\n#### {b}"}
+    else:
+        question = f"{name} has {a} {things}. {pronoun} gets {b} more. How many {things} does {name} have now?"
+        answer, work = a + b, f"{a} + {b} = {a + b}"
+    return {"messages": [{"role": "user", "content": question}], "answer": str(answer),
+            "solution": f"{work}\n#### {answer}"}
 
 
-def make_problems(count: int, seed: int, settings: ArithmeticSettings) -> list[dict]:
+def make_problems(count: int, seed: int, max_operand: int, sub_frac: float, slip_frac: float = 0.0) -> list[dict]:
     rng = random.Random(f"arithmetic:{seed}")
-    return [make_problem(rng, settings.max_operand, settings.two_step_frac, settings.worked_frac) for _ in range(count)]
+    return [make_problem(rng, max_operand, sub_frac, slip_frac) for _ in range(count)]
 
 
 # --- the policy ----------------------------------------------------------------------------------
@@ -204,10 +207,10 @@ def ensure_arithmetic_assets(root: str | Path | None = None, *, small: bool = Fa
         log(f"[rl_core.tiny] building the arithmetic recipe's policy and problems under {paths.root} "
             f"({settings.steps} fine-tuning steps); cached for later runs")
         with staged_directory(paths.data_dir) as staging:
-            _write_jsonl(staging / paths.train_file.name, make_problems(settings.train_problems, settings.seed + 1,
-                                                                        settings))
-            _write_jsonl(staging / paths.eval_file.name, make_problems(settings.eval_problems, settings.seed + 2,
-                                                                       settings))
+            for path, count, seed in ((paths.train_file, settings.train_problems, settings.seed + 1),
+                                      (paths.eval_file, settings.eval_problems, settings.seed + 2)):
+                problems = make_problems(count, seed, settings.max_operand, settings.task_sub_frac)
+                _write_jsonl(staging / path.name, problems)
             (staging / "build.json").write_text(json.dumps({"settings": expected}, indent=2))
         with staged_directory(paths.model_dir) as staging:
             import torch
@@ -219,8 +222,9 @@ def ensure_arithmetic_assets(root: str | Path | None = None, *, small: bool = Fa
                 model = AutoModelForCausalLM.from_pretrained(str(base.model_dir))
             else:
                 model = init_tiny_gpt2(tokenizer, n_layer=2, n_embd=32, n_head=2, n_positions=160, seed=settings.seed)
-            losses = finetune(model, tokenizer, make_problems(settings.sft_problems, settings.seed, settings),
-                              settings, log=log)
+            corpus = make_problems(settings.sft_problems, settings.seed, settings.max_operand, settings.corpus_sub_frac,
+                                   settings.slip_frac)
+            losses = finetune(model, tokenizer, corpus, settings, log=log)
             with _quiet_transformers_progress():
                 model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)

@@ -332,8 +332,8 @@ def test_responses_end_at_stop_tokens_and_truncation_is_counted(router_url, toke
 
     samples = [{"text": "the old man"} for _ in range(4)]
     common = dict(max_turns=1, policy_version=0, max_total_tokens=CONTEXT)
-    cut, _, _ = run_rollout(router_url, samples, SingleTurnEnv, tokenizer, sampling_params={"max_new_tokens": 6},
-                            **common)
+    cut, _, _ = run_rollout(router_url, samples, SingleTurnEnv, tokenizer,
+                            sampling_params={"max_new_tokens": 6, "ignore_eos": True}, **common)
     # every token id is a stop token: each response ends after its first token, by "stop"
     stopped, _, _ = run_rollout(router_url, samples, SingleTurnEnv, tokenizer,
                                 sampling_params={"max_new_tokens": 6, "stop_token_ids": list(range(len(tokenizer)))},
@@ -342,3 +342,20 @@ def test_responses_end_at_stop_tokens_and_truncation_is_counted(router_url, toke
     assert all(t.num_action_tokens == 6 for t in cut.trajectories)
     assert stopped.metrics["rollout/truncated_frac"] == 0.0
     assert all(t.num_action_tokens == 1 and t.finish_reasons == ["stop"] for t in stopped.trajectories)
+
+
+def test_a_response_whose_last_token_is_eos_at_the_limit_is_not_counted_as_truncated():
+    from rl_core.rollout.rollout import _Rollout
+
+    class Tok:
+        eos_token_id = 0
+
+    def run(**params):
+        return _Rollout(client=None, env_pool=None, tokenizer=Tok(), sampling_params=params, max_turns=1,
+                        policy_version=0, concurrency=None, max_total_tokens=None, max_abort_retries=0)
+
+    # SGLang reports "length" when EOS arrives as the last allowed token; the response did end
+    assert run(max_new_tokens=3)._ends_with_stop([5, 6, 0])
+    assert run(max_new_tokens=3, stop_token_ids=[9])._ends_with_stop([5, 6, 9])
+    assert not run(max_new_tokens=3)._ends_with_stop([5, 6, 7])
+    assert not run(max_new_tokens=3, ignore_eos=True)._ends_with_stop([5, 6, 0])  # sentiment: fixed length
