@@ -136,13 +136,13 @@ def _longest(indices: list[int], lengths: list[int]) -> int:
 
 
 def minibatch_indices(batch_size: int, nminibatches: int, generator: torch.Generator | None = None) -> list[list[int]]:
-    """One epoch's shuffle: a fresh permutation of the batch cut into ``nminibatches`` equal parts."""
-    if nminibatches < 1 or batch_size % nminibatches:
-        raise ValueError(f"batch_size={batch_size} is not divisible into nminibatches={nminibatches}; "
-                         "pick nminibatches that divides the batch size")
-    order = torch.randperm(batch_size, generator=generator).tolist()
-    size = batch_size // nminibatches
-    return [order[start:start + size] for start in range(0, batch_size, size)]
+    """One epoch's shuffle: a fresh permutation of the batch cut into ``nminibatches`` parts, equal
+    when the batch divides evenly, else differing by at most one (a batch short of failed trajectories)."""
+    if nminibatches < 1 or batch_size < nminibatches:
+        raise ValueError(f"batch_size={batch_size} cannot be cut into nminibatches={nminibatches}; "
+                         "pick nminibatches between 1 and the batch size")
+    order = torch.randperm(batch_size, generator=generator)
+    return [part.tolist() for part in order.tensor_split(nminibatches)]
 
 
 def micro_batches_for_rank(lengths: Sequence[int], rank: int, dp_size: int, max_tokens: int) -> list[list[int]]:

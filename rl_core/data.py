@@ -1,8 +1,16 @@
-"""Prompt datasets: loading and validation, OpenAI-style query preprocessing, a resumable loader.
+"""Prompt datasets: loading and validation, prompt encoding, a resumable loader.
+
+A prompt is plain text, or a chat (a list of `{role, content}` messages) rendered with the
+tokenizer's own chat template; the prompt column is named by the caller or found among
+`messages`, `prompt`, `text`. Every other column of a row travels with the prompt (e.g. an
+`answer` for a reward function). Prompt length is explicit (`PromptEncoder`): a prompt longer
+than `max_length` is skipped and counted, or refused, never silently cut, except in OpenAI's
+fixed-length query mode (`QueryProcessor`), which cuts by design.
 
 Rank 0 drives the rollout, so nothing here is distributed: one `PromptLoader` yields batches
 of prompts in a seeded order, and its `state_dict()` goes into the checkpoint so a resumed run
-continues with the very next prompt.
+continues with the very next prompt. (A little over 450 lines: the whole prompt path, from file
+to token ids, stays readable in one place.)
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ from typing import Any, Iterator, Sequence
 
 LOADERS_BY_SUFFIX = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 MALFORMED_POLICIES = ("error", "skip")
+LONG_PROMPT_POLICIES = ("skip", "error", "truncate")
+PROMPT_KEYS = ("messages", "prompt", "text")  # looked for in this order when no key is given
 
 
 class PromptDataError(ValueError):
@@ -26,7 +36,7 @@ class ConfigKeys:
     """The config keys behind a prompt file, named in error messages (defaults: the PPO job's)."""
 
     path: str = "data.train_path"
-    text_key: str = "data.text_key"
+    text_key: str = "data.prompt_key"
     on_malformed: str | None = "data.on_malformed"  # None: the job has no such switch
 
     @property
@@ -39,7 +49,7 @@ class ConfigKeys:
 
 @dataclass
 class PromptDataset:
-    """Valid prompt rows (every row has a non-empty string under `text_key`)."""
+    """Valid prompt rows (every row has a non-empty string or message list under `text_key`)."""
 
     rows: Any  # datasets.Dataset
     source: str
@@ -56,14 +66,16 @@ class PromptDataset:
         return list(self.rows[self.text_key])
 
 
-def load_prompt_dataset(path_or_name: str | Path, split: str = "train", text_key: str = "text",
-                        on_malformed: str = "error", keys: "ConfigKeys | None" = None) -> PromptDataset:
+def load_prompt_dataset(path_or_name: str | Path, split: str = "train", text_key: str | None = "text",
+                        on_malformed: str = "error", hub_config: str | None = None,
+                        keys: "ConfigKeys | None" = None) -> PromptDataset:
     """Load prompts from a local .jsonl/.json/.csv/.parquet file, or a hub dataset when online.
 
-    `split` applies to hub datasets only (a local file is one split). With
-    `on_malformed="skip"`, rows without a usable text (and unparseable JSON lines) are dropped
-    and counted in `.skipped` instead of stopping the job. `keys` names the config keys that
-    set path, text key and policy, so error messages point at what the user can change.
+    `split` and `hub_config` (e.g. "main" for openai/gsm8k) apply to hub datasets only (a local
+    file is one split). `text_key=None` takes the first of `messages`, `prompt`, `text` the data
+    has. With `on_malformed="skip"`, rows without a usable prompt (and unparseable JSON lines)
+    are dropped and counted in `.skipped` instead of stopping the job. `keys` names the config
+    keys that set path, prompt key and policy, so error messages point at what the user can change.
     """
     keys = keys or ConfigKeys()
     if on_malformed not in MALFORMED_POLICIES:
@@ -76,14 +88,24 @@ def load_prompt_dataset(path_or_name: str | Path, split: str = "train", text_key
         raise PromptDataError(f"prompt file {path} does not exist (resolved to {path.resolve()}); "
                               f"check {keys.path}, or set it to 'tiny' for the offline prompts")
     else:
-        rows, skipped, source = _load_from_hub(str(path_or_name), split, keys), 0, str(path_or_name)
+        rows, skipped, source = _load_from_hub(str(path_or_name), split, hub_config, keys), 0, str(path_or_name)
         source = f"{source} (hub, split {split})"
+    if text_key is None:
+        text_key = _resolve_key(rows.column_names, source, keys)
     dataset, dropped = _validate_rows(rows, source, text_key, on_malformed, keys)
     dataset = PromptDataset(dataset, source, text_key, skipped + dropped)
     if len(dataset) == 0:
         raise PromptDataError(f"{source} has no usable prompt rows ({dataset.skipped} malformed "
                               f"skipped); every row needs a non-empty string field '{text_key}' ({keys.text_key})")
     return dataset
+
+
+def _resolve_key(columns: Sequence[str], source: str, keys: "ConfigKeys") -> str:
+    for key in PROMPT_KEYS:
+        if key in columns:
+            return key
+    raise PromptDataError(f"{source} has none of the prompt fields {list(PROMPT_KEYS)} (fields: {list(columns)}); "
+                          f"set {keys.text_key} to the field that holds the prompt")
 
 
 def _looks_like_a_path(name: str) -> bool:
@@ -99,7 +121,7 @@ def _load_local(path: Path, text_key: str, on_malformed: str, keys: "ConfigKeys"
         raise PromptDataError(f"{path}: unsupported extension '{path.suffix}'; "
                               f"use one of {sorted(LOADERS_BY_SUFFIX)}")
     if loader != "parquet" and not path.read_text(encoding="utf-8", errors="replace").strip():
-        raise PromptDataError(f"{path} is empty; add prompt rows with a '{text_key}' field")
+        raise PromptDataError(f"{path} is empty; add prompt rows with a '{text_key or 'prompt'}' field")
     try:
         return datasets.load_dataset(loader, data_files=str(path), split="train"), 0
     except Exception as error:  # noqa: BLE001 - re-raised below with the file and line
@@ -139,6 +161,8 @@ def _load_json_by_hand(path: Path, text_key: str, on_malformed: str, error: Exce
             raise PromptDataError(f"{path}, line {line_number}: invalid JSON ({bad.msg}); fix or "
                                   f"remove that line{keys.skip_hint}") from error
         rows.append(row if isinstance(row, dict) else {})
+    if text_key is None:
+        text_key = _resolve_key(sorted({key for row in rows for key in row}), str(path), keys)
     # Drop rows without a usable text here: Arrow cannot hold a column of mixed types.
     good = []
     for index, row in enumerate(rows):
@@ -155,11 +179,11 @@ def _load_json_by_hand(path: Path, text_key: str, on_malformed: str, error: Exce
         return datasets.Dataset.from_list([{text_key: row[text_key]} for row in good]), skipped
 
 
-def _load_from_hub(name: str, split: str, keys: "ConfigKeys"):
+def _load_from_hub(name: str, split: str, hub_config: str | None, keys: "ConfigKeys"):
     import datasets
 
     try:
-        return datasets.load_dataset(name, split=split)
+        return datasets.load_dataset(name, hub_config, split=split)
     except Exception as error:  # noqa: BLE001 - offline, unknown name, unknown split
         raise PromptDataError(
             f"'{name}' is not an existing local file, and loading it from the Hugging Face hub "
@@ -170,8 +194,14 @@ def _load_from_hub(name: str, split: str, keys: "ConfigKeys"):
 def _row_problem(value: Any, text_key: str) -> str | None:
     if value is None:
         return f"missing '{text_key}'"
+    if isinstance(value, list) and value:  # a chat: [{role, content}, ...]
+        for message in value:
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                    or not isinstance(message.get("content"), str):
+                return f"'{text_key}' is a list but not of {{'role': str, 'content': str}} messages"
+        return None
     if not isinstance(value, str):
-        return f"'{text_key}' is a {type(value).__name__}, not a string"
+        return f"'{text_key}' is a {type(value).__name__}, not a string or a list of chat messages"
     if not value.strip():
         return f"'{text_key}' is empty"
     return None
@@ -287,6 +317,72 @@ class QueryProcessor:
         return Query(input_ids=padded, unpadded_ids=tokens)
 
 
+class PromptEncoder:
+    """A prompt (text or chat messages) -> its token ids, with an explicit length rule.
+
+    Chat messages are rendered with the tokenizer's own chat template and the generation
+    prompt (`apply_chat_template(..., add_generation_prompt=True)`); `chat_template=True` also
+    wraps a plain-text prompt as one user message (after `system_prompt`, if any).
+    `on_long="skip"` returns None for a prompt over `max_length` tokens (the loader skips and
+    counts it), `"error"` refuses it; `"truncate"` is OpenAI's fixed-length query mode, left to
+    `QueryProcessor` for plain text. Returns a `Query` (unpadded) so the loader treats both alike.
+    """
+
+    def __init__(self, tokenizer, max_length: int, on_long: str = "skip", chat_template: bool | None = None,
+                 system_prompt: str | None = None, query_processor: QueryProcessor | None = None):
+        if on_long not in LONG_PROMPT_POLICIES:
+            raise ValueError(f"on_long={on_long!r} is not one of {LONG_PROMPT_POLICIES}")
+        self.tokenizer, self.max_length, self.on_long = tokenizer, max_length, on_long
+        self.chat_template, self.system_prompt = chat_template, system_prompt
+        self.query_processor = query_processor
+        self.too_long = 0  # prompts skipped for length by this encoder
+
+    def messages(self, prompt: str | list) -> list[dict] | None:
+        """The chat to render, or None for a prompt used as plain text."""
+        if isinstance(prompt, list):
+            if self.chat_template is False:
+                raise PromptDataError("a prompt is a list of chat messages but data.apply_chat_template=false; "
+                                      "set it to true (or null) or give plain-text prompts")
+            messages = [dict(m) for m in prompt]
+        elif self.chat_template:
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            return None
+        if self.system_prompt is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
+
+    def render(self, prompt: str | list) -> str:
+        """The prompt as the model will read it (the chat template applied when it is a chat)."""
+        messages = self.messages(prompt)
+        if messages is None:
+            return prompt
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise PromptDataError(f"the tokenizer ({getattr(self.tokenizer, 'name_or_path', '?')}) has no chat template "
+                                  "but the prompts are chats; use a chat model's tokenizer (model.tokenizer_path) "
+                                  "or set data.apply_chat_template=false with plain-text prompts")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def __call__(self, prompt: str | list) -> Query | None:
+        messages = self.messages(prompt)
+        if messages is None and self.on_long == "truncate" and self.query_processor is not None:
+            return self.query_processor(prompt)
+        # A rendered chat carries its own special tokens; plain text gets the tokenizer's usual ones (BOS).
+        ids = self.tokenizer(self.render(prompt), add_special_tokens=messages is None)["input_ids"]
+        if len(ids) > self.max_length:
+            if self.on_long == "error":
+                raise PromptDataError(f"a prompt has {len(ids)} tokens, more than data.max_prompt_length="
+                                      f"{self.max_length}: raise data.max_prompt_length or set "
+                                      "data.on_long_prompt=skip to skip (and count) such prompts")
+            if self.on_long == "skip":
+                self.too_long += 1
+                return None
+            ids = ids[:self.max_length]
+        if not ids:
+            return None
+        return Query(input_ids=list(ids), unpadded_ids=list(ids))
+
+
 # --- deterministic, resumable prompt batches -----------------------------------------------------
 
 
@@ -353,9 +449,10 @@ class PromptLoader:
         state.position += 1
         return state.order[state.position - 1]
 
-    def next_batch(self) -> list[PromptItem]:
+    def next_batch(self, size: int | None = None) -> list[PromptItem]:
+        """The next `size` (default `batch_size`) usable prompts."""
         batch, misses = [], 0
-        while len(batch) < self.batch_size:
+        while len(batch) < (size or self.batch_size):
             index = self._next_index()
             row = self.dataset[index]
             query = None
@@ -364,11 +461,12 @@ class PromptLoader:
                 if query is None:
                     self._state.skipped += 1
                     misses += 1
-                    if misses > len(self.dataset):
+                    if misses > 2 * len(self.dataset):  # two epochs' worth: none is usable
                         raise PromptDataError(
-                            "no prompt yields a query: every row lacks the configured "
-                            "start_text/end_text; fix the dataset or set them to None")
+                            "no prompt yields a query: every row is longer than data.max_prompt_length "
+                            "or lacks the configured start_text/end_text; fix the dataset or the settings")
                     continue
+            misses = 0  # (a usable row can sit at both ends of two reshuffled epochs)
             batch.append(PromptItem(index=index, row=row, query=query))
         return batch
 

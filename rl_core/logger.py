@@ -28,12 +28,13 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         dropped = truncate_jsonl(self.run_dir / "metrics.jsonl", resume_step, one_per_step=True)
-        truncate_jsonl(self.run_dir / "samples.jsonl", resume_step, one_per_step=False)
+        for table in ("samples", "eval_samples"):
+            truncate_jsonl(self.run_dir / f"{table}.jsonl", resume_step, one_per_step=False)
         if dropped:
             print(f"metrics.jsonl: dropped {dropped} rows logged after step {resume_step}, the step this run "
                   "continues from", flush=True)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        self.samples = open(self.run_dir / "samples.jsonl", "a", buffering=1)
+        self.tables = {"samples": open(self.run_dir / "samples.jsonl", "a", buffering=1)}
         # TensorBoard hides events at or after purge_step written by the interrupted run.
         self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_step + 1)
         self.wandb = None
@@ -53,21 +54,28 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log(clean, step=step)
 
-    def log_samples(self, step: int, rows: list[dict]) -> None:
-        """A table of (query, response, score): samples.jsonl, TensorBoard text, wandb table."""
+    def log_samples(self, step: int, rows: list[dict], table: str = "samples") -> None:
+        """A table of (query, response, score, ...): `<table>.jsonl`, TensorBoard text, wandb table."""
+        if not rows:
+            return
+        if table not in self.tables:
+            self.tables[table] = open(self.run_dir / f"{table}.jsonl", "a", buffering=1)
         for row in rows:
-            self.samples.write(json.dumps({"step": step, **row}) + "\n")
-        table = "| query | response | score |\n|---|---|---|\n" + "\n".join(
-            f"| {_cell(r['query'])} | {_cell(r['response'])} | {r['score']:.3f} |" for r in rows)
-        self.tensorboard.add_text("samples", table, step)
+            self.tables[table].write(json.dumps({"step": step, **row}) + "\n")
+        columns = list(rows[0])
+        text = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n" + "\n".join(
+            "| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows)
+        self.tensorboard.add_text(table, text, step)
         if self.wandb is not None:
             import wandb
 
-            self.wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}, step=step)
+            self.wandb.log({table: wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])},
+                           step=step)
 
     def close(self) -> None:
         self.jsonl.close()
-        self.samples.close()
+        for handle in self.tables.values():
+            handle.close()
         self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
@@ -102,7 +110,8 @@ def truncate_jsonl(path: Path, last_step: int, one_per_step: bool) -> int:
     return dropped
 
 
-def _cell(text: str) -> str:
+def _cell(value) -> str:
+    text = f"{value:.3f}" if isinstance(value, float) else str(value)
     return text.replace("|", "\\|").replace("\n", " ")
 
 
@@ -145,6 +154,7 @@ def progress_bar(iterable=None, *, total: int | None = None, desc: str, enabled:
 
 def print_step(step: int, total: int, metrics: dict[str, float]) -> None:
     """One console line per step with the numbers a glance needs."""
-    keys = ("reward/score_mean", "kl/mean", "kl/coef", "policy/entropy", "value/loss", "perf/step_s")
+    keys = ("reward/score_mean", "reward/fn_total_mean", "kl/mean", "kl/coef", "policy/entropy", "value/loss",
+            "perf/step_s")
     shown = "  ".join(f"{k.split('/')[-1]}={metrics[k]:.3f}" for k in keys if k in metrics)
     print(f"step {step}/{total}  {shown}", flush=True)

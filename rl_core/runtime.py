@@ -162,13 +162,21 @@ class JobRuntime:
         self.env_executor = make_executor(cfg.env.thread_pool_size)
         sampling = {"max_new_tokens": ro.response_length, "temperature": ro.temperature, "top_p": ro.top_p,
                     "top_k": ro.top_k if ro.top_k > 0 else -1, "ignore_eos": ro.ignore_eos}
+        if ro.stop_token_ids:
+            sampling["stop_token_ids"] = [int(t) for t in ro.stop_token_ids]
+        reward_fns = None
+        if cfg.reward.fns:
+            from rl_core.rewards import RewardFunctions
+
+            reward_fns = RewardFunctions.from_config(cfg.reward.fns, cfg.reward.fn_timeout_s,
+                                                     make_executor(cfg.env.thread_pool_size))
         self.service = RolloutService(
             router_url=self.router_url, tokenizer=tokenizer,
             env_factory=make_env_factory(cfg.env.cls, dict(cfg.env.kwargs), self.env_executor),
             num_envs=cfg.env.num_envs, step_timeout_s=cfg.env.step_timeout_s,
             max_failed_ratio=cfg.env.max_failed_ratio, sampling_params=sampling, max_turns=ro.max_turns,
             concurrency=ro.concurrency, max_total_tokens=max_positions, timeout_s=ro.engine_timeout_s,
-            progress=cfg.trainer.progress)
+            progress=cfg.trainer.progress, reward_fns=reward_fns)
         return self.service
 
     def _engine_call(self, coro, what: str):

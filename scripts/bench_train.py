@@ -97,7 +97,7 @@ def run_mode(mode: str, args, setting: Setting, policy: Path, rm: str, prompts: 
                  f"trainer.run_dir={run_dir}", f"trainer.total_episodes={episodes}", f"trainer.mode={mode}",
                  f"algorithm.batch_size={setting.episodes}", f"algorithm.noptepochs={setting.epochs}",
                  f"algorithm.advantage_estimator={setting.estimator}", f"algorithm.group_size={setting.group_size}",
-                 f"data.query_length={setting.query_length}", f"rollout.response_length={setting.response_length}",
+                 f"data.max_prompt_length={setting.query_length}", f"rollout.response_length={setting.response_length}",
                  f"rollout.engine={args.engine}", "trainer.progress=false", "trainer.export_hf=false",
                  "trainer.log_samples_every=0", *setting.overrides]
     if setting.mixed_precision:

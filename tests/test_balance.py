@@ -98,5 +98,7 @@ def test_minibatch_indices_reshuffle_each_epoch():
         assert len(epoch) == 2 and all(len(mb) == 4 for mb in epoch)
         assert sorted(i for mb in epoch for i in mb) == list(range(8))
     assert epoch_a != epoch_b
-    with pytest.raises(ValueError, match="not divisible"):
-        minibatch_indices(10, 3, generator)
+    uneven = minibatch_indices(10, 3, generator)  # e.g. 12 trajectories of which 2 failed
+    assert sorted(len(mb) for mb in uneven) == [3, 3, 4] and sorted(sum(uneven, [])) == list(range(10))
+    with pytest.raises(ValueError, match="cannot be cut"):
+        minibatch_indices(2, 3, generator)

@@ -221,3 +221,79 @@ def test_loader_with_processor_skips_rows_without_a_query(tokenizer):
     hopeless = PromptLoader([{"text": "no period"}], batch_size=1, seed=1, processor=processor)
     with pytest.raises(PromptDataError, match="no prompt yields a query"):
         hopeless.next_batch()
+
+
+# --- chat prompts and the length rule ---------------------------------------------------------------
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture()
+def chat_tokenizer(tokenizer):
+    import copy
+
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = CHAT_TEMPLATE
+    return chat
+
+
+def test_chat_messages_are_rendered_with_the_tokenizers_template(tmp_path, chat_tokenizer):
+    from rl_core.data import PromptEncoder
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "she smiled"}]
+    path = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages, "answer": "7"}])
+    dataset = load_prompt_dataset(path, text_key=None)  # found under "messages"
+    assert dataset.text_key == "messages" and dataset[0]["answer"] == "7"
+    encode = PromptEncoder(chat_tokenizer, max_length=64)
+    rendered = "<system>be brief<|endoftext|><user>she smiled<|endoftext|><assistant>"
+    assert encode.render(dataset[0]["messages"]) == rendered
+    assert encode(dataset[0]["messages"]).unpadded_ids == _ids(chat_tokenizer, rendered)
+    # plain text becomes one user turn (after the system prompt) when the chat template is asked for
+    wrapped = PromptEncoder(chat_tokenizer, 64, chat_template=True, system_prompt="be brief")
+    assert wrapped.render("she smiled") == rendered
+    assert PromptEncoder(chat_tokenizer, 64).render("she smiled") == "she smiled"
+    with pytest.raises(PromptDataError, match="no chat template"):
+        PromptEncoder(tokenizer_without_template(chat_tokenizer), 64)(messages)
+    with pytest.raises(PromptDataError, match="apply_chat_template=false"):
+        PromptEncoder(chat_tokenizer, 64, chat_template=False)(messages)
+
+
+def tokenizer_without_template(tokenizer):
+    import copy
+
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    return plain
+
+
+def test_prompt_column_is_found_and_malformed_messages_are_named(tmp_path):
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": TEXTS[0], "answer": 3}])
+    assert load_prompt_dataset(path, text_key=None).text_key == "prompt"
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user"}]}])
+    with pytest.raises(PromptDataError, match="row 1.*'role': str, 'content': str"):
+        load_prompt_dataset(bad, text_key=None)
+    none = _write_jsonl(tmp_path / "none.jsonl", [{"question": "x"}])
+    with pytest.raises(PromptDataError, match="data.prompt_key"):
+        load_prompt_dataset(none, text_key=None)
+
+
+def test_long_prompts_are_skipped_and_counted_or_refused_never_cut(chat_tokenizer):
+    from rl_core.data import PromptEncoder
+
+    short, long = "she smiled.", "the old man walked to the market and felt happy. " * 4
+    limit = len(_ids(chat_tokenizer, short)) + 2
+    assert len(_ids(chat_tokenizer, long)) > limit
+    rows = [{"text": short}, {"text": long}, {"text": long}]
+    encode = PromptEncoder(chat_tokenizer, limit, on_long="skip")
+    loader = PromptLoader(rows, batch_size=4, seed=1, processor=encode)
+    batch = loader.next_batch()
+    assert [item.index for item in batch] == [0, 0, 0, 0]  # only the short prompt, whole
+    assert all(item.query.unpadded_ids == _ids(chat_tokenizer, short) for item in batch)
+    assert loader.skipped == encode.too_long >= 6  # both long rows, every epoch
+    with pytest.raises(PromptDataError, match="more than data.max_prompt_length"):
+        PromptEncoder(chat_tokenizer, limit, on_long="error")(long)
+    # OpenAI's query mode is the one that cuts (and pads), by explicit choice
+    openai = PromptEncoder(chat_tokenizer, limit, on_long="truncate",
+                           query_processor=QueryProcessor(chat_tokenizer, query_length=limit))
+    assert openai(long).unpadded_ids == _ids(chat_tokenizer, long)[:limit]

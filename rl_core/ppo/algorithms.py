@@ -15,10 +15,12 @@ from typing import Literal, Sequence
 import torch
 
 KLKind = Literal["k1", "k2", "k3"]
-LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 GroupKind = Literal["grpo", "rloo", "reinforce"]
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+# seq-mean-token-sum-norm (Dr. GRPO): token sums over a constant `sequences x norm_length`, so a
+# sequence's weight does not depend on its own length.
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
 GROUP_KINDS = ("grpo", "rloo", "reinforce")
 WHITEN_EPS = 1e-8
@@ -248,9 +250,16 @@ def policy_loss(
     mask: torch.Tensor,
     cliprange: float,
     behaviour_weights: torch.Tensor | None = None,
+    cliprange_high: float | None = None,
+    sequence_ratio: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped PPO surrogate per token, ``max(-A r, -A clip(r, 1-c, 1+c))``.
+    """Clipped PPO surrogate per token, ``max(-A r, -A clip(r, 1-c_low, 1+c_high))``.
 
+    ``cliprange_high`` (DAPO "clip-higher") widens the upper bound only; None keeps it at
+    ``cliprange``. ``sequence_ratio`` (GSPO) replaces each token's ratio by its row's
+    length-normalised sequence ratio ``exp(mean_t log r_t)``, written in GSPO's token form
+    ``sg[s] * pi / sg[pi]`` so the value is ``s`` on every token and the gradient is
+    ``s * grad log pi(token)``; aggregate it with ``seq-mean-token-mean``.
     ``behaviour_weights`` (decoupled PPO) multiply the per-token loss; the ratio itself stays
     against ``old_logprobs`` recomputed by the trainer. Returns ``(per_token_loss, stats)``
     with detached ``clipfrac`` and ``approx_kl`` over masked tokens; aggregate the loss with
@@ -258,9 +267,13 @@ def policy_loss(
     """
     _check_same_shape(logprobs, mask)
     log_ratio = logprobs - old_logprobs
+    if sequence_ratio:
+        sequence_log_ratio = masked_mean(log_ratio.detach(), mask, dim=-1)[:, None]
+        log_ratio = logprobs - logprobs.detach() + sequence_log_ratio
     ratio = torch.exp(log_ratio)
+    high = cliprange if cliprange_high is None else cliprange_high
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
+    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + high)
     loss = torch.maximum(unclipped, clipped)
     if behaviour_weights is not None:
         loss = loss * behaviour_weights.detach()
@@ -296,17 +309,23 @@ def _check_loss_agg(loss_agg: str) -> None:
         raise ValueError(f"unknown loss_agg={loss_agg!r}; choose one of {LOSS_AGG_MODES}")
 
 
-def global_denominator(mask: torch.Tensor, loss_agg: LossAgg) -> torch.Tensor:
+def global_denominator(mask: torch.Tensor, loss_agg: LossAgg, norm_length: int = 1) -> torch.Tensor:
     """This rank's share of the loss denominator; all-reduce (sum) it over ranks and micro-batches.
 
     ``token-mean`` counts action tokens; the ``seq-mean-*`` modes count sequences that have at
-    least one action token. Returned as an int64 scalar so the sum stays exact.
+    least one action token, and ``seq-mean-token-sum-norm`` multiplies that count by the
+    constant ``norm_length`` (Dr. GRPO: the generation budget). Returned as an int64 scalar so
+    the sum stays exact.
     """
     _check_loss_agg(loss_agg)
     if loss_agg == "token-mean":
         count = mask.bool().sum()
     else:
         count = mask.bool().any(dim=-1).sum()
+        if loss_agg == "seq-mean-token-sum-norm":
+            if norm_length < 1:
+                raise ValueError(f"seq-mean-token-sum-norm needs norm_length >= 1, got {norm_length}")
+            count = count * norm_length
     return count.to(torch.int64)
 
 
@@ -343,45 +362,73 @@ def aggregate_loss(
 # --------------------------------------------------------------------------- group baselines
 
 
-def _grouped(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+def _group_index(group_ids: Sequence | torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """Dense group index per response (0..G-1, in order of first appearance) and G."""
+    ids = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
+    if len(ids) != n:
+        raise ValueError(f"{n} scores but {len(ids)} group ids; give every response the id of its prompt's group")
+    dense: dict = {}
+    index = torch.tensor([dense.setdefault(g, len(dense)) for g in ids], dtype=torch.long)
+    return index, len(dense)
+
+
+def group_stats(scores: torch.Tensor, group_ids: Sequence | torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per response: its group's size, score sum and unbiased std (0 for a group of one)."""
     if scores.dim() != 1:
         raise ValueError(f"scores must be 1-D [N], got shape {tuple(scores.shape)}")
-    if group_size < 1 or scores.numel() % group_size != 0:
-        raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size}; "
-                         "keep the responses of each prompt together and group_size a divisor of the batch")
-    return scores.view(-1, group_size)
+    index, n_groups = _group_index(group_ids, scores.numel())
+    sizes = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, index, torch.ones_like(scores))
+    sums = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, index, scores)
+    means = sums / sizes
+    squares = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, index, (scores - means[index]) ** 2)
+    stds = torch.sqrt(squares / (sizes - 1).clamp(min=1))
+    return sizes[index], sums[index], stds[index]
 
 
 def group_advantages(
     scores: torch.Tensor,
-    group_size: int,
+    group_ids: Sequence | torch.Tensor,
     kind: GroupKind = "grpo",
     normalize_std: bool = True,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Critic-free per-response advantages; responses of one prompt are contiguous.
+    """Critic-free per-response advantages; ``group_ids[i]`` names the prompt group of response i.
 
+    Groups are found by id, not by position, so responses may come in any order and a group
+    may be short of members (a failed or stale-dropped trajectory): its baseline uses the
+    members present, and a group of one has no baseline and gets advantage 0.
     ``grpo``: ``(r - group mean) / (group std + eps)`` (std skipped when ``normalize_std`` is
-    False; unbiased std as in the GRPO paper's implementations); ``rloo``: ``r`` minus the mean
-    of the *other* responses of its group; ``reinforce``: ``r`` minus the batch mean.
+    False, Dr. GRPO; unbiased std as in the GRPO paper's implementations); ``rloo``: ``r``
+    minus the mean of the *other* responses of its group; ``reinforce``: ``r`` minus the batch mean.
     """
     if kind not in GROUP_KINDS:
         raise ValueError(f"unknown group baseline kind={kind!r}; choose one of {GROUP_KINDS}")
-    groups = _grouped(scores, group_size)
+    sizes, sums, stds = group_stats(scores, group_ids)
     if kind == "reinforce":
         return scores - scores.mean()
-    if group_size < 2:
-        raise ValueError(f"{kind} needs group_size >= 2 (several responses per prompt), got {group_size}")
+    alone = sizes < 2
     if kind == "rloo":
-        leave_one_out_mean = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
-        return (groups - leave_one_out_mean).flatten()
-    centred = groups - groups.mean(dim=1, keepdim=True)
+        leave_one_out_mean = (sums - scores) / (sizes - 1).clamp(min=1)
+        return torch.where(alone, torch.zeros_like(scores), scores - leave_one_out_mean)
+    centred = scores - sums / sizes
     if normalize_std:
-        centred = centred / (groups.std(dim=1, keepdim=True) + eps)
-    return centred.flatten()
+        centred = centred / (stds + eps)
+    return torch.where(alone, torch.zeros_like(scores), centred)
 
 
-def zero_variance_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Bool ``[N // group_size]``: True for groups whose responses all scored the same (no signal; filter them)."""
-    groups = _grouped(scores, group_size)
-    return (groups == groups[:, :1]).all(dim=1)
+def zero_variance_groups(scores: torch.Tensor, group_ids: Sequence | torch.Tensor) -> torch.Tensor:
+    """Bool ``[N]``: True for responses whose group scored all the same (no signal to learn from)."""
+    index, n_groups = _group_index(group_ids, scores.numel())
+    low = torch.full((n_groups,), float("inf"), dtype=scores.dtype).scatter_reduce(0, index, scores, "amin")
+    high = torch.full((n_groups,), float("-inf"), dtype=scores.dtype).scatter_reduce(0, index, scores, "amax")
+    return (low == high)[index]
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 up to ``max_length - buffer`` tokens, then falling
+    linearly to ``-factor`` at ``max_length`` (and staying there), so near-truncated answers
+    are discouraged gradually instead of all getting the same reward as finished ones."""
+    if buffer < 1 or buffer > max_length:
+        raise ValueError(f"overlong buffer must be in [1, max_length={max_length}], got {buffer}")
+    excess = (lengths.to(torch.float32) - (max_length - buffer)).clamp(min=0, max=buffer)
+    return -factor * excess / buffer

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from rl_core.config import TrainerConfig, choice, require
+from rl_core.data import LONG_PROMPT_POLICIES
 from rl_core.ppo.algorithms import GROUP_KINDS, KL_KINDS, LOSS_AGG_MODES
 from rl_core.optim import OPTIMIZER_NAMES
 from workers.router import POLICIES
@@ -25,7 +26,7 @@ class ModelConfig:
     dtype: str = choice("float32", DTYPES)  # master weights; under mixed precision they stay fp32
     mixed_precision: Optional[str] = choice(None, (None, "bf16", "fp16"))  # GPU only
     cpu_offload: bool = False  # FSDP2 parameter/optimizer offload (GPU only)
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # actor and critic recompute activations in backward (less memory)
 
 
 @dataclass
@@ -37,15 +38,31 @@ class RewardConfig:
     truncate_token: Optional[str] = "."
     truncate_after: int = 16
     penalty: float = -1.0
+    # Reward functions by import path: {name: {fn: "pkg.module:callable", weight: 1.0, kwargs: {...}}};
+    # each gets (completion text, dataset row) and returns a number (see rl_core/rewards).
+    fns: dict = field(default_factory=dict)
+    fn_timeout_s: float = 30.0
+    # A response cut by the length limit (finish reason "length") gets this score instead; null = no penalty.
+    truncated_penalty: Optional[float] = None
 
 
 @dataclass
 class DataConfig:
     # "tiny" = the offline prompt set; otherwise a local json/jsonl/csv/parquet file or hub name.
     train_path: str = "tiny"
-    text_key: str = "text"
-    query_length: int = 64
-    start_text: Optional[str] = None
+    train_split: str = "train"  # hub datasets only
+    hub_config: Optional[str] = None  # hub datasets only: the configuration, e.g. "main" for openai/gsm8k
+    # Held-out prompts evaluated at step 0, every trainer.eval_every steps and at the end; null = no eval.
+    eval_path: Optional[str] = None
+    eval_split: str = "test"
+    prompt_key: Optional[str] = None  # the prompt column; null = the first of messages, prompt, text
+    # Chat messages always go through the tokenizer's chat template; true also wraps plain text as a user turn.
+    apply_chat_template: Optional[bool] = None
+    system_prompt: Optional[str] = None
+    max_prompt_length: int = 256  # tokens
+    # Longer prompts: skip (and count), error, or truncate (OpenAI's fixed-length queries, sentiment recipe).
+    on_long_prompt: str = choice("skip", LONG_PROMPT_POLICIES)
+    start_text: Optional[str] = None  # OpenAI query mode only (on_long_prompt=truncate)
     end_text: Optional[str] = None
     on_malformed: str = choice("error", ("error", "skip"))
 
@@ -57,7 +74,8 @@ class RolloutConfig:
     temperature: float = 0.7
     top_k: int = 0
     top_p: float = 1.0
-    ignore_eos: bool = True  # OpenAI: fixed-length responses, keep sampling past EOS
+    ignore_eos: bool = False  # true = OpenAI's fixed-length responses, sampling past EOS (sentiment recipe)
+    stop_token_ids: list = field(default_factory=list)  # besides EOS
     max_turns: int = 1
     concurrency: int = 256
     router_policy: str = choice("cache_aware", POLICIES)
@@ -94,13 +112,23 @@ class KLConfig:
     target: float = 6.0
     horizon: int = 10000
     estimator: str = choice("k1", KL_KINDS)
+    # Where the KL to the reference goes: per-token in the reward (OpenAI, RLOO) or in the policy loss (GRPO, use k3).
+    placement: str = choice("reward", ("reward", "loss"))
 
 
 @dataclass
 class AlgorithmConfig:
     advantage_estimator: str = choice("gae", ("gae", *GROUP_KINDS))
     group_size: int = 1
+    # A group short of members (a failed or stale-dropped response): keep the rest (baseline from them,
+    # a lone response gets advantage 0) or drop the whole group.
+    incomplete_groups: str = choice("keep", ("keep", "drop"))
+    normalize_group_std: bool = True  # GRPO's division by the group std; false = Dr. GRPO
+    whiten_advantages: bool = True  # OpenAI: whiten over the batch; GRPO-family recipes turn it off
+    # DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the
+    # batch is full; at most filter_max_groups_factor x the groups a batch needs are launched per step.
     filter_zero_variance_groups: bool = False
+    filter_max_groups_factor: float = 4.0
     batch_size: int = 64  # episodes per step
     nminibatches: int = 1
     noptepochs: int = 4
@@ -115,6 +143,13 @@ class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 0.95
     cliprange: float = 0.2
+    cliprange_low: Optional[float] = None  # ratio floor 1 - cliprange_low; null = cliprange
+    cliprange_high: Optional[float] = None  # DAPO clip-higher: ratio ceiling 1 + cliprange_high; null = cliprange_low
+    importance_ratio: str = choice("token", ("token", "sequence"))  # sequence = GSPO
+    # DAPO overlong shaping: the last overlong_buffer tokens before rollout.response_length cost up to
+    # overlong_penalty_factor reward, linearly; 0 = off.
+    overlong_buffer: int = 0
+    overlong_penalty_factor: float = 1.0
     cliprange_value: float = 0.2
     vf_coef: float = 0.1
     entropy_coef: float = 0.0
@@ -122,6 +157,19 @@ class AlgorithmConfig:
     loss_agg: str = choice("token-mean", LOSS_AGG_MODES)
     behaviour_is_cap: float = 2.0  # truncated importance weight cap for async off-policy correction
     kl: KLConfig = field(default_factory=KLConfig)
+
+
+@dataclass
+class EvalConfig:
+    """Sampling on the held-out prompts (data.eval_path): greedy once per prompt by default."""
+    n: int = 1  # samples per prompt; pass@k for k = 1, 2, 4, ... <= n
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    response_length: Optional[int] = None  # null = rollout.response_length
+    max_prompts: Optional[int] = None  # null = every eval prompt
+    # The reward function whose value > 0 marks a correct answer (eval/accuracy); null = the first in reward.fns.
+    accuracy_fn: Optional[str] = None
+    log_samples: int = 8  # rows of the eval samples table
 
 
 @dataclass
@@ -140,6 +188,7 @@ class PPOTrainerConfig(TrainerConfig):
     keep_last: int = 2  # newest complete checkpoints kept on disk; 0 keeps all
     resume: str = "never"  # never | auto | <checkpoint dir>
     log_samples_every: int = 10
+    eval_every: int = 0  # steps between evaluations (besides step 0 and the end); 0 = only those two
     export_hf: bool = True
 
 
@@ -152,6 +201,7 @@ class PPOConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     trainer: PPOTrainerConfig = field(default_factory=PPOTrainerConfig)
 
 
@@ -164,7 +214,8 @@ def engine_dtype(cfg: PPOConfig) -> str:
 
 def max_sequence_length(cfg: PPOConfig) -> int:
     """The longest query + responses one sequence can reach."""
-    return cfg.data.query_length + cfg.rollout.response_length * cfg.rollout.max_turns
+    response_length = max(cfg.rollout.response_length, cfg.eval.response_length or 0)
+    return cfg.data.max_prompt_length + response_length * cfg.rollout.max_turns
 
 
 def validate(cfg: PPOConfig) -> None:
@@ -198,7 +249,12 @@ def validate(cfg: PPOConfig) -> None:
             "config key 'rollout.weight_check_tolerance' must be > 0 or null (by engine dtype)")
     require(not ro.sglang_args or ro.engine == "sglang",
             "rollout.sglang_args is set but rollout.engine is not sglang; drop it or set rollout.engine=sglang")
-    require(cfg.data.query_length > 0, "config key 'data.query_length' must be > 0")
+    require(cfg.data.max_prompt_length > 0, "config key 'data.max_prompt_length' must be > 0")
+    require(cfg.data.on_long_prompt == "truncate" or (cfg.data.start_text is None and cfg.data.end_text is None),
+            "data.start_text/end_text belong to OpenAI's query mode; set data.on_long_prompt=truncate or drop them")
+    validate_rewards(cfg)
+    validate_group_options(cfg)
+    validate_eval(cfg)
     require(cfg.env.num_envs >= 1, "config key 'env.num_envs' must be >= 1")
     require(0.0 <= cfg.env.max_failed_ratio <= 1.0, "config key 'env.max_failed_ratio' must be in [0, 1]")
     require(cfg.env.step_timeout_s > 0, "config key 'env.step_timeout_s' must be > 0")
@@ -212,7 +268,7 @@ def validate(cfg: PPOConfig) -> None:
     require(cfg.reward.truncate_after >= 0, "config key 'reward.truncate_after' must be >= 0")
     longest = max_sequence_length(cfg)
     require(longest <= algo.max_tokens_per_device,
-            f"one sequence can reach {longest} tokens (data.query_length + rollout.response_length * "
+            f"one sequence can reach {longest} tokens (data.max_prompt_length + rollout.response_length * "
             f"rollout.max_turns) but algorithm.max_tokens_per_device={algo.max_tokens_per_device}; raise it")
 
 
@@ -222,6 +278,58 @@ def check_context_length(cfg: PPOConfig, model_max_positions: int | None) -> Non
         return
     longest = max_sequence_length(cfg)
     require(longest <= model_max_positions,
-            f"data.query_length + rollout.response_length * rollout.max_turns = {longest} tokens exceeds "
+            f"data.max_prompt_length + rollout.response_length * rollout.max_turns = {longest} tokens exceeds "
             f"the model's context of {model_max_positions} (model.path={cfg.model.path}); shorten "
-            "data.query_length or rollout.response_length")
+            "data.max_prompt_length or rollout.response_length")
+
+
+REWARD_FN_KEYS = ("fn", "weight", "kwargs")
+
+
+def validate_rewards(cfg: PPOConfig) -> None:
+    """reward.fns entries: {fn: import path, weight: number, kwargs: mapping}; at least one reward source."""
+    reward = cfg.reward
+    for name, spec in reward.fns.items():
+        key = f"reward.fns.{name}"
+        require(isinstance(spec, dict) and isinstance(spec.get("fn"), str) and ":" in spec["fn"],
+                f"config key '{key}' must be a mapping with fn: 'pkg.module:function' (and optional weight, kwargs)")
+        unknown = sorted(set(spec) - set(REWARD_FN_KEYS))
+        require(not unknown, f"unknown config key '{key}.{unknown[0] if unknown else ''}'; valid keys: fn, weight, kwargs")
+        require(isinstance(spec.get("weight", 1.0), (int, float)) and not isinstance(spec.get("weight", 1.0), bool),
+                f"config key '{key}.weight' must be a number, got {spec.get('weight')!r}")
+        require(isinstance(spec.get("kwargs", {}), dict), f"config key '{key}.kwargs' must be a mapping")
+    require(reward.fn_timeout_s > 0, "config key 'reward.fn_timeout_s' must be > 0")
+
+
+def validate_group_options(cfg: PPOConfig) -> None:
+    """Rules of the GRPO-family options (clip ranges, GSPO, DAPO sampling and shaping)."""
+    algo, ro = cfg.algorithm, cfg.rollout
+    for key in ("cliprange", "cliprange_low", "cliprange_high"):
+        value = getattr(algo, key)
+        require(value is None or value >= 0, f"config key 'algorithm.{key}' must be >= 0, got {value}")
+    require(algo.cliprange_low is None or algo.cliprange_low < 1,
+            "config key 'algorithm.cliprange_low' must be < 1 (the ratio floor 1 - cliprange_low stays positive)")
+    require(0 <= algo.overlong_buffer <= ro.response_length,
+            f"algorithm.overlong_buffer={algo.overlong_buffer} must be in [0, rollout.response_length={ro.response_length}]")
+    if algo.filter_zero_variance_groups:
+        require(algo.advantage_estimator != "gae",
+                "algorithm.filter_zero_variance_groups needs a group estimator (grpo, rloo, reinforce)")
+        require(cfg.trainer.mode == "sync", "algorithm.filter_zero_variance_groups works in trainer.mode=sync only")
+        require(not cfg.reward.model_path,
+                "algorithm.filter_zero_variance_groups needs rewards known at rollout time (reward.fns or the env); "
+                "set reward.model_path=null")
+        require(algo.filter_max_groups_factor >= 1, "config key 'algorithm.filter_max_groups_factor' must be >= 1")
+
+
+def validate_eval(cfg: PPOConfig) -> None:
+    ev = cfg.eval
+    require(ev.n >= 1, f"config key 'eval.n' must be >= 1, got {ev.n}")
+    require(ev.temperature >= 0, "config key 'eval.temperature' must be >= 0 (0 = greedy)")
+    require(0.0 < ev.top_p <= 1.0, f"config key 'eval.top_p' must be in (0, 1], got {ev.top_p}")
+    require(ev.response_length is None or ev.response_length > 0, "config key 'eval.response_length' must be > 0")
+    require(ev.max_prompts is None or ev.max_prompts > 0, "config key 'eval.max_prompts' must be > 0 or null")
+    require(cfg.trainer.eval_every >= 0, "config key 'trainer.eval_every' must be >= 0")
+    require(cfg.trainer.eval_every == 0 or cfg.data.eval_path is not None,
+            "trainer.eval_every is set but data.eval_path is null; give held-out prompts in data.eval_path")
+    require(ev.accuracy_fn is None or ev.accuracy_fn in cfg.reward.fns,
+            f"eval.accuracy_fn={ev.accuracy_fn!r} is not one of reward.fns ({', '.join(cfg.reward.fns) or 'none'})")

@@ -81,13 +81,7 @@ class Targets:
 
 def final_response(traj: Trajectory) -> tuple[list[int], list[int]]:
     """(context ids, response ids) of the trajectory's last sequence: its final run of action tokens."""
-    seq = traj.sequences[-1]
-    end = len(seq.action_mask)
-    start = end
-    while start > 0 and seq.action_mask[start - 1]:
-        start -= 1
-    context = [i for i, real in zip(seq.input_ids[:start], seq.attention_mask[:start]) if real]
-    return context, seq.input_ids[start:end]
+    return traj.final_response()
 
 
 def reward_model_inputs(trajectories: list[Trajectory], truncate_token: int | None,
@@ -108,37 +102,95 @@ def reward_model_inputs(trajectories: list[Trajectory], truncate_token: int | No
     return inputs, torch.tensor(rejected, dtype=torch.bool)
 
 
+def group_ids(trajectories: list[Trajectory]) -> list:
+    """Each trajectory's prompt group (`group_id`, set by the prompt stream and carried in its sample)."""
+    ids = [t.sample.get("group_id") for t in trajectories]
+    if any(g is None for g in ids):
+        raise ValueError("a group advantage estimator needs 'group_id' in every sample (rl_core.rollout.prompts "
+                         "sets it); a custom prompt stream must give the responses of one prompt the same id")
+    return ids
+
+
+def apply_group_rule(trajectories: list[Trajectory], group_size: int, rule: str) -> tuple[list, dict[str, float]]:
+    """Groups short of members (a failed or stale-dropped trajectory): counted, and dropped when
+    `rule` is "drop"; with "keep" their baseline comes from the members present."""
+    sizes: dict = {}
+    for group in group_ids(trajectories):
+        sizes[group] = sizes.get(group, 0) + 1
+    incomplete = {g for g, n in sizes.items() if n < group_size}
+    if rule == "drop" and len(incomplete) < len(sizes):  # never drop the whole batch
+        trajectories = [t for t in trajectories if t.sample["group_id"] not in incomplete]
+    return trajectories, {"groups/count": len(sizes), "groups/incomplete": len(incomplete),
+                          "groups/singleton": sum(1 for n in sizes.values() if n == 1)}
+
+
+def has_reward_variance(group: list[Trajectory]) -> bool:
+    """DAPO dynamic sampling's filter: the group's rewards (reward functions + env) are not all equal."""
+    return len({t.fn_reward + t.env_reward for t in group}) > 1
+
+
 def compute_advantages(exp: Experience, scores: torch.Tensor, kl_coef: float, *, gamma: float, lam: float,
                        kl_estimator: str, whiten_rewards: bool, estimator: str = "gae",
-                       group_size: int = 1) -> Targets:
+                       kl_in_reward: bool = True, normalize_group_std: bool = True,
+                       whiten_advantages: bool = True) -> Targets:
     """Advantages and returns of the whole batch, computed once per step before minibatching.
 
-    `scores` are the per-trajectory scores after the rejection penalty. OpenAI details: the
-    KL penalty is folded into per-token rewards with the score on the last action token;
-    rewards are whitened without shifting their mean; GAE with gamma=1, lambda=0.95;
-    advantages whitened. Group baselines (GRPO/RLOO/REINFORCE) replace GAE for critic-free
-    recipes. (OpenAI whitens per minibatch; with the recipe's one minibatch that is the same.)
+    `scores` are the per-trajectory scores after the rejection penalty (plus reward functions
+    and shaping). OpenAI details: the KL penalty is folded into per-token rewards with the score
+    on the last action token; rewards are whitened without shifting their mean; GAE with
+    gamma=1, lambda=0.95; advantages whitened. (OpenAI whitens per minibatch; with the recipe's
+    one minibatch that is the same.) Group baselines (GRPO/RLOO/REINFORCE) replace GAE for
+    critic-free recipes: groups are found by `group_id`, so order and missing members do not
+    matter. `kl_in_reward=False` leaves the KL out of the rewards (the trainer puts it in the loss).
     """
     mask = exp.action_mask_rows()
     old, ref = exp.rows(exp.old_logprobs), exp.rows(exp.ref_logprobs)
     env_rewards = exp.env_reward_rows()
     kl = alg.kl_penalty(old, ref, kl_estimator) * mask
-    # 1. per-token rewards: -kl_coef * KL on every action token, the score on the last one, env rewards
-    rewards = alg.add_kl_penalty(scores, old, ref, mask, kl_coef, kl_estimator) + env_rewards
-    total_reward = (rewards * mask).sum(dim=1)  # per episode, before whitening, for logging
+    kl_per_episode = kl.sum(dim=1)
+    reward_kl_coef = kl_coef if kl_in_reward else 0.0
+    stats = {}
     if estimator == "gae":
+        # 1. per-token rewards: -kl_coef * KL on every action token, the score on the last one, env rewards
+        rewards = alg.add_kl_penalty(scores, old, ref, mask, reward_kl_coef, kl_estimator) + env_rewards
+        total_reward = (rewards * mask).sum(dim=1)  # per episode, before whitening, for logging
         # 2. reward whitening (scale only), 3. GAE over each trajectory's action tokens
         if whiten_rewards:
             rewards = alg.whiten(rewards, shift_mean=False, mask=mask)
         advantages, returns = alg.compute_gae(rewards, exp.rows(exp.values), gamma, lam, mask)
     else:
-        # 3'. critic-free: one advantage per trajectory from its total (score + env) reward, on every action token
-        totals = scores + env_rewards.sum(dim=1)
-        advantages = alg.group_advantages(totals, group_size, estimator)[:, None] * mask
+        # 3'. critic-free: one advantage per trajectory from its total reward (score + env, minus the
+        # summed KL when it goes in the reward, as RLOO does), put on every one of its action tokens
+        total_reward = scores + env_rewards.sum(dim=1) - reward_kl_coef * kl_per_episode
+        ids = group_ids(exp.trajectories)
+        advantages = alg.group_advantages(total_reward, ids, estimator, normalize_std=normalize_group_std)
+        advantages = advantages[:, None] * mask
         returns = advantages.clone()
+        stats = {"groups/zero_variance_frac": alg.zero_variance_groups(total_reward, ids).float().mean().item()}
     # 4. advantage whitening
-    advantages = alg.whiten(advantages, mask=mask)
-    kl_per_episode = kl.sum(dim=1)
-    stats = {"kl/mean": kl_per_episode.mean().item(), "reward/total_mean": total_reward.mean().item(),
-             "reward/non_score_mean": (-kl_coef * kl_per_episode).mean().item()}
+    if whiten_advantages:
+        advantages = alg.whiten(advantages, mask=mask)
+    stats.update({"kl/mean": kl_per_episode.mean().item(), "reward/total_mean": total_reward.mean().item(),
+                  "reward/non_score_mean": (-reward_kl_coef * kl_per_episode).mean().item()})
     return Targets(exp.split(advantages), exp.split(returns), stats)
+
+
+def task_scores(exp: Experience, *, rejection_penalty: float, truncated_penalty: float | None = None,
+                overlong_buffer: int = 0, overlong_factor: float = 1.0,
+                max_response_length: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
+    """Each trajectory's score before the KL: reward model (OpenAI rejection penalty applied), plus
+    the weighted reward functions; then the truncation penalty and DAPO's overlong shaping."""
+    # OpenAI rejection sampling: no truncation token at/after `truncate_after` -> fixed score
+    scores = alg.penalize_rejected(exp.scores, exp.rejected, rejection_penalty)
+    stats: dict[str, float] = {}
+    if any(t.reward_components for t in exp.trajectories):
+        scores = scores + torch.tensor([t.fn_reward for t in exp.trajectories], dtype=scores.dtype)
+    if truncated_penalty is not None:  # cut by the length limit: this score instead of a partial answer's
+        truncated = torch.tensor([t.truncated for t in exp.trajectories])
+        scores = torch.where(truncated, torch.full_like(scores, truncated_penalty), scores)
+    if overlong_buffer:
+        lengths = torch.tensor([len(t.final_response()[1]) for t in exp.trajectories])
+        shaping = alg.overlong_penalty(lengths, max_response_length, overlong_buffer, overlong_factor)
+        scores = scores + shaping.to(scores.dtype)
+        stats["reward/overlong_penalty_mean"] = shaping.mean().item()
+    return scores, stats

@@ -8,6 +8,7 @@ environments. `train` below is the whole loop; one step reads top to bottom in `
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -19,12 +20,15 @@ from rl_core.config import save_config, to_dict
 from rl_core.distributed import broadcast_object, on_every_rank, on_rank0, rank_seed, seed_everything
 from rl_core.errors import JobError
 from rl_core.logger import MetricsLogger, StepTimer, print_step
-from rl_core.ppo import algorithms as alg
 from rl_core.ppo.checkpoint import Checkpointer
 from rl_core.ppo.config import PPOConfig, check_context_length, validate
-from rl_core.ppo.experience import compute_advantages, final_response
+from rl_core.ppo.evaluation import evaluate, print_eval
+from rl_core.ppo.experience import (apply_group_rule, compute_advantages, final_response, has_reward_variance,
+                                   task_scores)
 from rl_core.ppo.trainer import PPOTrainer, score_metrics
-from rl_core.rollout.prompts import prompt_samples
+from rl_core.rewards import load_reward_fn
+from rl_core.rollout.prompts import eval_samples, prompt_samples
+from rl_core.tiny import ARITHMETIC
 from rl_core.runtime import JobRuntime
 from workers import models
 from workers.engines.client import EngineError
@@ -43,7 +47,9 @@ def _main(argv: list[str] | None) -> None:
 
 def train(cfg: PPOConfig, rt: JobRuntime) -> None:
     load_env_class(cfg.env.cls)  # a wrong import path fails here, before any engine starts
-    policy_path, reward_path, prompts_path = resolve_paths(cfg, rt.rank)
+    for spec in cfg.reward.fns.values():
+        load_reward_fn(spec["fn"])
+    policy_path, reward_path, prompts_path, eval_path = resolve_paths(cfg, rt.rank)
     tokenizer = models.load_tokenizer(cfg.model.tokenizer_path or policy_path)
     max_positions = models.context_length(AutoConfig.from_pretrained(policy_path))
     check_context_length(cfg, max_positions)
@@ -54,6 +60,9 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
     # Rank 0 reads the prompts before any engine or model loads: a data error costs seconds, not minutes.
     prompts = on_rank0(lambda: prompt_samples(cfg.data, prompts_path, tokenizer, batch_size, cfg.algorithm.group_size,
                                               cfg.trainer.seed))
+    held_out = None
+    if eval_path is not None:
+        held_out = on_rank0(lambda: eval_samples(cfg.data, eval_path, tokenizer, cfg.eval.n, cfg.eval.max_prompts))
     rt.start_engines(policy_path)
     trainer = PPOTrainer(cfg, tokenizer, policy_path, reward_path, total_steps, rt.device, rt.rank, rt.world_size)
     checkpointer = Checkpointer(run_dir / "checkpoints", rt.rank, keep_last=cfg.trainer.keep_last)
@@ -69,6 +78,12 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
     version = start_step
     rt.sync_weights(trainer.actor_weights(), version, probe, trainer.probe_logprobs(probe))
     service = rt.start_rollout_service(tokenizer, max_positions) if rt.rank == 0 else None
+    if eval_path is not None and start_step == 0:  # the baseline every later evaluation compares with
+        eval_metrics_, rows = evaluate(cfg, rt.rank, service, trainer, tokenizer, held_out, version)
+        if rt.rank == 0:
+            logger.log(0, eval_metrics_)
+            logger.log_samples(0, rows, table="eval_samples")
+            print_eval(0, eval_metrics_)
     if service is not None and cfg.trainer.mode == "async":
         service.start_producer(prompts, lambda: rt.engine_version, cfg.async_.queue_batches)
 
@@ -81,13 +96,20 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
             exp = trainer.score(trajectories)  # 3. old/ref logprobs, values, reward-model scores
             metrics.update(score_metrics(exp))
         with timer("train"):
-            # 4. rejection penalty (OpenAI): no period after token 16 -> fixed score
-            scores = alg.penalize_rejected(exp.scores, exp.rejected, cfg.reward.penalty)
-            # 5. KL-penalised rewards, reward whitening, GAE (or group baselines), advantage whitening
+            # 4. scores: reward model (OpenAI rejection penalty: no period after token 16 -> fixed score)
+            #    + reward functions, truncation penalty, overlong shaping
             algo = cfg.algorithm
+            scores, stats = task_scores(exp, rejection_penalty=cfg.reward.penalty,
+                                        truncated_penalty=cfg.reward.truncated_penalty,
+                                        overlong_buffer=algo.overlong_buffer, overlong_factor=algo.overlong_penalty_factor,
+                                        max_response_length=cfg.rollout.response_length)
+            metrics.update(stats)
+            # 5. KL-penalised rewards, reward whitening, GAE (or group baselines by group id), advantage whitening
             targets = compute_advantages(exp, scores, trainer.kl_ctl.value, gamma=algo.gamma, lam=algo.lam,
                                          kl_estimator=algo.kl.estimator, whiten_rewards=algo.whiten_rewards,
-                                         estimator=algo.advantage_estimator, group_size=algo.group_size)
+                                         estimator=algo.advantage_estimator, kl_in_reward=algo.kl.placement == "reward",
+                                         normalize_group_std=algo.normalize_group_std,
+                                         whiten_advantages=algo.whiten_advantages)
             metrics.update(trainer.update(exp, targets, step))  # 6. PPO epochs x minibatches, adaptive KL
         with timer("sync"):  # 7. new weights into every engine, checked by version and probe logprobs
             version = step + 1
@@ -98,8 +120,19 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
             metrics.update({"perf/tokens_per_s": tokens / metrics["perf/step_s"],
                             "perf/episodes_per_s": len(trajectories) / metrics["perf/step_s"],
                             "episodes": (step + 1) * batch_size})
+            metrics["data/prompts_skipped"] = prompts.skipped
+        eval_rows_ = None
+        if eval_path is not None and (step + 1 == total_steps or (cfg.trainer.eval_every
+                                                                  and (step + 1) % cfg.trainer.eval_every == 0)):
+            started = time.perf_counter()  # 8. held-out prompts with the new weights (not in perf/step_s)
+            eval_metrics_, eval_rows_ = evaluate(cfg, rt.rank, service, trainer, tokenizer, held_out, version)
+            metrics.update(eval_metrics_, **{"perf/eval_s": time.perf_counter() - started})
+        if rt.rank == 0:
             logger.log(step + 1, metrics)
             print_step(step + 1, total_steps, metrics)
+            if eval_rows_ is not None:
+                logger.log_samples(step + 1, eval_rows_, table="eval_samples")
+                print_eval(step + 1, metrics)
             if cfg.trainer.log_samples_every and (step % cfg.trainer.log_samples_every == 0 or step + 1 == total_steps):
                 logger.log_samples(step + 1, sample_rows(tokenizer, exp, scores, n=4))
         # Saved after the step is logged: a run killed in between resumes from the previous checkpoint
@@ -119,12 +152,19 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
 def collect_batch(cfg: PPOConfig, rt: JobRuntime, service, prompts, version: int) -> tuple[list, dict]:
     """Rank 0 collects one batch (sync: generate now; async: take fresh-enough queued ones); all ranks get it."""
     trajectories, metrics = None, {}
+    algo = cfg.algorithm
     if rt.rank == 0:
         try:
-            if cfg.trainer.mode == "sync":
+            if cfg.trainer.mode == "sync" and algo.filter_zero_variance_groups:
+                # DAPO dynamic sampling: a group whose rewards are all equal has no signal; sample more prompts
+                n_groups = algo.batch_size // algo.group_size
+                result = service.collect_groups(prompts.groups(), n_groups, has_reward_variance,
+                                                max(n_groups, int(algo.filter_max_groups_factor * n_groups)), version)
+                dropped = 0
+            elif cfg.trainer.mode == "sync":
                 result, dropped = service.collect(next(prompts), version), 0
             else:
-                result, dropped = service.next_batch(cfg.algorithm.batch_size, version, cfg.async_.max_staleness)
+                result, dropped = service.next_batch(algo.batch_size, version, cfg.async_.max_staleness)
         except EngineError as err:
             dead = rt.dead_engines()
             if not dead:
@@ -132,6 +172,9 @@ def collect_batch(cfg: PPOConfig, rt: JobRuntime, service, prompts, version: int
             raise JobError(f"rollout failed: {'; '.join(dead)}; see that log (trainer.resume=auto continues from "
                            f"the last checkpoint) [{err}]") from err
         trajectories, metrics = result.trajectories, dict(result.metrics)
+        if algo.advantage_estimator != "gae":
+            trajectories, group_stats = apply_group_rule(trajectories, algo.group_size, algo.incomplete_groups)
+            metrics.update(group_stats)
         metrics["async/dropped_stale"] = dropped
         metrics["async/staleness_max"] = max((version - t.min_version for t in trajectories), default=0)
     trajectories, metrics = broadcast_object((trajectories, metrics))
@@ -140,36 +183,55 @@ def collect_batch(cfg: PPOConfig, rt: JobRuntime, service, prompts, version: int
     return trajectories, metrics
 
 
-def resolve_paths(cfg: PPOConfig, rank: int) -> tuple[str, str | None, str]:
-    """Policy, reward-model and prompt paths; the offline tiny assets are built if a path says "tiny".
+def resolve_paths(cfg: PPOConfig, rank: int) -> tuple[str, str | None, str, str | None]:
+    """Policy, reward-model, prompt and eval-prompt paths.
 
-    Paths the user gave are checked first, before minutes go into building tiny assets or loading
-    models: a local path must be a model directory, anything else a hub name (tried once).
+    Paths the user gave are checked first, before minutes go into building offline assets or loading
+    models: a local path must be a model directory, anything else a hub name (tried once). Offline
+    assets are built on first use when a path says "tiny" (the sentiment set) or "tiny-arithmetic"
+    (the arithmetic recipe's policy and problems); rank 0 builds (and logs) while the others wait.
     """
     def check_user_paths() -> None:
         for key, value in (("model.path", cfg.model.path), ("reward.model_path", cfg.reward.model_path),
                            ("model.tokenizer_path", cfg.model.tokenizer_path)):
-            if value not in (None, "tiny"):
+            if value not in (None, "tiny", ARITHMETIC):
                 models.check_model_path(value, key, need_config=key != "model.tokenizer_path")
 
     on_every_rank(check_user_paths)
-    paths = None
-    if "tiny" in (cfg.model.path, cfg.reward.model_path, cfg.data.train_path):
+    named = (cfg.model.path, cfg.reward.model_path, cfg.data.train_path, cfg.data.eval_path)
+    tiny = arithmetic = None
+    if "tiny" in named:
         from rl_core.tiny.assets import ensure_tiny_assets
         from rl_core.tiny.reward_model import ensure_tiny_reward_model
 
-        if rank == 0:  # rank 0 builds (and logs) what is missing while the others wait; the build is locked anyway
+        if rank == 0:
             paths = ensure_tiny_assets(log=print, progress=cfg.trainer.progress)
             if cfg.reward.model_path == "tiny":
                 ensure_tiny_reward_model(paths, log=print, progress=cfg.trainer.progress)
         dist.barrier()
-        paths = ensure_tiny_assets(log=lambda *_: None)
-    policy = str(paths.model_dir) if cfg.model.path == "tiny" else cfg.model.path
+        tiny = ensure_tiny_assets(log=lambda *_: None)
+    if ARITHMETIC in named:
+        from rl_core.tiny.arithmetic import ensure_arithmetic_assets
+
+        if rank == 0:
+            ensure_arithmetic_assets(log=print)
+        dist.barrier()
+        arithmetic = ensure_arithmetic_assets(log=lambda *_: None)
+
+    def pick(value, tiny_path, arithmetic_path):
+        if value == "tiny":
+            return str(tiny_path())
+        return str(arithmetic_path()) if value == ARITHMETIC else value
+
+    policy = pick(cfg.model.path, lambda: tiny.model_dir, lambda: arithmetic.model_dir)
     reward = cfg.reward.model_path or None
     if reward == "tiny":
-        reward = str(ensure_tiny_reward_model(paths, log=lambda *_: None))
-    prompts = str(paths.train_prompts) if cfg.data.train_path == "tiny" else cfg.data.train_path
-    return policy, reward, prompts
+        from rl_core.tiny.reward_model import ensure_tiny_reward_model
+
+        reward = str(ensure_tiny_reward_model(tiny, log=lambda *_: None))
+    prompts = pick(cfg.data.train_path, lambda: tiny.train_prompts, lambda: arithmetic.train_file)
+    held_out = pick(cfg.data.eval_path, lambda: tiny.test_prompts, lambda: arithmetic.eval_file)
+    return policy, reward, prompts, held_out
 
 
 def sample_rows(tokenizer, exp, scores, n: int) -> list[dict]:

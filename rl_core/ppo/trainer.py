@@ -43,12 +43,17 @@ class PPOTrainer:
             return lambda m: build_optimizer(m.parameters(), algo.optimizer, lr=lr, eps=algo.adam_eps,
                                              weight_decay=algo.weight_decay)
 
-        self.actor = TrainableModel(shard(models.load_causal_lm(policy_path, dtype)), optimizer_for(algo.lr),
-                                    schedule, algo.max_grad_norm)
+        actor = models.load_causal_lm(policy_path, dtype)
+        if model_cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(actor)
+        self.actor = TrainableModel(shard(actor), optimizer_for(algo.lr), schedule, algo.max_grad_norm)
         self.reference = shard(models.load_causal_lm(policy_path, dtype)).requires_grad_(False)
         self.critic = None
         if algo.advantage_estimator == "gae":
-            critic = shard(models.ValueModel.from_pretrained(policy_path, dtype))
+            critic = models.ValueModel.from_pretrained(policy_path, dtype)
+            if model_cfg.gradient_checkpointing:
+                enable_gradient_checkpointing(critic.backbone)
+            critic = shard(critic)
             self.critic = TrainableModel(critic, optimizer_for(algo.critic_lr or algo.lr), schedule, algo.max_grad_norm)
         self.reward_model = None
         if reward_path is not None:
@@ -118,18 +123,24 @@ class PPOTrainer:
         lengths = [len(seq) for seq in exp.sequences]
         exp.old_logprobs, exp.ref_logprobs, exp.values = ([out[i, :n] for i, n in enumerate(lengths)]
                                                           for out in outputs)
-        exp.scores = torch.zeros(len(trajectories))
-        exp.rejected = torch.zeros(len(trajectories), dtype=torch.bool)
-        if self.reward_model is not None:
-            rm_ids, exp.rejected = reward_model_inputs(trajectories, self.truncate_id, self.cfg.reward.truncate_after)
-
-            def rm_forward(batch):
-                return (models.reward_scores(self.reward_model, batch["input_ids"], batch["attention_mask"],
-                                             batch["position_ids"]),)
-
-            rm_rows = [{"input_ids": ids, "action_mask": [0] * len(ids)} for ids in rm_ids]
-            exp.scores = self._distributed_map(rm_rows, rm_forward)[0]
+        exp.scores, exp.rejected = self.reward_model_scores(trajectories)
         return exp
+
+    def reward_model_scores(self, trajectories: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reward-model score of each trajectory (0 without a reward model) and whether it gets the
+        rejection penalty instead. Collective when there is a reward model."""
+        scores = torch.zeros(len(trajectories))
+        rejected = torch.zeros(len(trajectories), dtype=torch.bool)
+        if self.reward_model is None:
+            return scores, rejected
+        rm_ids, rejected = reward_model_inputs(trajectories, self.truncate_id, self.cfg.reward.truncate_after)
+
+        def rm_forward(batch):
+            return (models.reward_scores(self.reward_model, batch["input_ids"], batch["attention_mask"],
+                                         batch["position_ids"]),)
+
+        rm_rows = [{"input_ids": ids, "action_mask": [0] * len(ids)} for ids in rm_ids]
+        return self._distributed_map(rm_rows, rm_forward)[0], rejected
 
     # ------------------------------------------------------------------ PPO epochs
 
@@ -142,6 +153,8 @@ class PPOTrainer:
         generator = torch.Generator().manual_seed(self.cfg.trainer.seed * 1_000_003 + step)
         history: dict[str, list[float]] = {}
         for _epoch in range(algo.noptepochs):
+            # Advantages were computed over whole groups before this point, so any split is safe; a batch
+            # short of failed trajectories gives minibatches that differ in size by at most one.
             for minibatch in minibatch_indices(n_traj, algo.nminibatches, generator):
                 for key, value in self._train_minibatch(exp, targets, minibatch).items():
                     history.setdefault(key, []).append(value)
@@ -157,11 +170,13 @@ class PPOTrainer:
         algo = self.cfg.algorithm
         seq_ids = [s for t in traj_ids for s in exp.traj_seqs[t]]
         behaviour = [torch.tensor(s.behaviour_logprobs) for s in exp.sequences]
+        extra = {"ref_logprobs": exp.ref_logprobs} if algo.kl.placement == "loss" else {}
         rows = [exp.seq_row(s, old_logprobs=exp.old_logprobs, advantages=targets.advantages, returns=targets.returns,
-                            values=exp.values, behaviour_logprobs=behaviour) for s in seq_ids]
+                            values=exp.values, behaviour_logprobs=behaviour, **extra) for s in seq_ids]
         # Loss scaling: every rank divides by the *global* count of this minibatch (all ranks hold it).
-        denominator = sum(alg.global_denominator(torch.tensor(r["action_mask"])[None], algo.loss_agg).item()
-                          for r in rows)
+        norm_length = self.cfg.rollout.response_length * self.cfg.rollout.max_turns  # Dr. GRPO's constant
+        denominator = sum(alg.global_denominator(torch.tensor(r["action_mask"])[None], algo.loss_agg,
+                                                 norm_length).item() for r in rows)
         micro = [self._collate(rows, indices, real) for indices, real in self._micro_batches(rows)]
         metrics = self.actor.forward_backward(micro, functools.partial(self._policy_loss, denominator=denominator))
         out = {k: sum(v) / len(v) for k, v in metrics.items() if k != "loss"}
@@ -175,7 +190,8 @@ class PPOTrainer:
         return out
 
     def _policy_loss(self, model, batch: dict[str, torch.Tensor], denominator: float):
-        """Clipped surrogate (+ entropy bonus), async samples reweighted by truncated importance weights."""
+        """Clipped surrogate (+ entropy bonus, + KL to the reference when it goes in the loss), async
+        samples reweighted by truncated importance weights."""
         algo = self.cfg.algorithm
         logprobs, entropy = models.token_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
                                                               entropy_grad=bool(algo.entropy_coef))
@@ -184,14 +200,21 @@ class PPOTrainer:
         if self.cfg.trainer.mode == "async":  # the engine that sampled may be older than pi_old
             weights = alg.truncated_importance_weights(batch["old_logprobs"], batch["behaviour_logprobs"],
                                                        algo.behaviour_is_cap)
+        low = algo.cliprange if algo.cliprange_low is None else algo.cliprange_low
         per_token, stats = alg.policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask,
-                                           algo.cliprange, behaviour_weights=weights)
+                                           low, behaviour_weights=weights, cliprange_high=algo.cliprange_high,
+                                           sequence_ratio=algo.importance_ratio == "sequence")
         loss = alg.aggregate_loss(per_token, mask, algo.loss_agg, denominator, self.world_size)
         if algo.entropy_coef:
             loss = loss - algo.entropy_coef * alg.aggregate_loss(entropy, mask, algo.loss_agg, denominator,
                                                                  self.world_size)
-        return loss, {"policy/clipfrac": stats["clipfrac"], "policy/approx_kl": stats["approx_kl"],
-                      "policy/entropy": alg.masked_mean(entropy.detach(), mask)}
+        metrics = {"policy/clipfrac": stats["clipfrac"], "policy/approx_kl": stats["approx_kl"],
+                   "policy/entropy": alg.masked_mean(entropy.detach(), mask)}
+        if algo.kl.placement == "loss":  # GRPO: the KL to the reference in the loss, with gradient (use k3)
+            kl = alg.kl_penalty(logprobs, batch["ref_logprobs"], algo.kl.estimator)
+            loss = loss + self.kl_ctl.value * alg.aggregate_loss(kl, mask, algo.loss_agg, denominator, self.world_size)
+            metrics["policy/kl_loss"] = alg.masked_mean(kl.detach(), mask)
+        return loss, metrics
 
     def _value_loss(self, model, batch: dict[str, torch.Tensor], denominator: float):
         """Clipped value loss, weighted by vf_coef."""
@@ -214,6 +237,13 @@ class PPOTrainer:
         batch = self._collate([{"input_ids": probe_ids, "action_mask": [1] * len(probe_ids)}], [0], real=True)
         with torch.no_grad():
             return models.token_logprobs(self.actor.model, batch, temperature=1.0)[0, 1:].float().cpu().tolist()
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute each block's activations in backward instead of storing them (memory for compute).
+    Non-reentrant checkpointing works under FSDP2; the KV cache is useless when training."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
 
 
 def score_metrics(exp: Experience) -> dict[str, float]:

@@ -1,46 +1,101 @@
-"""Rank 0's endless, resumable stream of rollout samples (each prompt repeated `group_size` times)."""
+"""Rank 0's prompt samples: the endless, resumable training stream (each prompt repeated
+`group_size` times, one `group_id` per prompt) and the fixed list of held-out eval prompts."""
 
 from __future__ import annotations
 
-from rl_core.data import PromptLoader, QueryProcessor, load_prompt_dataset
+from typing import Iterator
+
+from rl_core.data import ConfigKeys, PromptEncoder, PromptLoader, QueryProcessor, load_prompt_dataset
 
 
 class PromptSamples:
     """Prompt batches as rollout samples. Queries go to the engine unpadded: with position ids
     from the exclusive cumsum of the mask, OpenAI's fixed-length left padding changes no logit,
-    so padding happens only when micro-batches are collated."""
+    so padding happens only when micro-batches are collated.
+
+    Every sample carries its dataset row (so extra columns such as `answer` reach envs and
+    reward functions), `prompt_ids`, and `group_id`: the same for the `group_size` responses of
+    one prompt and unique over the run, so group baselines find their groups by id, whatever
+    the order and whatever failed."""
 
     def __init__(self, loader: PromptLoader, group_size: int, seed: int):
         self.loader, self.group_size, self.seed = loader, group_size, seed
         self.served = 0  # samples handed out so far: each gets its own engine sampling seed
+        self.prompts_served = 0  # prompts handed out so far: the next group id
 
     def __iter__(self):
         return self
 
     def __next__(self) -> list[dict]:
-        samples = []
-        for item in self.loader.next_batch():
-            for _ in range(self.group_size):
-                # A per-sample seed makes a resumed run sample what the uninterrupted run would have.
-                seed = (self.seed * 1_000_003 + self.served * 7_919) % (2**31 - 1)
-                samples.append({**item.row, "prompt_ids": item.query.unpadded_ids, "index": item.index,
-                                "sampling_seed": seed})
-                self.served += 1
-        return samples
+        return [sample for item in self.loader.next_batch() for sample in self._group(item)]
+
+    def _group(self, item) -> list[dict]:
+        group = []
+        for _ in range(self.group_size):
+            # A per-sample seed makes a resumed run sample what the uninterrupted run would have.
+            seed = (self.seed * 1_000_003 + self.served * 7_919) % (2**31 - 1)
+            group.append({**item.row, "prompt_ids": item.query.unpadded_ids, "index": item.index,
+                          "sampling_seed": seed, "group_id": self.prompts_served})
+            self.served += 1
+        self.prompts_served += 1
+        return group
+
+    def groups(self) -> Iterator[list[dict]]:
+        """One prompt's group of samples at a time (dynamic sampling draws as many as it needs)."""
+        while True:  # one prompt at a time: a prompt drawn is a prompt used
+            yield self._group(self.loader.next_batch(1)[0])
+
+    @property
+    def skipped(self) -> int:
+        """Prompts skipped so far (too long, or without the OpenAI start/end text)."""
+        return self.loader.skipped
 
     def state_dict(self) -> dict:
-        return {"loader": self.loader.state_dict(), "served": self.served}
+        return {"loader": self.loader.state_dict(), "served": self.served, "prompts_served": self.prompts_served}
 
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state["loader"])
         self.served = state["served"]
+        self.prompts_served = state.get("prompts_served", 0)
+
+
+def prompt_encoder(data_cfg, tokenizer) -> PromptEncoder:
+    """The `data` section's prompt rule: chat template, length limit, OpenAI query mode."""
+    openai_queries = None
+    if data_cfg.on_long_prompt == "truncate":
+        openai_queries = QueryProcessor(tokenizer, data_cfg.max_prompt_length, data_cfg.start_text, data_cfg.end_text)
+    return PromptEncoder(tokenizer, data_cfg.max_prompt_length, data_cfg.on_long_prompt,
+                         data_cfg.apply_chat_template, data_cfg.system_prompt, openai_queries)
 
 
 def prompt_samples(data_cfg, prompts_path: str, tokenizer, batch_size: int, group_size: int, seed: int) -> PromptSamples:
     """The PPO job's prompt stream from its `data` config section."""
-    dataset = load_prompt_dataset(prompts_path, text_key=data_cfg.text_key, on_malformed=data_cfg.on_malformed)
+    dataset = load_prompt_dataset(prompts_path, split=data_cfg.train_split, text_key=data_cfg.prompt_key,
+                                  on_malformed=data_cfg.on_malformed, hub_config=data_cfg.hub_config)
     if dataset.skipped:
         print(f"skipped {dataset.skipped} malformed prompt rows in {dataset.source}")
-    processor = QueryProcessor(tokenizer, data_cfg.query_length, data_cfg.start_text, data_cfg.end_text)
-    loader = PromptLoader(dataset, batch_size // group_size, seed=seed, processor=processor)
+    loader = PromptLoader(dataset, batch_size // group_size, seed=seed, processor=prompt_encoder(data_cfg, tokenizer))
     return PromptSamples(loader, group_size, seed)
+
+
+def eval_samples(data_cfg, eval_path: str, tokenizer, n: int, max_prompts: int | None) -> tuple[list[dict], int]:
+    """The held-out prompts in file order (`n` samples each, one group per prompt) and how many were
+    skipped for length; the same list at every evaluation, so the numbers are comparable."""
+    dataset = load_prompt_dataset(eval_path, split=data_cfg.eval_split, text_key=data_cfg.prompt_key,
+                                  on_malformed=data_cfg.on_malformed, hub_config=data_cfg.hub_config,
+                                  keys=ConfigKeys(path="data.eval_path"))
+    encode = prompt_encoder(data_cfg, tokenizer)
+    samples, skipped = [], 0
+    for index in range(len(dataset)):
+        if max_prompts is not None and len(samples) >= max_prompts * n:
+            break
+        row = dataset[index]
+        query = encode(row[dataset.text_key])
+        if query is None:
+            skipped += 1
+            continue
+        samples += [{**row, "prompt_ids": query.unpadded_ids, "index": index, "group_id": index} for _ in range(n)]
+    if not samples:
+        raise ValueError(f"no usable eval prompt in {dataset.source} ({skipped} skipped as longer than "
+                         "data.max_prompt_length); raise it or check data.eval_path")
+    return samples, skipped

@@ -9,7 +9,10 @@ idle, and one progress bar on rank 0 shows the whole rollout.
 `client` is anything with `async generate(input_ids, sampling_params, return_logprob=True, rid=None)`
 returning SGLang's /generate answer (`workers.engines.client.EngineClient` in practice).
 Env failures end their trajectory (counted, excluded); engine errors propagate, because a
-broken engine or router is not something a retry at this level can fix.
+broken engine or router is not something a retry at this level can fix. Reward functions
+(`rl_core.rewards`) score each finished trajectory here, off the event loop, so their values
+are known when the rollout returns (dynamic sampling filters on them); a reward function that
+fails fails its trajectory like an env would, and counts towards `env.max_failed_ratio`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from typing import Any, Awaitable, Callable, Iterable, Iterator
 from tqdm.auto import tqdm
 
 from envs.base import Action
-from envs.pool import EnvFailure, EnvLease, EnvPool
+from envs.pool import EnvFailure, EnvLease, EnvPool, TooManyEnvFailures
+from rl_core.rewards import RewardFnError, RewardFunctions
 from rl_core.rollout.trajectory import Observation, Trajectory, TrajectoryBuilder
 
 logger = logging.getLogger(__name__)
@@ -98,7 +102,7 @@ class _Rollout:
 
     def __init__(self, *, client: Any, env_pool: EnvPool, tokenizer: Any, sampling_params: dict,
                  max_turns: int, policy_version: int | Callable[[], int], concurrency: int | None,
-                 max_total_tokens: int | None, max_abort_retries: int):
+                 max_total_tokens: int | None, max_abort_retries: int, reward_fns: RewardFunctions | None = None):
         if max_turns < 1:
             raise ValueError(f"rollout.max_turns must be >= 1, got {max_turns}")
         if concurrency is not None and concurrency < 1:
@@ -112,6 +116,7 @@ class _Rollout:
         self.current_version = policy_version if callable(policy_version) else (lambda: policy_version)
         self.max_total_tokens = max_total_tokens
         self.max_abort_retries = max_abort_retries
+        self.reward_fns = reward_fns
         self.limit = asyncio.Semaphore(concurrency) if concurrency else None
         self.sample_shown = False
         self.bar: tqdm | None = None
@@ -125,10 +130,24 @@ class _Rollout:
                     traj.info["env_time_s"] = env.env_time_s
             except EnvFailure as err:
                 traj = Trajectory(sequences=[], sample=sample, failed=True, error=str(err))
+            if not traj.failed and self.reward_fns:
+                traj = await self._reward(traj)
         traj.info.update(info or {})
         if not traj.failed and not self.sample_shown:
             self.sample_shown = True
             self._show(traj)
+        return traj
+
+    async def _reward(self, traj: Trajectory) -> Trajectory:
+        """Score the final response with every reward function; a failing one fails the trajectory."""
+        completion = self.tokenizer.decode(traj.final_response()[1], skip_special_tokens=True)
+        try:
+            traj.reward_components = await self.reward_fns.score(completion, traj.sample)
+        except RewardFnError as err:
+            logger.error("reward function failure, trajectory left out of training: %s", err)
+            return Trajectory(sequences=[], sample=traj.sample, failed=True, error=str(err),
+                              info={"reward_failed": True})
+        traj.fn_reward = self.reward_fns.total(traj.reward_components)
         return traj
 
     async def _episode(self, sample: dict, env: EnvLease) -> Trajectory:
@@ -193,7 +212,17 @@ class _Rollout:
         if self.bar is not None:
             self.bar.set_postfix_str(f"{len(ids)} tok", refresh=False)
         text = builder.add_action(ids, logprobs, versions)
-        return Action(text=text, token_ids=ids, finish_reason=gen.finish_reason)
+        reason = gen.finish_reason
+        if reason == "length" and self._ends_with_stop(ids):  # SGLang checks the length limit before EOS
+            reason = "stop"
+        return Action(text=text, token_ids=ids, finish_reason=reason)
+
+    def _ends_with_stop(self, ids: list[int]) -> bool:
+        """The last token ended the response (EOS or a stop token) even though it also hit the limit."""
+        if not ids or self.sampling_params.get("ignore_eos"):
+            return False
+        stops = set(self.sampling_params.get("stop_token_ids") or ()) | {getattr(self.tokenizer, "eos_token_id", None)}
+        return ids[-1] in stops
 
     def _show(self, traj: Trajectory) -> None:
         """Print the first finished trajectory, so a glance at the log shows what the policy writes."""
@@ -225,15 +254,15 @@ async def _gather_all(coroutines: Iterable[Awaitable]) -> list:
 async def rollout(samples: list[dict], *, client: Any, env_pool: EnvPool, tokenizer: Any,
                   sampling_params: dict, max_turns: int, policy_version: int | Callable[[], int], progress: bool = True,
                   concurrency: int | None = None, max_total_tokens: int | None = None,
-                  max_abort_retries: int = 8) -> RolloutResult:
+                  max_abort_retries: int = 8, reward_fns: RewardFunctions | None = None) -> RolloutResult:
     """Run one trajectory per sample, all concurrently (envs and `concurrency` permitting).
 
-    Raises `envs.pool.TooManyEnvFailures` when this rollout's env failure ratio exceeds the pool's
-    `max_failed_ratio`.
+    Raises `envs.pool.TooManyEnvFailures` when this rollout's env (and reward function) failure
+    ratio exceeds the pool's `max_failed_ratio`.
     """
     run = _Rollout(client=client, env_pool=env_pool, tokenizer=tokenizer, sampling_params=sampling_params,
                    max_turns=max_turns, policy_version=policy_version, concurrency=concurrency,
-                   max_total_tokens=max_total_tokens, max_abort_retries=max_abort_retries)
+                   max_total_tokens=max_total_tokens, max_abort_retries=max_abort_retries, reward_fns=reward_fns)
     before = env_pool.counts()
     start = time.perf_counter()
     with tqdm(total=len(samples), desc=f"rollout v{run.current_version()}", unit="traj", disable=not progress,
@@ -247,42 +276,48 @@ async def rollout(samples: list[dict], *, client: Any, env_pool: EnvPool, tokeni
 
         results = await _gather_all(one(sample) for sample in samples)
     env_pool.check_failure_ratio(since=before)
+    check_reward_failures(results, env_pool.max_failed_ratio)
     kept = [t for t in results if not t.failed]
     failed = [t for t in results if t.failed]
     return RolloutResult(kept, failed, rollout_metrics(kept, failed, time.perf_counter() - start, env_pool))
 
 
-async def rollout_until(n_wanted: int, sample_iter: Iterable[dict], keep_fn: KeepFn | None = None, *,
+async def rollout_until(n_wanted: int, sample_iter: Iterable[dict | list[dict]], keep_fn: KeepFn | None = None, *,
                         group_size: int = 1, client: Any, env_pool: EnvPool, tokenizer: Any,
                         sampling_params: dict, max_turns: int, policy_version: int | Callable[[], int], progress: bool = True,
                         concurrency: int | None = None, max_total_tokens: int | None = None,
-                        max_groups: int | None = None, max_abort_retries: int = 8) -> RolloutResult:
+                        max_groups: int | None = None, max_abort_retries: int = 8,
+                        reward_fns: RewardFunctions | None = None, fill_with_dropped: bool = False) -> RolloutResult:
     """Keep launching groups until `n_wanted` GROUPS are kept; returns their trajectories, group by group.
 
-    A group is `group_size` trajectories of the same sample, generated together (for group
-    baselines). `keep_fn(group)` decides whether a finished group is kept (e.g. drop groups whose
-    rewards have zero variance); a group with any failed trajectory is dropped. New groups are
-    launched only to replace dropped ones, so nothing is generated and then wasted. Stops with a
-    warning if `sample_iter` runs out; raises if `max_groups` (default 10 * n_wanted) are launched
-    without enough kept.
+    A group is `group_size` trajectories of the same sample (or, when `sample_iter` yields lists,
+    one trajectory per sample of the list), generated together (for group baselines).
+    `keep_fn(group)` decides whether a finished group is kept (e.g. drop groups whose rewards have
+    zero variance); a group with any failed trajectory is dropped. New groups are launched only
+    to replace dropped ones, so nothing is generated and then wasted. Stops with a warning if
+    `sample_iter` runs out. When `max_groups` (default 10 * n_wanted) are launched without
+    enough kept, it raises, or with `fill_with_dropped` tops the batch up with groups `keep_fn`
+    dropped (counted in `rollout/groups_filled`), so a step always trains on a full batch.
     """
     if n_wanted < 1 or group_size < 1:
         raise ValueError(f"rollout_until needs n_wanted >= 1 and group_size >= 1, got {n_wanted} and {group_size}")
     max_groups = max_groups if max_groups is not None else 10 * n_wanted
     run = _Rollout(client=client, env_pool=env_pool, tokenizer=tokenizer, sampling_params=sampling_params,
                    max_turns=max_turns, policy_version=policy_version, concurrency=concurrency,
-                   max_total_tokens=max_total_tokens, max_abort_retries=max_abort_retries)
+                   max_total_tokens=max_total_tokens, max_abort_retries=max_abort_retries, reward_fns=reward_fns)
     samples: Iterator[dict] = iter(sample_iter)
     before = env_pool.counts()
     start = time.perf_counter()
     kept: list[list[Trajectory]] = []
+    rejected: list[list[Trajectory]] = []  # finished groups keep_fn dropped (fill_with_dropped tops up from them)
     failed: list[Trajectory] = []
     in_flight: set[asyncio.Future] = set()
     launched = dropped = 0
     exhausted = False
 
-    async def group(sample: dict, index: int) -> list[Trajectory]:
-        return await _gather_all(run.trajectory(sample, {"group": index}) for _ in range(group_size))
+    async def group(sample: dict | list[dict], index: int) -> list[Trajectory]:
+        members = sample if isinstance(sample, list) else [sample] * group_size
+        return await _gather_all(run.trajectory(member, {"group": index}) for member in members)
 
     with tqdm(total=n_wanted, desc=f"rollout v{run.current_version()}", unit="group", disable=not progress,
               dynamic_ncols=True) as bar:
@@ -304,6 +339,8 @@ async def rollout_until(n_wanted: int, sample_iter: Iterable[dict], keep_fn: Kee
                     failed += [t for t in members if t.failed]
                     if any(t.failed for t in members) or (keep_fn is not None and not keep_fn(members)):
                         dropped += 1
+                        if not any(t.failed for t in members):
+                            rejected.append(members)
                         continue
                     kept.append(members)
                     bar.update(1)
@@ -313,6 +350,11 @@ async def rollout_until(n_wanted: int, sample_iter: Iterable[dict], keep_fn: Kee
                 task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
     env_pool.check_failure_ratio(since=before)
+    check_reward_failures([t for g in kept + rejected for t in g] + failed, env_pool.max_failed_ratio)
+    filled = 0
+    if len(kept) < n_wanted and not exhausted and fill_with_dropped:
+        filled = min(n_wanted - len(kept), len(rejected))
+        kept += rejected[:filled]
     if len(kept) < n_wanted and not exhausted:
         raise RuntimeError(
             f"rollout_until kept {len(kept)} of {n_wanted} groups after launching {launched} "
@@ -322,8 +364,21 @@ async def rollout_until(n_wanted: int, sample_iter: Iterable[dict], keep_fn: Kee
     trajectories = [t for members in kept for t in members]
     metrics = rollout_metrics(trajectories, failed, time.perf_counter() - start, env_pool)
     metrics.update({"rollout/groups_launched": launched, "rollout/groups_kept": len(kept),
-                    "rollout/groups_dropped": dropped, "rollout/samples_exhausted": float(exhausted)})
+                    "rollout/groups_dropped": dropped, "rollout/groups_filled": filled,
+                    "rollout/samples_exhausted": float(exhausted)})
     return RolloutResult(trajectories, failed, metrics)
+
+
+def check_reward_failures(results: list[Trajectory], max_failed_ratio: float) -> None:
+    """Env and reward-function failures together may not exceed `max_failed_ratio` of a rollout."""
+    reward_failed = sum(1 for t in results if t.info.get("reward_failed"))
+    failed = sum(1 for t in results if t.failed)
+    if reward_failed and failed / len(results) > max_failed_ratio:
+        raise TooManyEnvFailures(
+            f"{failed} of {len(results)} trajectories failed ({reward_failed} in a reward function; "
+            f"{failed / len(results):.0%} > env.max_failed_ratio={max_failed_ratio:.0%}); the errors are in "
+            "the log above. Fix the reward function, raise reward.fn_timeout_s if it is slow, or raise "
+            "env.max_failed_ratio to tolerate more failures.")
 
 
 def rollout_metrics(kept: list[Trajectory], failed: list[Trajectory], wall_s: float,
@@ -344,7 +399,15 @@ def rollout_metrics(kept: list[Trajectory], failed: list[Trajectory], wall_s: fl
         "rollout/sequences_per_trajectory": sum(len(t.sequences) for t in kept) / len(kept) if kept else 0.0,
         "rollout/env_reward_mean": sum(t.env_reward for t in kept) / len(kept) if kept else 0.0,
         "rollout/env_time_s": sum(t.info.get("env_time_s", 0.0) for t in kept),
+        # Cut by the length limit, not ended by EOS / a stop token / the env (all of them under ignore_eos).
+        "rollout/truncated_frac": sum(t.truncated for t in kept) / len(kept) if kept else 0.0,
     }
+    metrics["reward/fn_failed"] = sum(1 for t in failed if t.info.get("reward_failed"))
+    names = sorted({name for t in kept for name in t.reward_components})
+    for name in names:  # every reward function on its own
+        metrics[f"reward/fn/{name}"] = sum(t.reward_components.get(name, 0.0) for t in kept) / len(kept)
+    if names:
+        metrics["reward/fn_total_mean"] = sum(t.fn_reward for t in kept) / len(kept)
     for reason, count in sorted(Counter(r for t in kept for r in t.finish_reasons).items()):
         metrics[f"rollout/finish_reason/{reason}"] = count
     if env_pool is not None:

@@ -13,7 +13,8 @@ import threading
 from typing import Callable, Protocol
 
 from envs.pool import EnvPool
-from rl_core.rollout.rollout import RolloutResult, rollout
+from rl_core.rewards import RewardFunctions
+from rl_core.rollout.rollout import KeepFn, RolloutResult, rollout, rollout_until
 from workers.engines.client import EngineClient
 
 
@@ -65,8 +66,10 @@ class GatedClient:
 class RolloutService:
     def __init__(self, *, router_url: str, tokenizer, env_factory, num_envs: int, step_timeout_s: float,
                  max_failed_ratio: float, sampling_params: dict, max_turns: int, concurrency: int,
-                 max_total_tokens: int, timeout_s: float, progress: bool):
+                 max_total_tokens: int, timeout_s: float, progress: bool,
+                 reward_fns: RewardFunctions | None = None):
         self.tokenizer = tokenizer
+        self.reward_fns = reward_fns
         self.sampling_params = sampling_params
         self.max_turns = max_turns
         self.concurrency = concurrency
@@ -95,15 +98,29 @@ class RolloutService:
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    async def _rollout(self, samples: list[dict], version: int | Callable[[], int]) -> RolloutResult:
-        return await rollout(samples, client=self.client, env_pool=self.env_pool, tokenizer=self.tokenizer,
-                             sampling_params=self.sampling_params, max_turns=self.max_turns,
-                             policy_version=version, progress=self.progress, concurrency=self.concurrency,
-                             max_total_tokens=self.max_total_tokens)
+    def _common(self, sampling_params: dict | None) -> dict:
+        return dict(client=self.client, env_pool=self.env_pool, tokenizer=self.tokenizer,
+                    sampling_params=sampling_params or self.sampling_params, max_turns=self.max_turns,
+                    progress=self.progress, concurrency=self.concurrency, max_total_tokens=self.max_total_tokens,
+                    reward_fns=self.reward_fns)
+
+    async def _rollout(self, samples: list[dict], version: int | Callable[[], int],
+                       sampling_params: dict | None = None) -> RolloutResult:
+        return await rollout(samples, policy_version=version, **self._common(sampling_params))
 
     def collect(self, samples: list[dict], version: int) -> RolloutResult:
         """Sync mode: generate one batch with the current policy and wait for it."""
         return self._call(self._rollout(samples, version))
+
+    def collect_groups(self, groups, n_groups: int, keep_fn: KeepFn, max_groups: int, version: int) -> RolloutResult:
+        """Sync mode, dynamic sampling: draw prompt groups until `n_groups` pass `keep_fn` (at most
+        `max_groups` launched; then the batch is topped up with dropped groups)."""
+        return self._call(rollout_until(n_groups, groups, keep_fn, policy_version=version, max_groups=max_groups,
+                                        fill_with_dropped=True, **self._common(None)))
+
+    def evaluate(self, samples: list[dict], sampling_params: dict, version: int) -> RolloutResult:
+        """Held-out prompts with the eval sampling settings (greedy by default)."""
+        return self._call(self._rollout(samples, version, sampling_params))
 
     # ------------------------------------------------------------------ async mode
 

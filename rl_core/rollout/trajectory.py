@@ -84,6 +84,23 @@ class Trajectory:
     error: str | None = None
     num_turns: int = 0
     info: dict = field(default_factory=dict)
+    reward_components: dict = field(default_factory=dict)  # reward function name -> value (rl_core/rewards)
+    fn_reward: float = 0.0  # their weighted sum
+
+    @property
+    def truncated(self) -> bool:
+        """The last response was cut by a length limit instead of ending (EOS / stop token / env done)."""
+        return bool(self.finish_reasons) and self.finish_reasons[-1] == "length"
+
+    def final_response(self) -> tuple[list[int], list[int]]:
+        """(context ids, response ids) of the last sequence: its final run of action tokens."""
+        seq = self.sequences[-1]
+        end = len(seq.action_mask)
+        start = end
+        while start > 0 and seq.action_mask[start - 1]:
+            start -= 1
+        context = [i for i, real in zip(seq.input_ids[:start], seq.attention_mask[:start]) if real]
+        return context, seq.input_ids[start:end]
 
     def action_chain(self) -> list[tuple[int, int]]:
         """(sequence index, position) of every generated token, in generation order: the GAE chain."""

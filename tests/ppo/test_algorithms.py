@@ -235,18 +235,17 @@ def test_masked_helpers_and_aggregation_modes():
 # --------------------------------------------------------------------------- group baselines
 
 
-def test_group_advantages():
+def test_group_advantages_of_contiguous_groups():
     scores = torch.tensor([1.0, 2.0, 3.0, 5.0, 5.0, 5.0])
-    grpo = alg.group_advantages(scores, 3, "grpo")
+    ids = [0, 0, 0, 1, 1, 1]
+    grpo = alg.group_advantages(scores, ids, "grpo")
     torch.testing.assert_close(grpo, torch.tensor([-1.0, 0.0, 1.0, 0.0, 0.0, 0.0]), atol=1e-5, rtol=0)
-    torch.testing.assert_close(alg.group_advantages(scores, 3, "grpo", normalize_std=False),
+    torch.testing.assert_close(alg.group_advantages(scores, ids, "grpo", normalize_std=False),
                                torch.tensor([-1.0, 0.0, 1.0, 0.0, 0.0, 0.0]))
     # RLOO: 1 - (2+3)/2, 2 - (1+3)/2, 3 - (1+2)/2
-    torch.testing.assert_close(alg.group_advantages(scores, 3, "rloo"), torch.tensor([-1.5, 0.0, 1.5, 0.0, 0.0, 0.0]))
-    torch.testing.assert_close(alg.group_advantages(scores, 3, "reinforce"), scores - 3.5)
-    torch.testing.assert_close(alg.zero_variance_groups(scores, 3), torch.tensor([False, True]))
-    with pytest.raises(ValueError, match="groups of 4"):
-        alg.group_advantages(scores, 4)
+    torch.testing.assert_close(alg.group_advantages(scores, ids, "rloo"), torch.tensor([-1.5, 0.0, 1.5, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(alg.group_advantages(scores, ids, "reinforce"), scores - 3.5)
+    torch.testing.assert_close(alg.zero_variance_groups(scores, ids), torch.tensor([False] * 3 + [True] * 3))
 
 
 def test_rejected_responses_get_the_fixed_penalty_instead_of_their_score():

@@ -27,3 +27,34 @@ def test_engine_dtype_follows_the_training_compute_dtype_unless_set():
     assert engine_dtype(ppo()) == "float32"
     assert engine_dtype(ppo("model.mixed_precision=bf16")) == "bfloat16"
     assert engine_dtype(ppo("model.mixed_precision=bf16", "rollout.dtype=float32")) == "float32"
+
+
+def grpo(*overrides):
+    return load_config("grpo_arithmetic.yaml", list(overrides), PPOConfig, validate)
+
+
+def test_recipes_differ_where_they_should():
+    sentiment, arithmetic = ppo(), grpo()
+    # only the OpenAI recipe samples past EOS and cuts its queries to a fixed length, both on purpose
+    assert sentiment.rollout.ignore_eos and sentiment.data.on_long_prompt == "truncate"
+    assert not arithmetic.rollout.ignore_eos and arithmetic.data.on_long_prompt == "skip"
+    assert arithmetic.algorithm.kl.placement == "loss" and sentiment.algorithm.kl.placement == "reward"
+
+
+def test_reward_function_and_grpo_option_rules():
+    with pytest.raises(ConfigError, match=r"reward.fns.bad' must be a mapping with fn"):
+        grpo("reward.fns.bad.weight=1")
+    with pytest.raises(ConfigError, match=r"unknown config key 'reward.fns.correct.wieght'"):
+        grpo("reward.fns.correct.wieght=2")
+    with pytest.raises(ConfigError, match=r"reward.fns.correct.weight' must be a number"):
+        grpo("reward.fns.correct.weight=high")
+    with pytest.raises(ConfigError, match=r"filter_zero_variance_groups needs rewards known at rollout time"):
+        ppo("algorithm.advantage_estimator=grpo", "algorithm.group_size=4", "algorithm.filter_zero_variance_groups=true")
+    with pytest.raises(ConfigError, match=r"works in trainer.mode=sync only"):
+        grpo("algorithm.filter_zero_variance_groups=true", "trainer.mode=async")
+    with pytest.raises(ConfigError, match=r"overlong_buffer=30 must be in \[0, rollout.response_length=20\]"):
+        grpo("algorithm.overlong_buffer=30")
+    with pytest.raises(ConfigError, match=r"start_text/end_text belong to OpenAI's query mode"):
+        grpo("data.start_text=.")
+    with pytest.raises(ConfigError, match=r"'algorithm.importance_ratio' = 'seq' is not one of: token, sequence"):
+        grpo("algorithm.importance_ratio=seq")

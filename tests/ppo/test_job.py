@@ -31,7 +31,7 @@ def small_job(tmp_path_factory):
     tokenizer.save_pretrained(rm_dir)
     return {"root": root, "overrides": [
         f"model.path={paths.model_dir}", f"reward.model_path={rm_dir}", f"data.train_path={paths.train_prompts}",
-        "data.query_length=12", "rollout.response_length=6", "reward.truncate_after=2",
+        "data.max_prompt_length=12", "rollout.response_length=6", "reward.truncate_after=2",
         "algorithm.batch_size=8", "algorithm.noptepochs=2", "algorithm.lr=3e-4", "trainer.progress=false",
         "env.num_envs=4"]}
 

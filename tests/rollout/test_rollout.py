@@ -286,3 +286,76 @@ def test_aborted_generation_continues_on_new_weights_with_per_token_versions(ser
         if continued:
             break
     assert continued >= 1
+
+
+def fails_on_odd(completion, sample):
+    if sample["n"] % 2:
+        raise RuntimeError(f"checker crashed on sample {sample['n']}")
+    return 1.0
+
+
+async def length_reward(completion, sample):
+    return float(len(completion))
+
+
+@pytest.mark.timeout(120)
+def test_reward_functions_score_in_the_rollout_and_their_failures_count_like_env_failures(router_url, tokenizer,
+                                                                                          caplog):
+    from envs.single_turn import SingleTurnEnv
+    from rl_core.rewards import RewardFunctions
+
+    fns = RewardFunctions.from_config({"ok": {"fn": f"{__name__}:fails_on_odd", "weight": 2.0},
+                                       "chars": {"fn": f"{__name__}:length_reward", "weight": 0.5}}, timeout_s=10)
+    samples = [{"text": "she smiled at", "n": i % 4} for i in range(8)]  # n = 1 or 3: the first function raises
+    with caplog.at_level(logging.ERROR, logger="rl_core.rollout.rollout"):
+        result, _, pool = run_rollout(router_url, samples, SingleTurnEnv, tokenizer, max_failed_ratio=0.5,
+                                      sampling_params={"max_new_tokens": 5}, max_turns=1, policy_version=0,
+                                      max_total_tokens=CONTEXT, reward_fns=fns)
+    assert len(result.trajectories) == 4 and len(result.failed) == 4 and pool.failed == 0  # not the env's fault
+    assert all("checker crashed" in t.error for t in result.failed) and "checker crashed" in caplog.text
+    for traj in result.trajectories:
+        completion = tokenizer.decode(traj.final_response()[1], skip_special_tokens=True)
+        assert traj.reward_components == {"ok": 1.0, "chars": len(completion)}
+        assert traj.fn_reward == pytest.approx(2.0 + 0.5 * len(completion))
+    metrics = result.metrics
+    assert metrics["reward/fn/ok"] == 1.0 and metrics["reward/fn_failed"] == 4 and metrics["rollout/failed"] == 4
+    assert metrics["reward/fn_total_mean"] == pytest.approx(sum(t.fn_reward for t in result.trajectories) / 4)
+    with pytest.raises(TooManyEnvFailures, match="4 in a reward function"):
+        run_rollout(router_url, samples, SingleTurnEnv, tokenizer, max_failed_ratio=0.25,
+                    sampling_params={"max_new_tokens": 5}, max_turns=1, policy_version=0,
+                    max_total_tokens=CONTEXT, reward_fns=fns)
+
+
+@pytest.mark.timeout(120)
+def test_responses_end_at_stop_tokens_and_truncation_is_counted(router_url, tokenizer):
+    from envs.single_turn import SingleTurnEnv
+
+    samples = [{"text": "the old man"} for _ in range(4)]
+    common = dict(max_turns=1, policy_version=0, max_total_tokens=CONTEXT)
+    cut, _, _ = run_rollout(router_url, samples, SingleTurnEnv, tokenizer,
+                            sampling_params={"max_new_tokens": 6, "ignore_eos": True}, **common)
+    # every token id is a stop token: each response ends after its first token, by "stop"
+    stopped, _, _ = run_rollout(router_url, samples, SingleTurnEnv, tokenizer,
+                                sampling_params={"max_new_tokens": 6, "stop_token_ids": list(range(len(tokenizer)))},
+                                **common)
+    assert cut.metrics["rollout/truncated_frac"] == 1.0 and all(t.truncated for t in cut.trajectories)
+    assert all(t.num_action_tokens == 6 for t in cut.trajectories)
+    assert stopped.metrics["rollout/truncated_frac"] == 0.0
+    assert all(t.num_action_tokens == 1 and t.finish_reasons == ["stop"] for t in stopped.trajectories)
+
+
+def test_a_response_whose_last_token_is_eos_at_the_limit_is_not_counted_as_truncated():
+    from rl_core.rollout.rollout import _Rollout
+
+    class Tok:
+        eos_token_id = 0
+
+    def run(**params):
+        return _Rollout(client=None, env_pool=None, tokenizer=Tok(), sampling_params=params, max_turns=1,
+                        policy_version=0, concurrency=None, max_total_tokens=None, max_abort_retries=0)
+
+    # SGLang reports "length" when EOS arrives as the last allowed token; the response did end
+    assert run(max_new_tokens=3)._ends_with_stop([5, 6, 0])
+    assert run(max_new_tokens=3, stop_token_ids=[9])._ends_with_stop([5, 6, 9])
+    assert not run(max_new_tokens=3)._ends_with_stop([5, 6, 7])
+    assert not run(max_new_tokens=3, ignore_eos=True)._ends_with_stop([5, 6, 0])  # sentiment: fixed length

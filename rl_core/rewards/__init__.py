@@ -1,0 +1,111 @@
+"""Reward functions: plain Python callables named by import path, beside (or instead of) a reward model.
+
+A reward function scores one finished trajectory from its final response text and its dataset
+row, so a new task needs no framework change:
+
+    def my_reward(completion: str, sample: dict, **kwargs) -> float: ...
+    async def my_remote_reward(completion: str, sample: dict, **kwargs) -> float: ...
+
+`sample` is the prompt's dataset row with every column (e.g. `answer`). The config names them
+with weights (`reward.fns: {name: {fn: "pkg.module:function", weight: 1.0, kwargs: {...}}}`);
+the trajectory's reward is the weighted sum and every component is logged on its own. Sync
+functions run in a thread pool, async ones on the rollout's event loop, each call under
+`reward.fn_timeout_s`: the loop that drives hundreds of trajectories never waits on a slow
+checker. A function that raises, times out or returns something other than a finite number
+fails its trajectory the way an env failure does (left out of training, counted). Multi-turn
+tasks, and rewards that need the whole interaction, are envs (`envs/base.py`).
+Shipped functions: `rl_core.rewards.math` (answer checker, format reward).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from math import isfinite
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+class RewardFnError(RuntimeError):
+    """A reward function raised, timed out or returned something unusable; its trajectory fails."""
+
+
+def load_reward_fn(import_path: str) -> Callable:
+    """The callable at "pkg.module:function", or an error that says what was found."""
+    module_name, _, attr = import_path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward function path {import_path!r} must look like 'pkg.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ImportError(f"cannot import module {module_name!r} for reward function {import_path!r}: {err}") from err
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ImportError(f"{import_path!r} is {fn!r}, not a callable (completion, sample, **kwargs) -> float")
+    return fn
+
+
+@dataclass
+class RewardFn:
+    name: str
+    fn: Callable
+    weight: float = 1.0
+    kwargs: dict = field(default_factory=dict)
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.fn)
+
+
+class RewardFunctions:
+    """The configured reward functions; `score` runs them all on one completion."""
+
+    def __init__(self, fns: list[RewardFn], timeout_s: float = 30.0, executor: Executor | None = None):
+        self.fns, self.timeout_s, self.executor = fns, timeout_s, executor
+
+    @classmethod
+    def from_config(cls, specs: dict[str, dict], timeout_s: float, executor: Executor | None = None) -> "RewardFunctions":
+        """`specs` as in `reward.fns`: {name: {fn, weight, kwargs}}; every import happens here, up front."""
+        fns = [RewardFn(name, load_reward_fn(spec["fn"]), float(spec.get("weight", 1.0)), dict(spec.get("kwargs") or {}))
+               for name, spec in specs.items()]
+        return cls(fns, timeout_s, executor)
+
+    @property
+    def names(self) -> list[str]:
+        return [f.name for f in self.fns]
+
+    def __bool__(self) -> bool:
+        return bool(self.fns)
+
+    async def score(self, completion: str, sample: dict) -> dict[str, float]:
+        """Every component's value for one completion (run concurrently); RewardFnError on any failure."""
+        values = await asyncio.gather(*(self._one(f, completion, sample) for f in self.fns), return_exceptions=True)
+        for f, value in zip(self.fns, values):
+            if isinstance(value, BaseException):
+                raise RewardFnError(f"reward function {f.name!r} failed: {value}") from value
+        return dict(zip(self.names, values))
+
+    def total(self, components: dict[str, float]) -> float:
+        return sum(f.weight * components[f.name] for f in self.fns)
+
+    async def _one(self, f: RewardFn, completion: str, sample: dict) -> float:
+        if f.is_async:
+            call = f.fn(completion, sample, **f.kwargs)
+        else:  # blocking checkers (sympy, subprocesses, HTTP) must not stall the rollout's event loop
+            loop = asyncio.get_running_loop()
+            call = loop.run_in_executor(self.executor, lambda: f.fn(completion, sample, **f.kwargs))
+        try:
+            value = await asyncio.wait_for(call, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise RewardFnError(f"timed out after {self.timeout_s} s (reward.fn_timeout_s)") from None
+        return _as_number(value)
+
+
+def _as_number(value: Any) -> float:
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, (int, float)) or not isfinite(value):
+        raise RewardFnError(f"returned {value!r}; a reward function must return a finite number")
+    return float(value)

@@ -1,0 +1,143 @@
+"""Reward functions: the shipped math checker and format reward on tricky answers, and the runner
+(sync and async functions, weights, timeouts, failures)."""
+
+import asyncio
+import time
+
+import pytest
+
+from rl_core.rewards import RewardFnError, RewardFunctions, load_reward_fn
+from rl_core.rewards.math import answer_reward, extract_answer, format_reward
+
+GSM8K_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
+
+
+@pytest.mark.parametrize("completion, reference, expected", [
+    ("so the total is \\boxed{1,234}", "1234", 1.0),             # thousands separator
+    ("\\boxed{\\frac{3}{4}}", "0.75", 1.0),                      # LaTeX fraction = decimal
+    ("\\boxed{\\dfrac{1}{2}}", "1/2", 1.0),                      # \dfrac, nested braces
+    ("\\boxed{42 \\text{ apples}}", "42", 1.0),                  # unit inside the box
+    ("First \\boxed{12}, no wait, 13", "12", 1.0),               # the boxed answer beats a later number
+    ("x = 5, so\n#### 42", "42", 1.0),                           # GSM8K final line
+    ("#### $1,000.00", "1000", 1.0),                             # currency and trailing zeros
+    ("She sold 72 clips. The answer is 72.", GSM8K_SOLUTION, 1.0),  # reference is a whole GSM8K solution
+    ("The answer is -7.", "-7", 1.0),                            # negative, sentence period
+    ("The answer is 7", "-7", 0.0),                              # sign matters
+    ("The answer is \u22123", "-3", 1.0),                        # unicode minus
+    ("The answer is 18 dollars.", "18", 1.0),                    # unit word after the number
+    ("The answer is 5. I checked it 3 times.", "5", 1.0),        # the phrase ends at its sentence
+    ("I think 4 + 5 = 9", "9", 1.0),                             # final number
+    ("3.50", "3.5", 1.0),
+    ("50%", "50", 1.0),
+    ("10 - 3 = 7\n#### 8", "7", 0.0),                            # the stated final answer counts, not the work
+    ("\\boxed{x+1}", "x + 1", 1.0),                              # non-numeric: normalised text
+    ("\\boxed{x+1}", "y + 1", 0.0),
+    ("\\boxed{5 or 6}", "5", 0.0),                               # a hedge is not a number
+    ("no number at all", "3", 0.0),
+    ("\\boxed{12", "12", 1.0),                                   # unclosed box: falls back to the last number
+    ("", "0", 0.0),
+])
+def test_answer_reward_on_tricky_formats(completion, reference, expected):
+    assert answer_reward(completion, {"answer": reference}) == expected
+
+
+def test_answer_reward_reads_the_configured_column_and_says_when_it_is_missing():
+    assert answer_reward("#### 4", {"label": "4"}, answer_key="label") == 1.0
+    with pytest.raises(KeyError, match="answer_key"):
+        answer_reward("#### 4", {"question": "2+2"})
+    assert extract_answer("text\n#### 19") == "19" and extract_answer("nothing") is None
+
+
+@pytest.mark.parametrize("completion, style, expected", [
+    ("12 + 7 = 19\n#### 19", "hash", 1.0),
+    ("12 + 7 = 19\n#### 19.", "hash", 1.0),
+    ("#### 19 and then more text", "hash", 0.0),  # the final line must be the answer
+    ("The answer is 19", "hash", 0.0),
+    ("so \\boxed{19}", "boxed", 1.0),
+    ("so 19", "boxed", 0.0),
+    ("<think>12+7</think><answer>19</answer>", "answer_tag", 1.0),
+    ("<answer>19</answer> trailing", "answer_tag", 0.0),
+])
+def test_format_reward(completion, style, expected):
+    assert format_reward(completion, {}, style=style) == expected
+
+
+def test_format_reward_custom_pattern_and_unknown_style():
+    assert format_reward("Answer: 4", {}, pattern=r"^Answer: \d+$") == 1.0
+    with pytest.raises(ValueError, match="style"):
+        format_reward("x", {}, style="xml")
+
+
+# --------------------------------------------------------------------------- the runner
+
+
+def length_reward(completion, sample, per_char=1.0):
+    return per_char * len(completion)
+
+
+async def async_match(completion, sample):
+    await asyncio.sleep(0.01)
+    return completion == sample["answer"]
+
+
+def slow(completion, sample):
+    time.sleep(0.5)
+    return 1.0
+
+
+def broken(completion, sample):
+    raise ValueError("checker crashed")
+
+
+def not_a_number(completion, sample):
+    return "1.0"
+
+
+def run_score(specs, completion="abc", sample=None, timeout_s=5.0):
+    fns = RewardFunctions.from_config(specs, timeout_s)
+    components = asyncio.run(fns.score(completion, sample or {"answer": "abc"}))
+    return fns, components
+
+
+def test_sync_and_async_functions_weighted_and_kept_apart():
+    specs = {"length": {"fn": f"{__name__}:length_reward", "weight": 0.5, "kwargs": {"per_char": 2.0}},
+             "match": {"fn": f"{__name__}:async_match", "weight": 3}}
+    fns, components = run_score(specs)
+    assert components == {"length": 6.0, "match": 1.0}  # bool -> float
+    assert fns.total(components) == 0.5 * 6.0 + 3 * 1.0
+
+
+def test_a_slow_event_loop_is_not_blocked_by_a_sync_function():
+    fns = RewardFunctions.from_config({"slow": {"fn": f"{__name__}:slow"}}, timeout_s=5.0)
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        await fns.score("x", {})
+        task.cancel()
+        return ticks
+
+    assert asyncio.run(main()) >= 20  # the loop kept turning while the checker slept 0.5 s in a thread
+
+
+@pytest.mark.parametrize("fn, message", [("slow", "timed out after 0.1 s"), ("broken", "checker crashed"),
+                                         ("not_a_number", "finite number")])
+def test_failures_raise_one_error_naming_the_function(fn, message):
+    with pytest.raises(RewardFnError, match=f"'{fn}' failed.*{message}"):
+        run_score({fn: {"fn": f"{__name__}:{fn}"}}, timeout_s=0.1)
+
+
+def test_bad_import_paths_are_explained():
+    with pytest.raises(ValueError, match="pkg.module:function"):
+        load_reward_fn("rl_core.rewards.math.answer_reward")
+    with pytest.raises(ImportError, match="cannot import module"):
+        load_reward_fn("no_such_module:fn")
+    with pytest.raises(ImportError, match="not a callable"):
+        load_reward_fn("rl_core.rewards.math:NUMBER")
