@@ -140,7 +140,7 @@ async def bench_one(name: str, model_path: str, args, workdir: Path, procs: Mana
           f"(probe gap after the push {gap:.1e})")
     print(f"  file  {file_s * 1e3:8.2f} ms  {result['file_gb_s']:6.2f} GB/s   (old /dev/shm safetensors path: "
           f"{result['file_vs_push']:.2f}x the push)")
-    print(f"  push phases: " + "  ".join(f"{k} {v * 1e3:.2f} ms" for k, v in phases.items())
+    print("  push phases: " + "  ".join(f"{k} {v * 1e3:.2f} ms" for k, v in phases.items())
           + f"   one HTTP round trip {fixed_ms:.2f} ms (a push makes three)")
     return result
 

@@ -242,7 +242,10 @@ class PPOTrainer:
 def enable_gradient_checkpointing(model) -> None:
     """Recompute each block's activations in backward instead of storing them (memory for compute).
     Non-reentrant checkpointing works under FSDP2; the KV cache is useless when training."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
 
 
