@@ -2,28 +2,14 @@
 advantages with nminibatches > 1, evaluation at step 0 and at the end (2 ranks, gloo, real engines)."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
-from tests.ppo.test_job import read_metrics, wait_gone
+from tests.ppo.test_job import read_metrics, run_job, wait_gone
 
 
-def run_job(job, run_dir, *extra, timeout=480):
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m",
-            "rl_core.train", "--config", "grpo_arithmetic.yaml", *job["overrides"], f"trainer.run_dir={run_dir}", *extra]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the job did not finish within {timeout}s:\n{output[-5000:]}")
-    assert proc.returncode == 0, output[-6000:]
-    return output
+def run_arithmetic_job(job, run_dir, *extra):
+    return run_job(job, run_dir, *extra, timeout=480, config="grpo_arithmetic.yaml")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +29,7 @@ def arithmetic_job(tmp_path_factory):
 def test_arithmetic_recipe_logs_eval_at_step_0_and_at_the_end(arithmetic_job, tmp_path):
     run_dir = tmp_path / "arithmetic"
     # gradient checkpointing on: the key is wired through FSDP2 (the unit test below checks its gradients)
-    output = run_job(arithmetic_job, run_dir, "trainer.total_episodes=48", "trainer.eval_every=2",
+    output = run_arithmetic_job(arithmetic_job, run_dir, "trainer.total_episodes=48", "trainer.eval_every=2",
                      "model.gradient_checkpointing=true")
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
@@ -71,7 +57,7 @@ def test_dynamic_sampling_fills_the_batch_and_counts_what_it_dropped(arithmetic_
     run_dir = tmp_path / "dapo"
     # The untrained small policy never answers right, so every group has zero variance: dynamic sampling
     # launches up to 2x the groups a batch needs, then tops the batch up with dropped groups (and says so).
-    run_job(arithmetic_job, run_dir, "trainer.total_episodes=32", "algorithm.filter_zero_variance_groups=true",
+    run_arithmetic_job(arithmetic_job, run_dir, "trainer.total_episodes=32", "algorithm.filter_zero_variance_groups=true",
             "algorithm.filter_max_groups_factor=2", "algorithm.cliprange_high=0.28", "algorithm.loss_agg=token-mean",
             "algorithm.overlong_buffer=4", "data.eval_path=null", "trainer.eval_every=0")
     metrics = read_metrics(run_dir)

@@ -6,7 +6,6 @@ on both ranks, with no pickling of results.
 """
 
 import datetime
-import socket
 import types
 
 import pytest
@@ -15,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rl_core.ppo.trainer import PPOTrainer
+from workers.procs import free_port
 
 WORLD_SIZE = 2
 LENGTHS = [5, 12, 3, 9, 7, 7, 2, 11, 4]
@@ -54,12 +54,6 @@ def worker(rank: int, port: int, out_dir: str) -> None:
                    f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.timeout(120)

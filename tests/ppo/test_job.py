@@ -36,15 +36,15 @@ def small_job(tmp_path_factory):
         "env.num_envs=4"]}
 
 
-def torchrun_argv(overrides):
+def torchrun_argv(overrides, config="ppo_sentiment.yaml"):
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-            "-m", "rl_core.train", "--config", "ppo_sentiment.yaml", *overrides]
+            "-m", "rl_core.train", "--config", config, *overrides]
 
 
-def run_job(small_job, run_dir, *extra, timeout=420):
+def run_job(small_job, run_dir, *extra, timeout=420, config="ppo_sentiment.yaml"):
     overrides = small_job["overrides"] + [f"trainer.run_dir={run_dir}", *extra]
     # Own session, so a timeout kills torchrun *and* its ranks (no orphans left for later tests).
-    proc = subprocess.Popen(torchrun_argv(overrides), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(torchrun_argv(overrides, config), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)

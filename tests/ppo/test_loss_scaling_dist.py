@@ -7,7 +7,6 @@ while the naive per-rank mean must not. TFAdam is then stepped on the DTensor pa
 """
 
 import datetime
-import socket
 import warnings
 
 import pytest
@@ -18,6 +17,7 @@ import torch.multiprocessing as mp
 from rl_core.ppo.algorithms import LOSS_AGG_MODES, aggregate_loss, global_denominator
 from rl_core.optim import TFAdam
 from workers.models import logprobs_from_logits
+from workers.procs import free_port
 
 VOCAB, WIDTH, WORLD_SIZE = 13, 6, 2
 SEQ_LENGTHS = [4, 9, 6, 3, 7, 5, 10, 8]
@@ -110,12 +110,6 @@ def worker(rank: int, port: int, out_dir: str) -> None:
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def single_process_grads(loss_agg: str) -> dict[str, torch.Tensor]:
