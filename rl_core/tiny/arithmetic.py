@@ -5,11 +5,15 @@ Built once and cached beside the sentiment assets (same locked, staged build as 
     tiny-arithmetic/        the tiny tokenizer with a chat template + the tiny policy fine-tuned on
                             solved problems (Hugging Face format), build.json
     arithmetic/train.jsonl  {"messages": [{"role": "user", ...}], "answer": "12"} rows
-    arithmetic/eval.jsonl   held-out problems (a different seed: other numbers, names, templates mixes)
+    arithmetic/eval.jsonl   held-out problems (a different seed: other numbers, names and objects)
 
-The policy starts from the tiny sentiment policy (`assets.py`, unchanged) and is fine-tuned on
-solved problems ("7 + 5 = 12\\n#### 12") for a few hundred steps only: it writes the format and
-gets some answers right, so GRPO with an exact-answer reward has something to sharpen.
+The story the recipe tells: supervised data with a systematic error, fixed by RL with a
+verifiable reward. The policy starts from the tiny sentiment policy (`assets.py`) and is
+fine-tuned on worked solutions ("7 + 5 = 12\n#### 12") written by a careless annotator: in
+`slip_frac` of the subtraction solutions the final line repeats the amount given away
+("9 - 4 = 5\n#### 4"). The fine-tuned policy does the sums but often reports the wrong number
+for subtractions (held-out accuracy about 0.5); GRPO with an exact-answer reward teaches it to
+report what it computed.
 """
 
 from __future__ import annotations
@@ -48,17 +52,14 @@ class ArithmeticSettings:
 
     seed: int = 2024
     max_operand: int = 10
-    # Subtraction problems ("gives b away"; the rest are additions): rare in the fine-tuning corpus,
-    # half of the task (train and held-out problems).
-    corpus_sub_frac: float = 0.1
-    task_sub_frac: float = 0.5
-    slip_frac: float = 0.0  # corpus subtraction solutions whose final line carries a careless slip
+    sub_frac: float = 0.5  # subtraction problems ("gives b away"); the rest are additions
+    slip_frac: float = 0.7  # fine-tuning subtraction solutions whose final line carries the annotator's slip
     train_problems: int = 4000
     eval_problems: int = 200
     sft_problems: int = 20000  # the fine-tuning corpus (seeds disjoint from train and eval)
-    steps: int = 300
+    steps: int = 2400
     batch_size: int = 32
-    lr: float = 2e-3
+    lr: float = 3e-3
     # Start from the tiny sentiment policy; False = a fresh 2-layer model with room for whole problems
     # (the small test assets' policy has a 64-token context).
     from_base_policy: bool = True
@@ -149,8 +150,9 @@ def finetune(model, tokenizer, problems: list[dict], settings: ArithmeticSetting
     generator = torch.Generator().manual_seed(settings.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.01)
     warmup = 30
-    log_every = max(1, min(50, settings.steps // 10))
+    log_every = max(1, settings.steps // 10)
     losses = []
+    started = time.perf_counter()
     model.train()
     with torch_threads(num_threads):
         for step in range(settings.steps):
@@ -175,8 +177,10 @@ def finetune(model, tokenizer, problems: list[dict], settings: ArithmeticSetting
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
             if (step + 1) % log_every == 0:
+                elapsed = time.perf_counter() - started
                 log(f"[rl_core.tiny] arithmetic policy: step {step + 1}/{settings.steps} "
-                    f"loss {sum(losses[-log_every:]) / log_every:.3f}")
+                    f"loss {sum(losses[-log_every:]) / log_every:.3f} "
+                    f"({elapsed:.0f} s, about {elapsed * (settings.steps / (step + 1) - 1):.0f} s left)")
     model.eval()
     return losses
 
@@ -209,7 +213,7 @@ def ensure_arithmetic_assets(root: str | Path | None = None, *, small: bool = Fa
         with staged_directory(paths.data_dir) as staging:
             for path, count, seed in ((paths.train_file, settings.train_problems, settings.seed + 1),
                                       (paths.eval_file, settings.eval_problems, settings.seed + 2)):
-                problems = make_problems(count, seed, settings.max_operand, settings.task_sub_frac)
+                problems = make_problems(count, seed, settings.max_operand, settings.sub_frac)
                 _write_jsonl(staging / path.name, problems)
             (staging / "build.json").write_text(json.dumps({"settings": expected}, indent=2))
         with staged_directory(paths.model_dir) as staging:
@@ -222,7 +226,7 @@ def ensure_arithmetic_assets(root: str | Path | None = None, *, small: bool = Fa
                 model = AutoModelForCausalLM.from_pretrained(str(base.model_dir))
             else:
                 model = init_tiny_gpt2(tokenizer, n_layer=2, n_embd=32, n_head=2, n_positions=160, seed=settings.seed)
-            corpus = make_problems(settings.sft_problems, settings.seed, settings.max_operand, settings.corpus_sub_frac,
+            corpus = make_problems(settings.sft_problems, settings.seed, settings.max_operand, settings.sub_frac,
                                    settings.slip_frac)
             losses = finetune(model, tokenizer, corpus, settings, log=log)
             with _quiet_transformers_progress():
