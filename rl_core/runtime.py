@@ -39,6 +39,7 @@ class JobRuntime:
         self.engine_version = 0
         self.service = None
         self.env_executor = None
+        self.reward_executor = None
         self.run_dir_lock = None
         self._loop = asyncio.new_event_loop()  # for this rank's own engine calls (release, push, check)
 
@@ -67,8 +68,9 @@ class JobRuntime:
         try:
             if self.service is not None:
                 self.service.close()
-            if self.env_executor is not None:
-                self.env_executor.shutdown(wait=False, cancel_futures=True)  # never wait on a stuck env call
+            for executor in (self.env_executor, self.reward_executor):
+                if executor is not None:  # never wait on a stuck env call or reward function
+                    executor.shutdown(wait=False, cancel_futures=True)
             if self.engine is not None:
                 self._loop.run_until_complete(self.engine.close())
         finally:
@@ -168,8 +170,8 @@ class JobRuntime:
         if cfg.reward.fns:
             from rl_core.rewards import RewardFunctions
 
-            reward_fns = RewardFunctions.from_config(cfg.reward.fns, cfg.reward.fn_timeout_s,
-                                                     make_executor(cfg.env.thread_pool_size))
+            self.reward_executor = make_executor(cfg.env.thread_pool_size)
+            reward_fns = RewardFunctions.from_config(cfg.reward.fns, cfg.reward.fn_timeout_s, self.reward_executor)
         self.service = RolloutService(
             router_url=self.router_url, tokenizer=tokenizer,
             env_factory=make_env_factory(cfg.env.cls, dict(cfg.env.kwargs), self.env_executor),

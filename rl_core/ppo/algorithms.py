@@ -418,10 +418,8 @@ def group_advantages(
 
 def zero_variance_groups(scores: torch.Tensor, group_ids: Sequence | torch.Tensor) -> torch.Tensor:
     """Bool ``[N]``: True for responses whose group scored all the same (no signal to learn from)."""
-    index, n_groups = _group_index(group_ids, scores.numel())
-    low = torch.full((n_groups,), float("inf"), dtype=scores.dtype).scatter_reduce(0, index, scores, "amin")
-    high = torch.full((n_groups,), float("-inf"), dtype=scores.dtype).scatter_reduce(0, index, scores, "amax")
-    return (low == high)[index]
+    _, _, stds = group_stats(scores, group_ids)
+    return stds == 0
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0) -> torch.Tensor:

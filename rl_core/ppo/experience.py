@@ -79,11 +79,6 @@ class Targets:
     stats: dict[str, float]
 
 
-def final_response(traj: Trajectory) -> tuple[list[int], list[int]]:
-    """(context ids, response ids) of the trajectory's last sequence: its final run of action tokens."""
-    return traj.final_response()
-
-
 def reward_model_inputs(trajectories: list[Trajectory], truncate_token: int | None,
                         truncate_after: int) -> tuple[list[list[int]], torch.Tensor]:
     """Query+response ids the reward model scores, and which rows get the rejection penalty.
@@ -95,7 +90,7 @@ def reward_model_inputs(trajectories: list[Trajectory], truncate_token: int | No
     """
     inputs, rejected = [], []
     for traj in trajectories:
-        context, response = final_response(traj)
+        context, response = traj.final_response()
         kept = None if truncate_token is None else alg.truncated_ids(response, truncate_token, truncate_after)
         rejected.append(truncate_token is not None and kept is None)
         inputs.append(list(context) + list(response if kept is None else kept))

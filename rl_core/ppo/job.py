@@ -23,8 +23,7 @@ from rl_core.logger import MetricsLogger, StepTimer, print_step
 from rl_core.ppo.checkpoint import Checkpointer
 from rl_core.ppo.config import PPOConfig, check_context_length, validate
 from rl_core.ppo.evaluation import evaluate, print_eval
-from rl_core.ppo.experience import (apply_group_rule, compute_advantages, final_response, has_reward_variance,
-                                   task_scores)
+from rl_core.ppo.experience import apply_group_rule, compute_advantages, has_reward_variance, task_scores
 from rl_core.ppo.trainer import PPOTrainer, score_metrics
 from rl_core.rewards import load_reward_fn
 from rl_core.rollout.prompts import eval_samples, prompt_samples
@@ -218,19 +217,20 @@ def resolve_paths(cfg: PPOConfig, rank: int) -> tuple[str, str | None, str, str 
         dist.barrier()
         arithmetic = ensure_arithmetic_assets(log=lambda *_: None)
 
-    def pick(value, tiny_path, arithmetic_path):
+    def pick(value, tiny_file: str, arithmetic_file: str):
+        """`value` itself, or the named file of the offline assets it names."""
         if value == "tiny":
-            return str(tiny_path())
-        return str(arithmetic_path()) if value == ARITHMETIC else value
+            return str(getattr(tiny, tiny_file))
+        return str(getattr(arithmetic, arithmetic_file)) if value == ARITHMETIC else value
 
-    policy = pick(cfg.model.path, lambda: tiny.model_dir, lambda: arithmetic.model_dir)
+    policy = pick(cfg.model.path, "model_dir", "model_dir")
     reward = cfg.reward.model_path or None
     if reward == "tiny":
         from rl_core.tiny.reward_model import ensure_tiny_reward_model
 
         reward = str(ensure_tiny_reward_model(tiny, log=lambda *_: None))
-    prompts = pick(cfg.data.train_path, lambda: tiny.train_prompts, lambda: arithmetic.train_file)
-    held_out = pick(cfg.data.eval_path, lambda: tiny.test_prompts, lambda: arithmetic.eval_file)
+    prompts = pick(cfg.data.train_path, "train_prompts", "train_file")
+    held_out = pick(cfg.data.eval_path, "test_prompts", "eval_file")
     return policy, reward, prompts, held_out
 
 
@@ -238,7 +238,7 @@ def sample_rows(tokenizer, exp, scores, n: int) -> list[dict]:
     """A few (query, response, score) rows for the samples table."""
     rows = []
     for t, traj in enumerate(exp.trajectories[:n]):
-        context, response = final_response(traj)
+        context, response = traj.final_response()
         rows.append({"query": tokenizer.decode(context, skip_special_tokens=True),
                      "response": tokenizer.decode(response, skip_special_tokens=True),
                      "score": float(scores[t])})

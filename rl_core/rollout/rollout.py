@@ -117,6 +117,9 @@ class _Rollout:
         self.max_total_tokens = max_total_tokens
         self.max_abort_retries = max_abort_retries
         self.reward_fns = reward_fns
+        # Tokens that end a response (none under ignore_eos: OpenAI's fixed-length responses).
+        self.stop_ids = set() if self.sampling_params.get("ignore_eos") else (
+            set(self.sampling_params.get("stop_token_ids") or ()) | {getattr(tokenizer, "eos_token_id", None)})
         self.limit = asyncio.Semaphore(concurrency) if concurrency else None
         self.sample_shown = False
         self.bar: tqdm | None = None
@@ -219,10 +222,7 @@ class _Rollout:
 
     def _ends_with_stop(self, ids: list[int]) -> bool:
         """The last token ended the response (EOS or a stop token) even though it also hit the limit."""
-        if not ids or self.sampling_params.get("ignore_eos"):
-            return False
-        stops = set(self.sampling_params.get("stop_token_ids") or ()) | {getattr(self.tokenizer, "eos_token_id", None)}
-        return ids[-1] in stops
+        return bool(ids) and ids[-1] in self.stop_ids
 
     def _show(self, traj: Trajectory) -> None:
         """Print the first finished trajectory, so a glance at the log shows what the policy writes."""

@@ -9,6 +9,7 @@ from workers.engines.client import EngineClient, EngineError
 from workers.engines.embedded import launch_embedded_engine
 from workers.engines.weights import (WeightPusher, WeightSyncError, check_pushed_weights, flatten_bucket,
                                      serialize_for_engine)
+from tests.workers.small_models import save_small_gpt2
 from workers.procs import ManagedProcesses
 
 CONTEXT = 512
@@ -17,15 +18,8 @@ CONTEXT = 512
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dir, tmp_path_factory):
     """The session tokenizer with a 2-layer GPT-2 whose context (512) allows long, abortable decodes."""
-    from transformers import AutoTokenizer
-
-    from rl_core.tiny.assets import init_tiny_gpt2
-
-    out = tmp_path_factory.mktemp("engine_model")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tokenizer.save_pretrained(out)
-    init_tiny_gpt2(tokenizer, n_layer=2, n_embd=32, n_head=2, n_positions=CONTEXT).save_pretrained(out)
-    return str(out)
+    return save_small_gpt2(tiny_model_dir, tmp_path_factory.mktemp("engine_model"), n_layer=2, n_embd=32,
+                           n_positions=CONTEXT)
 
 
 @pytest.fixture(scope="module")

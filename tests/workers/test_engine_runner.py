@@ -10,20 +10,15 @@ import torch
 from workers.engines.embedded.runner import GenRequest, ModelRunner, SamplingParams
 from workers.engines.embedded.sampling import RowSampling, sample
 
+from tests.workers.small_models import save_small_gpt2
+
 CONTEXT = 128
 
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dir, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from rl_core.tiny.assets import init_tiny_gpt2
-
-    out = tmp_path_factory.mktemp("runner_model")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tokenizer.save_pretrained(out)
-    init_tiny_gpt2(tokenizer, n_layer=2, n_embd=32, n_head=2, n_positions=CONTEXT).save_pretrained(out)
-    return str(out)
+    return save_small_gpt2(tiny_model_dir, tmp_path_factory.mktemp("runner_model"), n_layer=2, n_embd=32,
+                           n_positions=CONTEXT)
 
 
 @pytest.fixture(scope="module")

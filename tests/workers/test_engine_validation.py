@@ -10,6 +10,7 @@ import pytest
 
 from workers.engines.embedded import launch_embedded_engine
 from workers.engines.embedded.validation import DEFAULT_MAX_NEW_TOKENS, MAX_BODY_BYTES, MAX_N, MAX_ROWS
+from tests.workers.small_models import save_small_gpt2
 from workers.procs import ManagedProcesses
 
 CONTEXT = 256
@@ -17,14 +18,8 @@ CONTEXT = 256
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from rl_core.tiny.assets import init_tiny_gpt2
-
-    model_dir = tmp_path_factory.mktemp("validation_model")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tokenizer.save_pretrained(model_dir)
-    init_tiny_gpt2(tokenizer, n_layer=1, n_embd=16, n_head=2, n_positions=CONTEXT).save_pretrained(model_dir)
+    model_dir = save_small_gpt2(tiny_model_dir, tmp_path_factory.mktemp("validation_model"), n_layer=1, n_embd=16,
+                                n_positions=CONTEXT)
     log = tmp_path_factory.mktemp("logs") / "engine.log"
     with ManagedProcesses() as procs:
         yield launch_embedded_engine(str(model_dir), log, processes=procs, num_threads=1)
