@@ -51,8 +51,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workers.engines.client import EngineClient  # noqa: E402
-from workers.engines.rank_engine import EngineSpec, engine_argv  # noqa: E402
-from workers.procs import ManagedProcesses, free_port, wait_http_ok  # noqa: E402
+from workers.engines.rank_engine import EngineSpec, start_engine  # noqa: E402
+from workers.procs import ManagedProcesses  # noqa: E402
 from workers.router import launch_router  # noqa: E402
 
 from bench_train import SGLANG_ARGS  # noqa: E402  (this script's folder is on sys.path)
@@ -96,11 +96,7 @@ def router_model(workdir: Path, context: int) -> str:
 
 def launch_engine(spec: EngineSpec, log_path: Path, procs: ManagedProcesses, core: int | None = None) -> str:
     """Start an engine and wait for /health; with `core`, every thread of it runs on that CPU only."""
-    port = free_port(spec.host)
-    argv, env = engine_argv(spec, port)
-    url = f"http://{spec.host}:{port}"
-    proc = procs.start(f"{spec.kind} engine {url}", argv, log_path, env)
-    wait_http_ok(f"{url}/health", 600, proc, log_path, name=f"{spec.kind} engine {url}")
+    url, proc = start_engine(spec, log_path, procs, deadline_s=600)
     if core is not None:  # threads started later inherit it
         for task in Path(f"/proc/{proc.pid}/task").iterdir():
             os.sched_setaffinity(int(task.name), {core})

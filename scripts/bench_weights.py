@@ -37,24 +37,9 @@ from workers.engines.client import EngineClient  # noqa: E402
 from workers.engines.embedded import launch_embedded_engine  # noqa: E402
 from workers.engines.weights import WeightPusher, check_pushed_weights, tensor_nbytes  # noqa: E402
 from workers.procs import ManagedProcesses  # noqa: E402
+from bench_rollout import bench_model  # noqa: E402 - the same models as the rollout bench
 
 PROBE = [5, 6, 7, 8, 9, 10, 11, 12]
-
-
-def build_model(name: str, workdir: Path) -> str:
-    from rl_core.tiny.assets import ensure_tiny_assets, init_tiny_gpt2
-    from workers.models import load_tokenizer
-
-    policy_dir = ensure_tiny_assets().model_dir
-    if name == "tiny":
-        return str(policy_dir)
-    if name != "gpt2-86m":
-        return name
-    tokenizer = load_tokenizer(str(policy_dir))
-    out = workdir / name
-    init_tiny_gpt2(tokenizer, n_layer=12, n_embd=768, n_head=12, n_positions=128).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return str(out)
 
 
 def unique_parameters(model) -> list[tuple[str, torch.Tensor]]:
@@ -168,7 +153,7 @@ def main() -> None:
     summary = {}
     with tempfile.TemporaryDirectory(prefix="bench_weights_") as tmp, ManagedProcesses() as procs:
         for name in args.models.split(","):
-            result = asyncio.run(bench_one(name, build_model(name, Path(tmp)), args, Path(tmp), procs))
+            result = asyncio.run(bench_one(name, bench_model(name, Path(tmp), context=128), args, Path(tmp), procs))
             key = "86m" if name == "gpt2-86m" else name
             summary.update({f"weight_push_vs_copy_{key}": round(result["push_vs_copy"], 3),
                             f"push_s_{key}": round(result["push_s"], 5), f"copy_s_{key}": round(result["copy_s"], 5),

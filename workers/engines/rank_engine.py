@@ -61,6 +61,17 @@ def engine_argv(spec: EngineSpec, port: int) -> tuple[list[str], dict[str, str] 
     return build_server_argv(kwargs), server_env(spec.gpu_ids)
 
 
+def start_engine(spec: EngineSpec, log_path: Path, processes: ManagedProcesses, deadline_s: float):
+    """Start one engine process on a free loopback (or configured) port and wait for /health: (url, process)."""
+    port = free_port(spec.host)
+    argv, env = engine_argv(spec, port)
+    url = f"http://{spec.host}:{port}"
+    name = f"{spec.kind} engine {url}"
+    proc = processes.start(name, argv, log_path, env)
+    wait_http_ok(f"{url}/health", deadline_s, proc, log_path, name=name)
+    return url, proc
+
+
 class RankEngine:
     """This rank's engine process and the HTTP calls the job makes to it.
 
@@ -80,12 +91,7 @@ class RankEngine:
     @classmethod
     def launch(cls, spec: EngineSpec, log_path: Path, processes: ManagedProcesses, deadline_s: float,
                bucket_bytes: int, timeout_s: float = 300.0) -> "RankEngine":
-        port = free_port(spec.host)
-        argv, env = engine_argv(spec, port)
-        url = f"http://{spec.host}:{port}"
-        name = f"{spec.kind} engine {url}"
-        proc = processes.start(name, argv, log_path, env)
-        wait_http_ok(f"{url}/health", deadline_s, proc, log_path, name=name)
+        url, _ = start_engine(spec, log_path, processes, deadline_s)
         encode = sglang_encode_bucket if spec.kind == "sglang" else encode_bucket
         pusher = WeightPusher(getattr(torch, spec.dtype), bucket_bytes, spec.tp_size, encode)
         return cls(spec, url, log_path, pusher, timeout_s)

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from workers.engines.embedded.kv_cache import SlotCache
-from workers.engines.embedded.sampling import GREEDY_TEMPERATURE, RowSampling, draw_uniforms, sample
+from workers.engines.embedded.sampling import GREEDY_TEMPERATURE, RowSampling, cat_padded, draw_uniforms, sample
 
 
 @dataclasses.dataclass
@@ -60,6 +60,12 @@ class GenRequest:
     admitted: bool = False  # set by the decode thread once the request is in the batch
     finished: bool = False
     joined_step: int = 0  # the batch's step counter when it joined: its k-th token is sampled at joined_step + k
+
+    def abort_reason(self) -> dict | None:
+        """SGLang's abort finish reason when the request was aborted or its client went away, else None."""
+        if self.future.cancelled() and self.abort_message is None:
+            self.abort_message = "client disconnected"
+        return None if self.abort_message is None else {"type": "abort", "message": self.abort_message}
 
 
 class ModelRunner:
@@ -164,18 +170,6 @@ class ModelRunner:
 
     # -- finishing
 
-    def finish_reason(self, request: GenRequest) -> dict | None:
-        """SGLang order: the length limit first, then EOS / stop tokens unless ignore_eos."""
-        if request.abort_message is not None:
-            return {"type": "abort", "message": request.abort_message}
-        params = request.params
-        if len(request.output_ids) >= params.max_new_tokens:
-            return {"type": "length", "length": params.max_new_tokens}
-        last = request.output_ids[-1] if request.output_ids else None
-        if last is not None and last in self.stop_ids(params):
-            return {"type": "stop", "matched": last}
-        return None
-
     def stop_ids(self, params: SamplingParams) -> set[int]:
         """Tokens that end this request: none with ignore_eos (SGLang), else EOS and stop_token_ids."""
         return set() if params.ignore_eos else set(params.stop_token_ids) | self.eos_ids
@@ -215,9 +209,7 @@ class ModelRunner:
 
     def _finish_if_done(self, request: GenRequest, on_finish) -> bool:
         """For requests not in the batch (yet): aborted or cancelled before decoding."""
-        if request.future.cancelled() and request.abort_message is None:
-            request.abort_message = "client disconnected"
-        reason = self.finish_reason(request)
+        reason = request.abort_reason()
         if reason is None:
             return False
         request.finished = True
@@ -365,19 +357,18 @@ class DecodeBatch:
             self.positions = torch.cat([self.positions, positions])
             self.counts = torch.cat([self.counts, counts])
             self.sampling = self.sampling.cat(sampling)
-            self.out_ids = _cat_padded(self.out_ids, out_ids)
-            self.out_logprobs = _cat_padded(self.out_logprobs, out_logprobs)
-            self.stop_table = _cat_padded(self.stop_table, stop_table, value=-1)
+            self.out_ids = cat_padded(self.out_ids, out_ids)
+            self.out_logprobs = cat_padded(self.out_logprobs, out_logprobs)
+            self.stop_table = cat_padded(self.stop_table, stop_table, value=-1)
         self.requests = self.requests + requests
 
     def finished_rows(self, tokens: torch.Tensor) -> dict[int, dict]:
         """Rows done after this step's tokens -> SGLang finish reason (abort, then length, then stop)."""
         finished: dict[int, dict] = {}
         for row, request in enumerate(self.requests):  # attribute reads only: cheap even for big batches
-            if request.future.cancelled() and request.abort_message is None:
-                request.abort_message = "client disconnected"
-            if request.abort_message is not None:
-                finished[row] = {"type": "abort", "message": request.abort_message}
+            reason = request.abort_reason()
+            if reason is not None:
+                finished[row] = reason
         due = [request for request in self.due.pop(self.step, ()) if not request.finished]
         if due:
             row_of = {id(request): row for row, request in enumerate(self.requests)}
@@ -406,9 +397,3 @@ def _adoptable(tensor: torch.Tensor, param: torch.Tensor) -> bool:
     return (tensor.device.type == "cpu" and param.device.type == "cpu" and tensor.dtype == param.dtype
             and tensor.is_shared())
 
-
-def _cat_padded(a: torch.Tensor, b: torch.Tensor, value: int = 0) -> torch.Tensor:
-    """Rows of `a` then rows of `b`, the narrower one right-padded with `value`."""
-    width = max(a.shape[1], b.shape[1])
-    pad = torch.nn.functional.pad
-    return torch.cat([pad(a, (0, width - a.shape[1]), value=value), pad(b, (0, width - b.shape[1]), value=value)])

@@ -46,11 +46,10 @@ class RowSampling:
             any_filter=any(k < vocab_size or p < 1.0 for k, p in zip(top_k, top_p)))
 
     def cat(self, other: "RowSampling") -> "RowSampling":
-        width = max(self.uniforms.shape[1], other.uniforms.shape[1])
         return RowSampling(
             torch.cat([self.temperature, other.temperature]), torch.cat([self.greedy, other.greedy]),
             torch.cat([self.top_k, other.top_k]), torch.cat([self.top_p, other.top_p]),
-            torch.cat([_pad_columns(self.uniforms, width), _pad_columns(other.uniforms, width)]),
+            cat_padded(self.uniforms, other.uniforms),
             self.any_greedy or other.any_greedy, self.all_greedy and other.all_greedy,
             self.any_filter or other.any_filter)
 
@@ -60,8 +59,11 @@ class RowSampling:
                                    top_k=self.top_k[index], top_p=self.top_p[index], uniforms=self.uniforms[index])
 
 
-def _pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.shape[1] < width else t
+def cat_padded(a: torch.Tensor, b: torch.Tensor, value: float = 0) -> torch.Tensor:
+    """Rows of `a` then rows of `b`, the narrower one right-padded with `value`."""
+    width = max(a.shape[1], b.shape[1])
+    pad = torch.nn.functional.pad
+    return torch.cat([pad(a, (0, width - a.shape[1]), value=value), pad(b, (0, width - b.shape[1]), value=value)])
 
 
 def draw_uniforms(params: list, engine_rng: torch.Generator) -> torch.Tensor:
