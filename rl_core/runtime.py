@@ -114,7 +114,7 @@ class JobRuntime:
                           seed=rank_seed(self.cfg.trainer.seed, self.rank),
                           max_batch_size=ro.engine_max_batch_size, num_threads=self.cpu_threads(),
                           tp_size=ro.tp_size, mem_fraction_static=ro.mem_fraction_static,
-                          sglang_args=sglang_args, gpu_ids=gpus)
+                          sglang_args=sglang_args, gpu_ids=gpus, sglang_python=ro.sglang_python)
         log_path = self.log_dir / f"engine-rank{self.rank}.log"
         deadline = ENGINE_START_TIMEOUT_S * (2 if ro.engine == "sglang" else 1)
         self.engine = RankEngine.launch(spec, log_path, self.procs, deadline, ro.weight_bucket_mb << 20,

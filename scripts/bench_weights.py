@@ -135,7 +135,7 @@ async def fixed_costs_ms(client: EngineClient, repeats: int = 20) -> float:
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
-        await client.get("/get_model_info")
+        await client.model_info()
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e3
 

@@ -92,6 +92,9 @@ class RolloutConfig:
     mem_fraction_static: float = 0.6  # SGLang KV/weights share of the GPU when colocated
     tp_size: int = 1
     sglang_args: dict = field(default_factory=dict)  # any further SGLang ServerArgs, e.g. {attention_backend: triton}
+    # The Python that runs each SGLang server; null = the job's own. On CPU: .venv-sglang/bin/python
+    # (scripts/setup_sglang_cpu.sh builds it), so the job's environment needs no sglang.
+    sglang_python: Optional[str] = None
     multi_node_host: Optional[str] = None  # address engines bind to when nnodes > 1
 
 
@@ -247,6 +250,8 @@ def validate(cfg: PPOConfig) -> None:
     require(ro.weight_bucket_mb >= 1, "config key 'rollout.weight_bucket_mb' must be >= 1")
     require(ro.weight_check_tolerance is None or ro.weight_check_tolerance > 0,
             "config key 'rollout.weight_check_tolerance' must be > 0 or null (by engine dtype)")
+    require(ro.sglang_python is None or ro.engine == "sglang",
+            "rollout.sglang_python is set but rollout.engine is not sglang; drop it or set rollout.engine=sglang")
     require(not ro.sglang_args or ro.engine == "sglang",
             "rollout.sglang_args is set but rollout.engine is not sglang; drop it or set rollout.engine=sglang")
     require(cfg.data.max_prompt_length > 0, "config key 'data.max_prompt_length' must be > 0")

@@ -1,8 +1,10 @@
 """SGLang launch (argv, environment) and the weight-push payloads both engines receive.
 
-sglang itself needs a GPU; what the job sends it is built by pure functions tested here, and
-the same calls run against the embedded engine in every other test.
+What the job sends is built by pure functions tested here; the calls themselves run against
+real SGLang on CPU in test_engine_conformance.py and the job-level tests.
 """
+
+import sys
 
 import pytest
 import torch
@@ -50,11 +52,13 @@ def test_server_env_drops_torchrun_variables_and_pins_the_rank_gpus():
 
 def test_rank_engine_launches_either_kind_with_the_same_settings():
     spec = EngineSpec(kind="sglang", model_path="/m", dtype="bfloat16", device="cuda:1", seed=7, gpu_ids=(1,),
-                      sglang_args={"attention_backend": "triton"})
+                      sglang_args={"attention_backend": "triton"}, sglang_python=sys.executable)
     argv, env = engine_argv(spec, 30001)
     pairs = flags(argv)
+    assert argv[0] == sys.executable
     assert pairs["--random-seed"] == "7" and pairs["--dtype"] == "bfloat16" and pairs["--port"] == "30001"
     assert pairs["--attention-backend"] == "triton" and env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert "--enable-memory-saver" in argv and "SGLANG_USE_CPU_ENGINE" not in env
     argv, env = engine_argv(EngineSpec(kind="embedded", model_path="/m", dtype="float32", device="cpu", seed=7), 30002)
     assert argv[1:3] == ["-m", "workers.engines.embedded"] and env is None
     assert flags(argv)["--seed"] == "7" and flags(argv)["--port"] == "30002"
@@ -97,3 +101,29 @@ def test_payload_flushes_and_versions_only_on_the_last_bucket():
 def test_memory_tags_resume_weights_before_the_push_and_kv_cache_after():
     assert set(RELEASE_TAGS) == {"weights", "kv_cache"}
     assert RESUME_BEFORE_PUSH == ("weights",) and RESUME_AFTER_PUSH == ("kv_cache",)
+
+
+def test_a_cpu_rank_gets_sglangs_cpu_settings_still_overridable():
+    spec = EngineSpec(kind="sglang", model_path="/m", dtype="float32", device="cpu", sglang_python=sys.executable,
+                      sglang_args={"max_total_tokens": 4096})
+    argv, env = engine_argv(spec, 30003)
+    pairs = flags(argv)
+    assert pairs["--device"] == "cpu" and pairs["--attention-backend"] == "torch_native"
+    assert pairs["--max-total-tokens"] == "4096"  # rollout.sglang_args wins
+    assert "--disable-cuda-graph" in argv and "--sleep-on-idle" in argv
+    assert "--enable-memory-saver" not in argv and "--mem-fraction-static" not in argv
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+
+
+def test_the_server_interpreter_is_checked_before_anything_starts(tmp_path):
+    from workers.engines.sglang_engine import server_python
+    from workers.procs import ProcessStartError
+
+    with pytest.raises(ProcessStartError, match="rollout.sglang_python=.*not an executable file"):
+        server_python(str(tmp_path / "no-python"))
+    assert server_python(sys.executable) == sys.executable
+    try:
+        import sglang  # noqa: F401
+    except ImportError:  # this environment has none: the error says how to get one
+        with pytest.raises(ProcessStartError, match="setup_sglang_cpu.sh"):
+            server_python(None)

@@ -59,7 +59,12 @@ class EngineClient:
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=self.max_connections)
+            # A fresh connection per call (force_close): servers close idle keep-alive connections
+            # on their own clock (SGLang's uvicorn after 5 s, aiohttp pools them for 15 s), and a
+            # POST sent on one the server is closing fails with ServerDisconnectedError and is not
+            # retried (it may not be idempotent). A loopback connect costs well under a millisecond.
+            connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=self.max_connections,
+                                             force_close=True)
             self._session = aiohttp.ClientSession(connector=connector)
         return self._session
 
@@ -108,10 +113,10 @@ class EngineClient:
         return True
 
     async def model_info(self) -> dict:
-        return await self.get("/get_model_info")
+        return await self.get("/model_info")  # SGLang deprecates /get_model_info
 
     async def server_info(self) -> dict:
-        return await self.get("/get_server_info")
+        return await self.get("/server_info")
 
     async def flush_cache(self) -> Any:
         return await self.post("/flush_cache")
@@ -131,6 +136,7 @@ class EngineClient:
         return await self.post("/resume_memory_occupation", {"tags": list(tags)})
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> Any:
+        """Abort the request with exactly this rid, or all; SGLang ignores a rid it does not know."""
         return await self.post("/abort_request", {"rid": rid or "", "abort_all": abort_all})
 
     async def close(self) -> None:

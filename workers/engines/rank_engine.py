@@ -44,6 +44,7 @@ class EngineSpec:
     mem_fraction_static: float = 0.6
     sglang_args: dict = dataclasses.field(default_factory=dict)
     gpu_ids: tuple[int, ...] | None = None  # sglang: the GPUs of this rank's server
+    sglang_python: str | None = None  # sglang: the interpreter that runs the server (None: this one)
 
 
 def engine_argv(spec: EngineSpec, port: int) -> tuple[list[str], dict[str, str] | None]:
@@ -54,11 +55,11 @@ def engine_argv(spec: EngineSpec, port: int) -> tuple[list[str], dict[str, str] 
         argv = build_engine_argv(spec.model_path, port, spec.host, device=spec.device, dtype=spec.dtype,
                                  max_batch_size=spec.max_batch_size, num_threads=spec.num_threads, seed=spec.seed)
         return argv, None
-    from workers.engines.sglang_engine import build_server_argv, server_env, server_kwargs
+    from workers.engines.sglang_engine import build_server_argv, server_env, server_kwargs, server_python
 
     kwargs = server_kwargs(spec.model_path, spec.host, port, spec.tp_size, spec.mem_fraction_static, spec.dtype,
-                           extra={"random_seed": spec.seed, **spec.sglang_args})
-    return build_server_argv(kwargs), server_env(spec.gpu_ids)
+                           extra={"random_seed": spec.seed, **spec.sglang_args}, device=spec.device)
+    return build_server_argv(kwargs, server_python(spec.sglang_python)), server_env(spec.gpu_ids, device=spec.device)
 
 
 def start_engine(spec: EngineSpec, log_path: Path, processes: ManagedProcesses, deadline_s: float):
@@ -92,7 +93,9 @@ class RankEngine:
     def launch(cls, spec: EngineSpec, log_path: Path, processes: ManagedProcesses, deadline_s: float,
                bucket_bytes: int, timeout_s: float = 300.0) -> "RankEngine":
         url, _ = start_engine(spec, log_path, processes, deadline_s)
-        encode = sglang_encode_bucket if spec.kind == "sglang" else encode_bucket
+        # CUDA buckets for SGLang need its own pickler (IPC handles keyed by GPU UUID); CPU buckets
+        # travel the same way to both engines (shared-memory files), without importing sglang.
+        encode = sglang_encode_bucket if spec.kind == "sglang" and spec.device.startswith("cuda") else encode_bucket
         pusher = WeightPusher(getattr(torch, spec.dtype), bucket_bytes, spec.tp_size, encode)
         return cls(spec, url, log_path, pusher, timeout_s)
 

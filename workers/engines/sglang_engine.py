@@ -1,15 +1,21 @@
-"""Command line and environment of a real SGLang server (GPU; the `sglang` extra).
+"""Command line and environment of a real SGLang server (GPUs; on CPUs a slow test path).
 
 One server per rank (or TP group), launched by the owning rank as
 `python -m sglang.launch_server`. Nothing here imports sglang: the job talks to the server over
 HTTP only (`workers/engines/rank_engine.py`), exactly as it talks to the embedded engine.
+On a CPU rank the server gets the settings SGLang's CPU path needs by itself (`CPU_DEFAULTS`);
+`python` may be another environment's interpreter (`rollout.sglang_python`, e.g. the
+`.venv-sglang` that `scripts/setup_sglang_cpu.sh` builds).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from typing import Any, Mapping, Sequence
+
+from workers.procs import ProcessStartError
 
 # Variables torchrun sets for its workers. A server that inherits them takes part in torchrun's
 # rendezvous: with TORCHELASTIC_USE_AGENT_STORE=True its own `init_process_group` becomes a store
@@ -19,24 +25,52 @@ TORCHRUN_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTE
                   "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE")
 
 
+# SGLang on a CPU rank (see shared facts in the README): the memory saver needs a CUDA package
+# (release/resume are no-ops without it, and nothing is freed on CPU anyway); the torch-native
+# attention backend is the one that runs without AMX; no CUDA graphs; without sleep_on_idle the
+# scheduler busy-polls a core even while idle, halving the trainer next to it; and a bounded KV
+# budget instead of a share of "device" memory.
+CPU_DEFAULTS = {"device": "cpu", "enable_memory_saver": False, "attention_backend": "torch_native",
+                "disable_cuda_graph": True, "sleep_on_idle": True, "max_total_tokens": 16384}
+
+
 def server_kwargs(model_path: str, host: str = "127.0.0.1", port: int = 30000, tp_size: int = 1,
                   mem_fraction_static: float = 0.6, dtype: str = "auto", log_level: str = "info",
-                  extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                  extra: Mapping[str, Any] | None = None, device: str = "cuda") -> dict[str, Any]:
     """ServerArgs fields for a colocated engine; `extra` (rollout.sglang_args) adds or overrides any.
 
-    The memory saver is on so `/release_memory_occupation` really frees the GPU for training;
-    `mem_fraction_static` is the engine's share of the GPU next to the trainer.
+    On GPUs the memory saver is on so `/release_memory_occupation` really frees the GPU for
+    training, and `mem_fraction_static` is the engine's share of the GPU next to the trainer.
+    On CPUs the server gets `CPU_DEFAULTS`.
     """
     if not 0 < mem_fraction_static < 1:
         raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     kwargs = {"model_path": str(model_path), "host": host, "port": int(port), "tp_size": tp_size,
-              "mem_fraction_static": mem_fraction_static, "enable_memory_saver": True, "base_gpu_id": 0,
               "dtype": dtype, "log_level": log_level}
+    if device.startswith("cpu"):
+        kwargs.update(CPU_DEFAULTS)
+    else:
+        kwargs.update(mem_fraction_static=mem_fraction_static, enable_memory_saver=True, base_gpu_id=0)
     for key, value in (extra or {}).items():
         kwargs[str(key).replace("-", "_")] = value
     return kwargs
+
+
+def server_python(python: str | None) -> str:
+    """The interpreter that runs `sglang.launch_server`, checked before any process starts."""
+    if python is None:
+        if importlib.util.find_spec("sglang") is None:
+            raise ProcessStartError(
+                "rollout.engine=sglang but sglang does not import in this Python: install it (GPU: "
+                "pip install -e '.[sglang]') or set rollout.sglang_python to an environment that has it "
+                "(CPU: bash scripts/setup_sglang_cpu.sh, then rollout.sglang_python=.venv-sglang/bin/python)")
+        return sys.executable
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise ProcessStartError(f"rollout.sglang_python={python} is not an executable file; build the CPU "
+                                "environment with 'bash scripts/setup_sglang_cpu.sh' or give the full path")
+    return os.path.abspath(python)  # not resolved: a venv's python is a symlink to the base interpreter
 
 
 def build_server_argv(kwargs: Mapping[str, Any], python: str = sys.executable) -> list[str]:
@@ -55,7 +89,8 @@ def build_server_argv(kwargs: Mapping[str, Any], python: str = sys.executable) -
     return argv
 
 
-def server_env(gpu_ids: Sequence[int] | None, base_env: Mapping[str, str] | None = None) -> dict[str, str]:
+def server_env(gpu_ids: Sequence[int] | None, base_env: Mapping[str, str] | None = None,
+               device: str = "cuda") -> dict[str, str]:
     """The server's environment: the rank's own, minus torchrun's variables, with its GPUs explicit."""
     env = {key: value for key, value in dict(os.environ if base_env is None else base_env).items()
            if key not in TORCHRUN_NAMES and not key.startswith(TORCHRUN_PREFIXES)}
@@ -63,6 +98,8 @@ def server_env(gpu_ids: Sequence[int] | None, base_env: Mapping[str, str] | None
     env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "false"
     # expandable_segments breaks torch_memory_saver and CUDA IPC.
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if device.startswith("cpu"):
+        env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's switch for its CPU code path
     if gpu_ids is not None:
         visible = env.get("CUDA_VISIBLE_DEVICES")
         physical = visible.split(",") if visible else None

@@ -22,6 +22,7 @@ import dataclasses
 import io
 import pickle
 import time
+import types
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -45,13 +46,21 @@ class WeightSyncError(RuntimeError):
 
 @dataclasses.dataclass
 class FlattenedTensorMetadata:
-    """Same fields as sglang's `weight_sync.tensor_bucket.FlattenedTensorMetadata`."""
+    """Same fields as sglang's `weight_sync.tensor_bucket.FlattenedTensorMetadata`.
+
+    Pickled as a `types.SimpleNamespace` with those fields: SGLang only reads the attributes, and
+    its unpickler's allow-list takes a SimpleNamespace but not a class of ours, so one payload
+    serves both engines without the sender importing sglang.
+    """
     name: str
     shape: torch.Size
     dtype: torch.dtype
     start_idx: int
     end_idx: int
     numel: int
+
+    def __reduce__(self):
+        return types.SimpleNamespace, (), dataclasses.asdict(self)
 
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:
@@ -142,7 +151,8 @@ def update_tensor_payload(serialized: str, tp_size: int, is_last: bool, weight_v
 _TORCH_NAMES = {"Size", "Tensor", "UntypedStorage", "device"}
 _ALLOWED_MODULES = ("torch.multiprocessing.reductions", "torch._utils", "torch.storage")
 _ALLOWED_GLOBALS = {("copyreg", "__newobj__"), ("copyreg", "_reconstructor"), ("builtins", "object"),
-                    ("collections", "OrderedDict"), ("multiprocessing.resource_sharer", "DupFd")}
+                    ("collections", "OrderedDict"), ("multiprocessing.resource_sharer", "DupFd"),
+                    ("types", "SimpleNamespace")}
 
 
 class _TensorUnpickler(pickle.Unpickler):
@@ -275,9 +285,13 @@ class WeightPusher:
                                                                flush_cache), on_gpu)
                 sent_bytes += sum(tensor_nbytes(t) for _, t in bucket)
                 count += 1
-        finally:
-            if session:
-                await client.post("/end_weight_update")
+        except BaseException:
+            if session:  # close the session if the engine still can, but report the first error, not this one
+                with contextlib.suppress(Exception):
+                    await client.post("/end_weight_update")
+            raise
+        if session:
+            await client.post("/end_weight_update")
         return {"weight_sync/push_s": time.perf_counter() - started, "weight_sync/pack_s": pack_s,
                 "weight_sync/bytes": float(sent_bytes), "weight_sync/buckets": float(count)}
 
@@ -342,7 +356,7 @@ async def check_pushed_weights(client: EngineClient, version: str, probe_ids: li
 
     Returns the mean absolute logprob gap.
     """
-    info = await client.get("/get_model_info")
+    info = await client.model_info()
     reported = (info or {}).get("weight_version")
     if str(reported) != str(version):
         raise WeightSyncError(f"engine {client.base_url} reports weight_version {reported!r} after the push "

@@ -34,8 +34,10 @@ def main(argv: list[str] | None = None) -> None:
     runner = ModelRunner(args.model_path, args.device, getattr(torch, args.dtype), args.seed)
     engine = EmbeddedEngine(runner, max_batch_size=args.max_batch_size)
     LOG.info("serving %s on http://%s:%d (%s, %s)", args.model_path, args.host, args.port, args.device, args.dtype)
-    web.run_app(engine.build_app(), host=args.host, port=args.port, access_log=None, print=None,
-                shutdown_timeout=1.0)
+    # One access line per request, in uvicorn's shape ('"POST /path HTTP/1.1" 200'), as SGLang's log
+    # has: the two engines' logs are records of the same calls, which the tests compare.
+    web.run_app(engine.build_app(), host=args.host, port=args.port, access_log=logging.getLogger("aiohttp.access"),
+                access_log_format='%a "%r" %s', print=None, shutdown_timeout=1.0)
 
 
 if __name__ == "__main__":

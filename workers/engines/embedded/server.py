@@ -265,9 +265,9 @@ class EmbeddedEngine:
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await self._json(request)
         rid, abort_all = str(body.get("rid") or ""), bool(body.get("abort_all", False))
-        if not rid and not abort_all:
-            return error_response("give rid (prefix match) or abort_all=true")
-        count = self._abort(lambda r: abort_all or r.rid.startswith(rid), "aborted by /abort_request")
+        # SGLang's HTTP server aborts the request with exactly this rid (its scheduler would match a
+        # prefix, but the tokenizer manager drops a rid it does not know); anything else is a no-op.
+        count = self._abort(lambda r: abort_all or (rid != "" and r.rid == rid), "aborted by /abort_request")
         LOG.info("call /abort_request rid=%r abort_all=%s matched=%d", rid, abort_all, count)
         return web.json_response({"success": True, "aborted": count})
 

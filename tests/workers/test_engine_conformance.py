@@ -1,0 +1,287 @@
+"""One engine protocol: every call the job makes, held against the embedded engine and real SGLang.
+
+Each test runs once per engine kind, on a server started exactly as the job starts it
+(`start_engine` with an `EngineSpec`; SGLang gets its CPU settings by itself). Where the two
+really differ, the test says so per kind and the README lists the difference and why the job
+never meets it; everything else must agree.
+"""
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.sglang_env import ENGINE_KINDS, engine_calls, require_sglang_python
+from tests.workers.small_models import save_small_gpt2
+from workers.engines.client import EngineClient, EngineError
+from workers.engines.rank_engine import EngineSpec, start_engine
+from workers.engines.weights import (WeightPusher, WeightSyncError, check_pushed_weights, engine_probe_logprobs,
+                                     flatten_bucket, serialize_for_engine)
+from workers.procs import ManagedProcesses
+
+CONTEXT = 512
+PROMPTS = [[5, 6, 7, 8, 9], [10], [11, 12, 13]]
+PROBE = [5, 6, 7, 8, 9, 10, 11, 12]
+LONG = {"max_new_tokens": 500, "ignore_eos": True}  # seconds of decoding on either engine: time to act on it
+
+
+@dataclasses.dataclass
+class Engine:
+    kind: str
+    url: str
+    log_path: Path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir, tmp_path_factory):
+    return save_small_gpt2(tiny_model_dir, tmp_path_factory.mktemp("conformance_model"), n_layer=2, n_embd=32,
+                           n_positions=CONTEXT)
+
+
+@pytest.fixture(scope="module", params=ENGINE_KINDS)
+def engine(request, model_dir, tmp_path_factory):
+    python = require_sglang_python() if request.param == "sglang" else None
+    spec = EngineSpec(kind=request.param, model_path=model_dir, dtype="float32", device="cpu", seed=0,
+                      num_threads=1, sglang_python=python)
+    log_path = tmp_path_factory.mktemp(f"{request.param}_engine") / "engine.log"
+    with ManagedProcesses() as procs:
+        url, _ = start_engine(spec, log_path, procs, deadline_s=300)
+        yield Engine(request.param, url, log_path)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def run(engine, make_coro):
+    async def main():
+        async with EngineClient(engine.url, timeout_s=120) as client:
+            return await make_coro(client)
+    return asyncio.run(main())
+
+
+def forward_logprobs(model, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """log p(ids[i] | ids[:i]) for i >= 1, from a plain forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+
+
+def noisy_copy(model, seed: int):
+    import copy
+
+    noisy = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in noisy.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.5)
+    return noisy
+
+
+@pytest.mark.timeout(300)
+def test_single_batch_and_n_responses_have_sglang_shape(engine):
+    single, batch, grouped = run(engine, lambda c: asyncio.gather(
+        c.generate(PROMPTS[0], {"max_new_tokens": 4, "ignore_eos": True}, rid="one"),
+        c.generate(PROMPTS, {"max_new_tokens": 3, "ignore_eos": True}, rid="many"),
+        c.generate(PROMPTS[:2], {"max_new_tokens": 2, "ignore_eos": True, "n": 2})))
+    assert isinstance(single, dict) and {"output_ids", "meta_info"} <= set(single)
+    meta = single["meta_info"]
+    assert meta["id"] == "one" and meta["finish_reason"] == {"type": "length", "length": 4}
+    assert meta["prompt_tokens"] == 5 and meta["completion_tokens"] == 4
+    assert meta["weight_version"] == "default" and meta["e2e_latency"] > 0
+    assert [t[1] for t in meta["output_token_logprobs"]] == single["output_ids"]
+    assert all(t[0] <= 0 and t[2] is None for t in meta["output_token_logprobs"])
+    # A list in gives a list out, in order; a string rid becomes rid_i.
+    assert isinstance(batch, list) and [r["meta_info"]["prompt_tokens"] for r in batch] == [5, 1, 3]
+    assert [r["meta_info"]["id"] for r in batch] == ["many_0", "many_1", "many_2"]
+    assert all(len(r["output_ids"]) == 3 for r in batch)
+    # n > 1: the samples of each prompt together, prompt by prompt.
+    assert [r["meta_info"]["prompt_tokens"] for r in grouped] == [5, 5, 1, 1]
+    assert all(len(r["output_ids"]) == 2 for r in grouped)
+
+
+@pytest.mark.timeout(300)
+def test_sampled_and_greedy_logprobs_match_a_plain_forward(engine, hf_model):
+    """Sampled logprobs are log_softmax(logits / T); greedy ones are unscaled; greedy ids are argmax."""
+    temperature = 0.7
+    sampled = {"max_new_tokens": 10, "temperature": temperature, "ignore_eos": True}
+    greedy = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    batch, first = run(engine, lambda c: asyncio.gather(c.generate(PROMPTS, sampled), c.generate(PROMPTS[0], greedy)))
+    for prompt, result, temp in [*[(p, r, temperature) for p, r in zip(PROMPTS, batch)], (PROMPTS[0], first, 1.0)]:
+        expected = forward_logprobs(hf_model, prompt + result["output_ids"], temp)[len(prompt) - 1:]
+        got = torch.tensor([t[0] for t in result["meta_info"]["output_token_logprobs"]])
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        for _ in range(6):
+            ids = torch.cat([ids, hf_model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=-1)
+    assert first["output_ids"] == ids[0, len(PROMPTS[0]):].tolist()
+
+
+@pytest.mark.timeout(300)
+def test_prompt_logprobs_of_a_prefill_only_request(engine, hf_model):
+    """`max_new_tokens=0` with `logprob_start_len`: the probe the job checks every push with."""
+    body = {"input_ids": PROBE, "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0.7}}
+    full, tail = run(engine, lambda c: asyncio.gather(c.post("/generate", body),
+                                                      c.post("/generate", {**body, "logprob_start_len": 2})))
+    assert full["output_ids"] == []
+    entries = full["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == PROBE and entries[0][0] is None
+    torch.testing.assert_close(torch.tensor([e[0] for e in entries[1:]]), forward_logprobs(hf_model, PROBE),
+                               atol=1e-4, rtol=0)  # raw logits: the temperature does not apply to the prompt
+    assert [e[1] for e in tail["meta_info"]["input_token_logprobs"]] == PROBE[2:]
+
+
+@pytest.mark.timeout(300)
+def test_ignore_eos_stop_token_ids_and_unknown_sampling_keys(engine):
+    greedy = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    first = run(engine, lambda c: c.generate(PROMPTS[0], greedy))
+    assert len(first["output_ids"]) == 12 and first["meta_info"]["finish_reason"]["type"] == "length"
+    stop_id = first["output_ids"][3]
+    stopped, ignored = run(engine, lambda c: asyncio.gather(
+        c.generate(PROMPTS[0], {**greedy, "ignore_eos": False, "stop_token_ids": [stop_id]}),
+        c.generate(PROMPTS[0], {**greedy, "stop_token_ids": [stop_id]})))
+    # The matched stop token is part of output_ids; ignore_eos ignores stop tokens too.
+    assert stopped["output_ids"] == first["output_ids"][:first["output_ids"].index(stop_id) + 1]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    assert ignored["output_ids"] == first["output_ids"]
+    with pytest.raises(EngineError) as err:
+        run(engine, lambda c: c.generate([5], {"max_new_tokens": 2, "temprature": 1.0}))
+    assert err.value.status == 400
+
+
+@pytest.mark.timeout(300)
+def test_release_resume_and_push_in_a_session(engine, hf_model):
+    """The sync step's sequence: release -> resume weights -> begin, buckets, end -> resume KV -> check."""
+    pusher = WeightPusher(torch.float32, bucket_bytes=16 << 10)
+    new_model = noisy_copy(hf_model, seed=1)
+    named = list(dict(new_model.named_parameters()).items())  # tied weights once, as the trainer sends them
+    expected = forward_logprobs(new_model, PROBE).tolist()
+
+    async def body(client):
+        await client.release_memory(["kv_cache", "weights"])
+        try:
+            while_released = await client.generate([5], {"max_new_tokens": 2})
+        except EngineError as err:
+            while_released = err
+        await client.resume_memory(["weights"])
+        with pytest.raises(EngineError, match="must run between|begin_weight_update"):
+            await client.post("/update_weights_from_tensor", {
+                "serialized_named_tensors": [serialize_for_engine(flatten_bucket(named[:1]))],
+                "load_format": "flattened_bucket", "flush_cache": False})
+        stats = await pusher.push(client, named, "7")
+        await client.resume_memory(["kv_cache"])
+        gap = await check_pushed_weights(client, "7", PROBE, expected, 1e-4)
+        answer = await client.generate([5], {"max_new_tokens": 2})
+        return while_released, stats, gap, (await client.model_info())["weight_version"], answer
+    while_released, stats, gap, version, answer = run(engine, body)
+    if engine.kind == "embedded":  # its weights are really gone: it refuses rather than answer from nothing
+        assert isinstance(while_released, EngineError) and while_released.status == 400
+    else:  # SGLang without the memory saver (CPU) frees nothing on release and keeps serving
+        assert while_released["meta_info"]["finish_reason"]["type"] == "length"
+    assert stats["weight_sync/buckets"] > 2 and gap < 1e-4
+    assert version == "7" and answer["meta_info"]["weight_version"] == "7"
+
+
+@pytest.mark.timeout(300)
+def test_the_probe_catches_weights_that_are_not_the_trainers(engine, hf_model):
+    pusher = WeightPusher(torch.float32, bucket_bytes=64 << 10)
+    original = list(dict(hf_model.named_parameters()).items())
+    expected = forward_logprobs(hf_model, PROBE).tolist()
+    name = "transformer.h.0.mlp.c_fc.weight"
+    wrong = dict(noisy_copy(hf_model, seed=2).named_parameters())[name]
+
+    async def body(client):
+        await pusher.push(client, original, "11")
+        first_gap = await check_pushed_weights(client, "11", PROBE, expected, 1e-4)
+        await client.post("/begin_weight_update")
+        await client.post("/update_weights_from_tensor", {
+            "serialized_named_tensors": [serialize_for_engine(flatten_bucket([(name, wrong.detach())]))],
+            "load_format": "flattened_bucket", "flush_cache": True})
+        await client.post("/end_weight_update")
+        with pytest.raises(WeightSyncError, match="mean \\|logprob gap\\|"):
+            await check_pushed_weights(client, "11", PROBE, expected, 1e-4)
+        with pytest.raises(WeightSyncError, match="reports weight_version '11'"):
+            await check_pushed_weights(client, "12", PROBE, expected, 1e-4)
+        await pusher.push(client, original, "13")
+        return first_gap, await engine_probe_logprobs(client, PROBE)
+    first_gap, restored = run(engine, body)
+    assert first_gap < 1e-4
+    torch.testing.assert_close(torch.tensor(restored), torch.tensor(expected), atol=1e-4, rtol=0)
+
+
+async def started(client, *rids: str) -> list[asyncio.Task]:
+    """Long requests, given time to be admitted and decoding before the test acts on them."""
+    tasks = [asyncio.create_task(client.generate([5], LONG, rid=rid)) for rid in rids]
+    await asyncio.sleep(0.5)
+    assert not any(task.done() for task in tasks), "a long request finished before the test could act on it"
+    return tasks
+
+
+@pytest.mark.timeout(300)
+def test_pause_in_place_holds_new_requests_until_continue(engine):
+    async def body(client):
+        running, = await started(client, "held")
+        await client.pause_generation("in_place")
+        blocked = asyncio.create_task(client.generate([6], {"max_new_tokens": 2}))
+        await asyncio.sleep(1.0)
+        assert not blocked.done(), "a /generate sent while paused must wait for /continue_generation"
+        await client.continue_generation()
+        return await running, await blocked
+    kept, unblocked = run(engine, body)
+    # In place: the running request lost nothing and finished on its own.
+    assert kept["meta_info"]["finish_reason"]["type"] == "length" and len(kept["output_ids"]) == LONG["max_new_tokens"]
+    assert unblocked["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.timeout(300)
+def test_pause_abort_returns_partial_output_and_abort_request_takes_an_exact_rid(engine):
+    async def body(client):
+        running, = await started(client, "paused-one")
+        await client.pause_generation("abort")
+        aborted_by_pause = await running
+        await client.continue_generation()
+        kept, aborted = await started(client, "job-0", "job-1")
+        await client.abort("job-")  # not a rid: SGLang's HTTP server ignores it (no prefix match)
+        await client.abort("job-1")
+        return aborted_by_pause, await aborted, await kept
+    by_pause, by_rid, kept = run(engine, body)
+    for result in (by_pause, by_rid):
+        assert result["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < len(result["output_ids"]) < LONG["max_new_tokens"]
+        assert len(result["meta_info"]["output_token_logprobs"]) == len(result["output_ids"])
+    assert kept["meta_info"]["finish_reason"] == {"type": "length", "length": LONG["max_new_tokens"]}
+
+
+@pytest.mark.timeout(300)
+def test_flush_cache_only_when_idle(engine):
+    async def body(client):
+        running, = await started(client, "busy")
+        try:
+            busy = await client.flush_cache()
+        except EngineError as err:
+            busy = err
+        await client.abort("busy")
+        await running
+        await asyncio.sleep(0.2)
+        return busy, await client.flush_cache()
+    busy, idle = run(engine, body)
+    assert isinstance(busy, EngineError) and busy.status == 400
+    assert not isinstance(idle, EngineError)
+
+
+@pytest.mark.timeout(60)
+def test_the_log_records_every_call_in_one_shape(engine):
+    """Both logs hold one access line per request, which the job-level tests compare."""
+    calls = engine_calls(engine.log_path.read_text())
+    paths = {path for _, path, _ in calls}
+    assert {"/generate", "/release_memory_occupation", "/resume_memory_occupation", "/begin_weight_update",
+            "/update_weights_from_tensor", "/end_weight_update", "/pause_generation", "/continue_generation",
+            "/abort_request", "/flush_cache", "/model_info"} <= paths
+    assert ("POST", "/update_weights_from_tensor", 400) in calls  # the refused one outside a session
