@@ -1,0 +1,92 @@
+"""The PPO job against real SGLang servers on CPU, next to the same job on embedded engines.
+
+2 ranks, 3 sync steps and 3 async steps. Each rank's engine must receive the same control calls
+in the same order from both runs (read from the engines' own logs), report the pushed weights
+(probe gap within tolerance), and leave nothing running, also when an engine is killed mid-run.
+"""
+
+import math
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.ppo.test_job import read_metrics, run_job, small_job, torchrun_argv, wait_gone  # noqa: F401
+from tests.sglang_env import CONTROL_PATHS, engine_calls, require_sglang_python
+
+MODES = {"sync": ["trainer.total_episodes=24"],
+         "async": ["trainer.total_episodes=24", "trainer.mode=async", "async.max_staleness=1"]}
+
+
+def sglang_overrides() -> list[str]:
+    return ["rollout.engine=sglang", f"rollout.sglang_python={require_sglang_python()}"]
+
+
+def sglang_processes() -> list[int]:
+    """SGLang's own helpers (scheduler, detokenizer) name themselves `sglang::...`, not by model path."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "cmdline").read_bytes().startswith(b"sglang::"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def control_calls(run_dir: Path, rank: int) -> list[tuple[str, str, int]]:
+    return engine_calls((run_dir / "logs" / f"engine-rank{rank}.log").read_text(), CONTROL_PATHS)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_job_makes_the_same_engine_calls_against_sglang_as_against_the_embedded_engine(small_job, tmp_path,
+                                                                                          mode):
+    overrides = sglang_overrides()
+    before = set(sglang_processes())
+    run_job(small_job, tmp_path / "embedded", *MODES[mode])
+    run_job(small_job, tmp_path / "sglang", *MODES[mode], *overrides, timeout=800)
+    embedded, sglang = read_metrics(tmp_path / "embedded"), read_metrics(tmp_path / "sglang")
+    assert [m["step"] for m in sglang] == [m["step"] for m in embedded] == [1, 2, 3]
+    assert all(math.isfinite(m["reward/score_mean"]) for m in sglang)
+    assert all(0 <= m["weight_sync/probe_gap"] < 1e-3 for m in sglang)  # float32 on both sides
+    for rank in (0, 1):
+        calls = control_calls(tmp_path / "sglang", rank)
+        assert calls == control_calls(tmp_path / "embedded", rank)
+        assert calls and all(status == 200 for _, _, status in calls)
+    assert wait_gone(str(small_job["root"])) == []
+    assert set(sglang_processes()) - before == set()
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_sglang_engine_stops_the_job_with_its_name_and_leaves_nothing(small_job, tmp_path):
+    run_dir = tmp_path / "killed"
+    before = set(sglang_processes())
+    overrides = small_job["overrides"] + sglang_overrides() + [f"trainer.run_dir={run_dir}",
+                                                               "trainer.total_episodes=4000"]
+    proc = subprocess.Popen(torchrun_argv(overrides), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
+            time.sleep(1)
+        engine_log = run_dir / "logs" / "engine-rank1.log"
+        port = engine_log.read_text().split("--port ", 1)[1].split()[0]
+        server = next(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                      and f"--port {port}" in (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        os.kill(server, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode != 0
+    assert f":{port}" in output and "engine-rank1.log" in output, output[-4000:]
+    assert wait_gone(str(small_job["root"]), seconds=30) == []
+    assert set(sglang_processes()) - before == set()

@@ -1,0 +1,99 @@
+"""The engine client against a server that closes idle keep-alive connections, as SGLang's uvicorn does."""
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from workers.engines.client import EngineClient
+
+
+async def closing_server(idle_close_s: float):
+    """An HTTP/1.1 server that keeps connections alive but drops any that stay idle `idle_close_s`,
+    closing without an answer if a request arrives on one it has already decided to drop
+    (the race a pooled connection loses against uvicorn's keep-alive timeout)."""
+    served = []
+
+    async def handle(reader, writer):
+        while True:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), idle_close_s)
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError):
+                break
+            length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length")), b"0"))
+            await reader.readexactly(length)
+            served.append(head.split(b" ")[1].decode())
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
+                         b"Connection: keep-alive\r\n\r\n{}")
+            await writer.drain()
+            # Decide to drop the connection now, but close it only a moment later: a request sent in
+            # between meets a socket that is going away.
+            await asyncio.sleep(idle_close_s)
+            break
+        writer.transport.abort()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, served
+
+
+@pytest.mark.timeout(60)
+def test_no_call_goes_out_on_a_connection_the_server_is_closing():
+    async def main():
+        server, served = await closing_server(idle_close_s=0.3)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            url = f"http://127.0.0.1:{port}"
+            async with EngineClient(url) as client:
+                for i in range(4):  # pauses longer than the server's patience, shorter than aiohttp's pool
+                    await client.post("/update_weights_from_tensor", {"bucket": i})
+                    await asyncio.sleep(0.1)
+            # The same calls through a default pooled aiohttp session fail: the test can tell.
+            async with aiohttp.ClientSession() as session:
+                with pytest.raises(aiohttp.ClientError):
+                    for i in range(4):
+                        async with session.post(f"{url}/update_weights_from_tensor", json={"bucket": i}) as reply:
+                            await reply.read()
+                        await asyncio.sleep(0.1)
+        return served
+    served = asyncio.run(main())
+    assert served[:4] == ["/update_weights_from_tensor"] * 4
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_push_reports_its_first_error_not_the_session_clean_up():
+    """The scheduler died on a bucket: /end_weight_update fails too, and must not hide why."""
+    import torch
+    from aiohttp import web
+
+    from workers.engines.client import EngineError
+    from workers.engines.weights import WeightPusher
+
+    async def begin(request):
+        return web.json_response({"success": True})
+
+    async def update(request):
+        return web.json_response({"error": {"message": "AuthenticationError: digest sent was rejected"}}, status=400)
+
+    async def end(request):
+        return web.Response(status=503, text="scheduler is gone")
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/begin_weight_update", begin)
+        app.router.add_post("/update_weights_from_tensor", update)
+        app.router.add_post("/end_weight_update", end)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with EngineClient(f"http://127.0.0.1:{port}") as client:
+                with pytest.raises(EngineError) as err:
+                    await WeightPusher(torch.float32).push(client, [("w", torch.ones(4))], "1")
+        finally:
+            await runner.cleanup()
+        return err.value
+    error = asyncio.run(main())
+    assert "/update_weights_from_tensor" in str(error) and "digest sent was rejected" in str(error)
