@@ -33,6 +33,8 @@ constraints="$VENV/constraints.txt"
 echo "torch==$TORCH_VERSION" > "$constraints"
 pip install --no-deps "sglang==$SGLANG_VERSION" || fail "sglang==$SGLANG_VERSION is not on the package index"
 # sglang's requirements without the CUDA-only ones (kernels, flashinfer, nvidia-*, memory saver).
+# pip then reports those (and torch 2.14.1) as "sglang requires ..., which is not installed": expected.
+echo "installing sglang's CPU requirements (pip will list its CUDA-only ones as missing: expected)"
 pip install -c "$constraints" \
     aiohttp "anthropic>=0.20.0" blobfile==3.0.0 build compressed-tensors==0.18.0 datasets distro \
     easydict einops fastapi gguf interegular IPython "llguidance>=1.7.6,<2.0.0" "mistral_common>=1.11.5" \

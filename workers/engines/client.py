@@ -113,7 +113,13 @@ class EngineClient:
         return True
 
     async def model_info(self) -> dict:
-        return await self.get("/model_info")  # SGLang deprecates /get_model_info
+        """SGLang deprecates /get_model_info for /model_info; an older server may have only the former."""
+        try:
+            return await self.get("/model_info")
+        except EngineError as err:
+            if err.status != 404:
+                raise
+            return await self.get("/get_model_info")
 
     async def server_info(self) -> dict:
         return await self.get("/server_info")
