@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from datetime import timedelta
 from typing import Callable, TypeVar
 
@@ -114,4 +115,58 @@ def on_every_rank(fn: Callable[[], T]) -> T:
         raise error
     if failed:
         raise PeerFailed(f"rank {failed[0]} failed: {failures[failed[0]]}")
+    return result
+
+
+def prepare_before_process_group(prepare: Callable[[Callable[[str], None]], T], what: str,
+                                 report_every_s: float = 15.0) -> T:
+    """`prepare(log)` on every rank before any process group exists; ranks wait for each other without a timeout.
+
+    A first-use build takes minutes, more on a busy machine; a rank waiting for it inside a
+    collective would die at the collective timeout. Here local rank 0 of each node prepares first
+    (building what is missing, under the builders' own file locks), then the node's other ranks
+    (finding it built), and every rank waits until all are done, polling torchrun's key-value
+    store (up before any rank starts), and says whom it waits for and what that rank last
+    reported. A rank whose preparation fails tells the others, which stop with its message.
+    Without torchrun's store (a plain `python -m` run) this is just `prepare(print)`.
+    """
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return prepare(print)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=300))
+    prefix = f"rl_core/prepare/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        store.set(f"{prefix}/progress/{rank}", line.strip()[-300:])
+
+    def wait_for(ranks: list[int]) -> None:
+        keys = [f"{prefix}/done/{r}" for r in ranks]
+        last_report = time.monotonic()
+        while not store.check(keys):
+            if time.monotonic() - last_report >= report_every_s:
+                pending = [r for r, key in zip(ranks, keys) if not store.check([key])]
+                progress = f"{prefix}/progress/{pending[0]}"
+                said = store.get(progress).decode() if store.check([progress]) else "no progress reported yet"
+                print(f"[rank {rank}] waiting for rank {pending[0]} to {what} ({said})", flush=True)
+                last_report = time.monotonic()
+            time.sleep(0.5)
+        for key in keys:
+            outcome = store.get(key).decode()
+            if outcome != "ok":
+                raise PeerFailed(outcome)
+
+    node_leader = rank - local_rank  # torchrun numbers a node's ranks contiguously
+    if local_rank != 0:
+        print(f"[rank {rank}] waiting for rank {node_leader} to {what} first", flush=True)
+        wait_for([node_leader])
+    try:
+        result = prepare(log if local_rank == 0 else (lambda line: None))
+    except Exception as err:  # noqa: BLE001 - re-raised below, once the waiting ranks are told
+        store.set(f"{prefix}/done/{rank}", f"rank {rank} failed to {what}: {type(err).__name__}: {err}")
+        raise
+    store.set(f"{prefix}/done/{rank}", "ok")
+    wait_for(list(range(world)))
     return result

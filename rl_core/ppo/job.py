@@ -10,14 +10,15 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
-import torch.distributed as dist
 from transformers import AutoConfig
 
 from envs.base import load_env_class
 from rl_core.cli import parse_job_config, run_main
 from rl_core.config import save_config, to_dict
-from rl_core.distributed import broadcast_object, on_every_rank, on_rank0, rank_seed, seed_everything
+from rl_core.distributed import (broadcast_object, on_every_rank, on_rank0, prepare_before_process_group,
+                                 rank_seed, seed_everything)
 from rl_core.errors import JobError
 from rl_core.logger import MetricsLogger, StepTimer, print_step
 from rl_core.ppo.checkpoint import Checkpointer
@@ -27,19 +28,23 @@ from rl_core.ppo.experience import apply_group_rule, compute_advantages, has_rew
 from rl_core.ppo.trainer import PPOTrainer, score_metrics
 from rl_core.rewards import load_reward_fn
 from rl_core.rollout.prompts import eval_samples, prompt_samples
-from rl_core.tiny import ARITHMETIC
 from rl_core.runtime import JobRuntime
 from workers import models
 from workers.engines.client import EngineError
 from workers.engines.weights import probe_token_ids
 
 
-def main(argv: list[str] | None = None) -> None:
-    run_main(_main, argv, stop_hint="trainer.resume=auto continues from the last checkpoint")
+def main(argv: list[str] | None = None, prepare: Callable[[PPOConfig, Callable[[str], None]], PPOConfig] | None = None,
+         ) -> None:
+    """`prepare(cfg, log)` (the entry point's: offline assets named in the recipe) runs on every rank before
+    the process group exists, so however long it takes no rank waits for it inside a collective."""
+    run_main(lambda args: _main(args, prepare), argv, stop_hint="trainer.resume=auto continues from the last checkpoint")
 
 
-def _main(argv: list[str] | None) -> None:
+def _main(argv: list[str] | None, prepare) -> None:
     cfg = parse_job_config(argv, __doc__, "ppo_sentiment.yaml", PPOConfig, validate)
+    if prepare is not None:
+        cfg = prepare_before_process_group(lambda log: prepare(cfg, log), "prepare the offline assets")
     with JobRuntime(cfg) as rt:
         train(cfg, rt)
 
@@ -48,7 +53,9 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
     load_env_class(cfg.env.cls)  # a wrong import path fails here, before any engine starts
     for spec in cfg.reward.fns.values():
         load_reward_fn(spec["fn"])
-    policy_path, reward_path, prompts_path, eval_path = resolve_paths(cfg, rt.rank)
+    on_every_rank(lambda: check_model_paths(cfg))  # one line before minutes go into loading models
+    policy_path, reward_path = cfg.model.path, cfg.reward.model_path or None
+    prompts_path, eval_path = cfg.data.train_path, cfg.data.eval_path
     tokenizer = models.load_tokenizer(cfg.model.tokenizer_path or policy_path)
     max_positions = models.context_length(AutoConfig.from_pretrained(policy_path))
     check_context_length(cfg, max_positions)
@@ -182,56 +189,12 @@ def collect_batch(cfg: PPOConfig, rt: JobRuntime, service, prompts, version: int
     return trajectories, metrics
 
 
-def resolve_paths(cfg: PPOConfig, rank: int) -> tuple[str, str | None, str, str | None]:
-    """Policy, reward-model, prompt and eval-prompt paths.
-
-    Paths the user gave are checked first, before minutes go into building offline assets or loading
-    models: a local path must be a model directory, anything else a hub name (tried once). Offline
-    assets are built on first use when a path says "tiny" (the sentiment set) or "tiny-arithmetic"
-    (the arithmetic recipe's policy and problems); rank 0 builds (and logs) while the others wait.
-    """
-    def check_user_paths() -> None:
-        for key, value in (("model.path", cfg.model.path), ("reward.model_path", cfg.reward.model_path),
-                           ("model.tokenizer_path", cfg.model.tokenizer_path)):
-            if value not in (None, "tiny", ARITHMETIC):
-                models.check_model_path(value, key, need_config=key != "model.tokenizer_path")
-
-    on_every_rank(check_user_paths)
-    named = (cfg.model.path, cfg.reward.model_path, cfg.data.train_path, cfg.data.eval_path)
-    tiny = arithmetic = None
-    if "tiny" in named:
-        from rl_core.tiny.assets import ensure_tiny_assets
-        from rl_core.tiny.reward_model import ensure_tiny_reward_model
-
-        if rank == 0:
-            paths = ensure_tiny_assets(log=print, progress=cfg.trainer.progress)
-            if cfg.reward.model_path == "tiny":
-                ensure_tiny_reward_model(paths, log=print, progress=cfg.trainer.progress)
-        dist.barrier()
-        tiny = ensure_tiny_assets(log=lambda *_: None)
-    if ARITHMETIC in named:
-        from rl_core.tiny.arithmetic import ensure_arithmetic_assets
-
-        if rank == 0:
-            ensure_arithmetic_assets(log=print)
-        dist.barrier()
-        arithmetic = ensure_arithmetic_assets(log=lambda *_: None)
-
-    def pick(value, tiny_file: str, arithmetic_file: str):
-        """`value` itself, or the named file of the offline assets it names."""
-        if value == "tiny":
-            return str(getattr(tiny, tiny_file))
-        return str(getattr(arithmetic, arithmetic_file)) if value == ARITHMETIC else value
-
-    policy = pick(cfg.model.path, "model_dir", "model_dir")
-    reward = cfg.reward.model_path or None
-    if reward == "tiny":
-        from rl_core.tiny.reward_model import ensure_tiny_reward_model
-
-        reward = str(ensure_tiny_reward_model(tiny, log=lambda *_: None))
-    prompts = pick(cfg.data.train_path, "train_prompts", "train_file")
-    held_out = pick(cfg.data.eval_path, "test_prompts", "eval_file")
-    return policy, reward, prompts, held_out
+def check_model_paths(cfg: PPOConfig) -> None:
+    """A local model path must be a model directory; anything else is a hub name, tried once."""
+    for key, value in (("model.path", cfg.model.path), ("reward.model_path", cfg.reward.model_path),
+                       ("model.tokenizer_path", cfg.model.tokenizer_path)):
+        if value is not None:
+            models.check_model_path(value, key, need_config=key != "model.tokenizer_path")
 
 
 def sample_rows(tokenizer, exp, scores, n: int) -> list[dict]:

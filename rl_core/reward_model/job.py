@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from rl_core.cli import parse_job_config, run_main
 from rl_core.config import save_config
-from rl_core.distributed import device_for_rank, init_distributed, on_every_rank, on_rank0, seed_everything
+from rl_core.distributed import (device_for_rank, init_distributed, on_every_rank, on_rank0,
+                                 prepare_before_process_group, seed_everything)
 from rl_core.reward_model.config import RMConfig, check_lengths, validate
 from rl_core.reward_model.sampling import load_queries
 from rl_core.reward_model.training import (DataParallel, Log, build_reward_model, export_reward_model,
@@ -35,53 +36,25 @@ from rl_core.run_dir import RunDirLock
 from workers.models import check_model_path, context_length, load_causal_lm, load_tokenizer
 
 
-def resolve_inputs(cfg: RMConfig, dp: DataParallel, log: Log) -> dict:
-    """Paths of policy, preference files and prompts ("tiny" ones are built, rank 0 first), and the
-    offline labeler named by labeler.name (the rater the fresh-sample check compares with).
-
-    Model paths the user gave are checked first, in one line each, before anything is built or loaded.
-    """
+def resolve_inputs(cfg: RMConfig, labeler) -> dict:
+    """Paths of policy, preference files and prompts, checked in one line each before anything loads."""
     def check_user_paths() -> None:
         for key, value in (("model.policy_path", cfg.model.policy_path), ("model.init_from", cfg.model.init_from)):
-            if value not in (None, "tiny"):
+            if value is not None:
                 check_model_path(value, key)
 
     on_every_rank(check_user_paths)
-    labeler = None
-    if cfg.labeler.name:
-        from rl_core.tiny.labeler import get_labeler
-
-        labeler = get_labeler(cfg.labeler.name)
-    paths = None
-    if "tiny" in (cfg.model.policy_path, cfg.data.train_path, cfg.normalize.prompts_path):
-        from rl_core.tiny.assets import ensure_tiny_assets
-        from rl_core.tiny.reward_model import ensure_tiny_preferences, preference_files
-
-        def build(log_to: Log, progress: bool):
-            built = ensure_tiny_assets(log=log_to, progress=progress)
-            if cfg.data.train_path == "tiny":
-                ensure_tiny_preferences(built, cfg.labeler.name, log_to, noise=cfg.labeler.noise, progress=progress)
-            return built
-
-        if dp.rank == 0:  # rank 0 builds what is missing (and logs, with progress bars) while the others wait
-            paths = build(log, cfg.trainer.progress)
-        dp.barrier()
-        if dp.rank != 0:
-            paths = build(lambda *_: None, False)
-    policy = str(paths.model_dir) if cfg.model.policy_path == "tiny" else cfg.model.policy_path
-    train, test = cfg.data.train_path, cfg.data.test_path
-    if train == "tiny":
-        tiny_train, tiny_test, _ = preference_files(paths, cfg.labeler.name)
-        train, test = str(tiny_train), (str(tiny_test) if test == "tiny" else test)
-    prompts = str(paths.train_prompts) if cfg.normalize.prompts_path == "tiny" else cfg.normalize.prompts_path
-    return {"policy": policy, "train": train, "test": test, "prompts": prompts,
-            "init_from": cfg.model.init_from or policy, "labeler": labeler}
+    policy = cfg.model.policy_path
+    return {"policy": policy, "train": cfg.data.train_path, "test": cfg.data.test_path,
+            "prompts": cfg.normalize.prompts_path, "init_from": cfg.model.init_from or policy, "labeler": labeler}
 
 
-def run_job(cfg: RMConfig, dp: DataParallel, log: Log = print) -> dict:
-    """The whole job on this rank; returns the metrics (identical on every rank)."""
+def run_job(cfg: RMConfig, dp: DataParallel, log: Log = print, labeler=None) -> dict:
+    """The whole job on this rank; returns the metrics (identical on every rank).
+
+    `labeler`: the rater the fresh-sample check compares with (offline runs), or None."""
     started = time.perf_counter()
-    inputs = resolve_inputs(cfg, dp, log)
+    inputs = resolve_inputs(cfg, labeler)
     tokenizer = load_tokenizer(inputs["policy"])
     policy = load_causal_lm(inputs["policy"]).to(dp.device).eval()
     check_lengths(cfg, context_length(policy.config))
@@ -101,12 +74,17 @@ def run_job(cfg: RMConfig, dp: DataParallel, log: Log = print) -> dict:
     return metrics
 
 
-def main(argv: list[str] | None = None) -> None:
-    run_main(_main, argv)
+def main(argv: list[str] | None = None, prepare=None, get_labeler=None) -> None:
+    """`prepare(cfg, log)` (the entry point's: offline assets named in the recipe) runs on every rank before
+    the process group exists; `get_labeler(name)` gives the offline rater that `labeler.name` names."""
+    run_main(lambda args: _main(args, prepare, get_labeler), argv)
 
 
-def _main(argv: list[str] | None) -> None:
+def _main(argv: list[str] | None, prepare, get_labeler) -> None:
     cfg = parse_job_config(argv, __doc__, "rm_sentiment.yaml", RMConfig, validate)
+    if prepare is not None:
+        cfg = prepare_before_process_group(lambda log: prepare(cfg, log), "prepare the offline assets")
+    labeler = get_labeler(cfg.labeler.name) if cfg.labeler.name and get_labeler is not None else None
     rank, world_size = init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
     lock = None
     try:
@@ -119,7 +97,7 @@ def _main(argv: list[str] | None) -> None:
             if rank == 0:
                 print(line, flush=True)
 
-        metrics = run_job(cfg, dp, log)
+        metrics = run_job(cfg, dp, log, labeler)
         dp.barrier()
         if rank == 0:
             print(json.dumps(metrics), flush=True)

@@ -253,3 +253,19 @@ def test_generating_on_a_released_engine_stops_the_job_with_one_clear_line(small
     assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "/generate: HTTP 400" in lines[0] and "/resume_memory_occupation" in lines[0]
     assert wait_gone(str(small_job["root"])) == []
+
+
+@pytest.mark.timeout(600)
+def test_a_preparation_longer_than_the_collective_timeout_still_trains(small_job, tmp_path):
+    """The first rank of a node builds offline assets before any process group exists; the others
+    wait for it (saying whom and what it last reported), never inside a collective that times out."""
+    run_dir = tmp_path / "slow_prepare"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+            "-m", "tests.ppo.slow_prepare", "20", "--config", "ppo_sentiment.yaml", *small_job["overrides"],
+            f"trainer.run_dir={run_dir}", "trainer.total_episodes=16", "trainer.collective_timeout_s=5"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=500, cwd=REPO, start_new_session=True)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-5000:]
+    assert "[rank 1] waiting for rank 0 to prepare the offline assets first" in output
+    assert re.search(r"\[rank 1\] waiting for rank 0 to prepare the offline assets \(building: step \d of 4\)", output)
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2]

@@ -1,0 +1,68 @@
+"""The recipes' offline names ("tiny", "tiny-arithmetic") turned into paths before a job starts.
+
+The entry points (`rl_core/train.py`, `rl_core/train_rm.py`) run this on every rank before any
+process group exists (`rl_core.distributed.prepare_before_process_group`): what is missing is
+built once on each node (minutes on a CPU, the first time only), and the jobs themselves only
+ever see real paths. Paths the user gave are checked first, so a typo costs seconds, not a build.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from rl_core.tiny import ARITHMETIC
+from workers.models import check_model_path
+
+Log = Callable[[str], None]
+
+
+def _check_given(pairs: tuple[tuple[str, str | None], ...], offline_names: tuple[str, ...]) -> None:
+    for key, value in pairs:
+        if value is not None and value not in offline_names:
+            check_model_path(value, key, need_config=key != "model.tokenizer_path")
+
+
+def resolve_ppo_assets(cfg, log: Log):
+    """A PPO config whose model, reward-model and data paths name no offline asset any more."""
+    _check_given((("model.path", cfg.model.path), ("reward.model_path", cfg.reward.model_path),
+                  ("model.tokenizer_path", cfg.model.tokenizer_path)), ("tiny", ARITHMETIC))
+    named = (cfg.model.path, cfg.reward.model_path, cfg.data.train_path, cfg.data.eval_path)
+    if "tiny" in named:
+        from rl_core.tiny.assets import ensure_tiny_assets
+
+        tiny = ensure_tiny_assets(log=log, progress=cfg.trainer.progress)
+        cfg.model.path = str(tiny.model_dir) if cfg.model.path == "tiny" else cfg.model.path
+        cfg.data.train_path = str(tiny.train_prompts) if cfg.data.train_path == "tiny" else cfg.data.train_path
+        cfg.data.eval_path = str(tiny.test_prompts) if cfg.data.eval_path == "tiny" else cfg.data.eval_path
+        if cfg.reward.model_path == "tiny":
+            from rl_core.tiny.reward_model import ensure_tiny_reward_model
+
+            cfg.reward.model_path = str(ensure_tiny_reward_model(tiny, log=log, progress=cfg.trainer.progress))
+    if ARITHMETIC in named:
+        from rl_core.tiny.arithmetic import ensure_arithmetic_assets
+
+        arithmetic = ensure_arithmetic_assets(log=log)
+        cfg.model.path = str(arithmetic.model_dir) if cfg.model.path == ARITHMETIC else cfg.model.path
+        cfg.data.train_path = str(arithmetic.train_file) if cfg.data.train_path == ARITHMETIC else cfg.data.train_path
+        cfg.data.eval_path = str(arithmetic.eval_file) if cfg.data.eval_path == ARITHMETIC else cfg.data.eval_path
+    return cfg
+
+
+def resolve_rm_assets(cfg, log: Log):
+    """A reward-model config whose policy, preference and prompt paths name no offline asset any more."""
+    _check_given((("model.policy_path", cfg.model.policy_path), ("model.init_from", cfg.model.init_from)), ("tiny",))
+    if "tiny" not in (cfg.model.policy_path, cfg.data.train_path, cfg.normalize.prompts_path):
+        return cfg
+    from rl_core.tiny.assets import ensure_tiny_assets
+    from rl_core.tiny.reward_model import ensure_tiny_preferences, preference_files
+
+    tiny = ensure_tiny_assets(log=log, progress=cfg.trainer.progress)
+    if cfg.data.train_path == "tiny":
+        ensure_tiny_preferences(tiny, cfg.labeler.name, log, noise=cfg.labeler.noise, progress=cfg.trainer.progress)
+        train, test, _ = preference_files(tiny, cfg.labeler.name)
+        cfg.data.train_path = str(train)
+        cfg.data.test_path = str(test) if cfg.data.test_path == "tiny" else cfg.data.test_path
+    cfg.model.policy_path = str(tiny.model_dir) if cfg.model.policy_path == "tiny" else cfg.model.policy_path
+    if cfg.normalize.prompts_path == "tiny":
+        cfg.normalize.prompts_path = str(tiny.train_prompts)
+    return cfg

@@ -1,0 +1,21 @@
+"""`torchrun ... -m tests.ppo.slow_prepare SECONDS --config ... [key=value ...]`: the PPO job whose
+preparation (standing in for a first-use asset build) takes SECONDS on each node's first rank."""
+
+import sys
+import time
+
+from rl_core.ppo.job import main
+
+
+def slow_prepare(seconds: float):
+    def prepare(cfg, log):
+        steps = 4
+        for step in range(steps):
+            time.sleep(seconds / steps)
+            log(f"building: step {step + 1} of {steps}")
+        return cfg
+    return prepare
+
+
+if __name__ == "__main__":
+    main(sys.argv[2:], prepare=slow_prepare(float(sys.argv[1])))
