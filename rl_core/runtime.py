@@ -170,7 +170,12 @@ class JobRuntime:
         if cfg.reward.fns:
             from rl_core.rewards import RewardFunctions
 
-            self.reward_executor = make_executor(cfg.env.thread_pool_size)
+            if cfg.reward.fn_processes > 0:
+                from rl_core.rewards.workers import ProcessExecutor
+
+                self.reward_executor = ProcessExecutor(cfg.reward.fn_processes)
+            else:
+                self.reward_executor = make_executor(cfg.env.thread_pool_size)
             reward_fns = RewardFunctions.from_config(cfg.reward.fns, cfg.reward.fn_timeout_s, self.reward_executor)
         self.service = RolloutService(
             router_url=self.router_url, tokenizer=tokenizer,

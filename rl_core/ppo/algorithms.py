@@ -234,13 +234,46 @@ def penalize_rejected(scores: torch.Tensor, rejected: torch.Tensor, penalty: flo
 # --------------------------------------------------------------------------- PPO losses
 
 
-def truncated_importance_weights(
-    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, cap: float
-) -> torch.Tensor:
-    """Detached ``min(pi_old / pi_behaviour, cap)`` correcting for async (stale-engine) sampling."""
-    if cap <= 0:
-        raise ValueError(f"importance weight cap must be > 0, got {cap}")
-    return torch.exp(old_logprobs - behaviour_logprobs).clamp(max=cap).detach()
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis-token", "mis-sequence")
+
+
+def rollout_correction_weights(
+    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, mode: str,
+    is_cap: float = 2.0, band: tuple[float, float] = (0.5, 2.0),
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """Per-token loss weights correcting for tokens sampled by the engine (pi_behaviour) while the
+    loss is taken against the trainer's pi_old: the engine may be stale (async) or simply compute
+    differently (bf16, its own kernels), in sync mode too.
+
+    - ``tis``: truncated importance sampling, ``min(pi_old / pi_behaviour, is_cap)`` per token;
+    - ``mis-token``: tokens whose ratio leaves ``band`` get weight 0 (masked), the rest their ratio;
+    - ``mis-sequence``: the same on each row's length-normalised ratio ``exp(mean_t log r_t)``: a
+      row outside the band is masked whole, the rest keep their token ratios;
+    - ``none``: no weights (None).
+
+    Returns detached weights and stats over the masked tokens: the ratio's mean, min and max and
+    the fraction of tokens given weight 0.
+    """
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"rollout correction {mode!r} is not one of {ROLLOUT_CORRECTIONS}")
+    log_ratio = (old_logprobs - behaviour_logprobs).detach()
+    ratio = torch.exp(log_ratio)
+    valid = mask.bool()
+    stats = {"ratio_mean": masked_mean(ratio, mask), "ratio_max": ratio[valid].max() if valid.any() else ratio.sum() * 0,
+             "ratio_min": ratio[valid].min() if valid.any() else ratio.sum() * 0}
+    low, high = band
+    if mode == "none":
+        weights = None
+    elif mode == "tis":
+        weights = ratio.clamp(max=is_cap)
+    elif mode == "mis-token":
+        weights = ratio * ((ratio >= low) & (ratio <= high))
+    else:
+        sequence_ratio = torch.exp(masked_mean(log_ratio, mask, dim=-1))[:, None]
+        weights = ratio * ((sequence_ratio >= low) & (sequence_ratio <= high))
+    zero = torch.zeros((), dtype=ratio.dtype) if weights is None else masked_mean((weights == 0).to(ratio.dtype), mask)
+    stats["masked_frac"] = zero
+    return weights, stats
 
 
 def policy_loss(

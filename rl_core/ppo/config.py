@@ -11,7 +11,7 @@ from typing import Optional
 
 from rl_core.config import TrainerConfig, choice, require
 from rl_core.data import LONG_PROMPT_POLICIES
-from rl_core.ppo.algorithms import GROUP_KINDS, KL_KINDS, LOSS_AGG_MODES
+from rl_core.ppo.algorithms import GROUP_KINDS, KL_KINDS, LOSS_AGG_MODES, ROLLOUT_CORRECTIONS
 from rl_core.optim import OPTIMIZER_NAMES
 from workers.router import POLICIES
 
@@ -42,6 +42,9 @@ class RewardConfig:
     # each gets (completion text, dataset row) and returns a number (see rl_core/rewards).
     fns: dict = field(default_factory=dict)
     fn_timeout_s: float = 30.0
+    # Worker processes for sync reward functions (each call on a main thread, where signal-based
+    # timeouts such as math-verify's work); 0 = a thread pool in rank 0 (for functions that cannot pickle).
+    fn_processes: int = 2
     # A response cut by the length limit (finish reason "length") gets this score instead; null = no penalty.
     truncated_penalty: Optional[float] = None
 
@@ -120,6 +123,14 @@ class KLConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    mode: str = choice("tis", ROLLOUT_CORRECTIONS)  # none | tis | mis-token | mis-sequence
+    is_cap: float = 2.0  # tis: min(pi_old / pi_behaviour, is_cap)
+    mask_low: float = 0.5  # mis-*: keep tokens (rows) whose ratio is within [mask_low, mask_high]
+    mask_high: float = 2.0
+
+
+@dataclass
 class AlgorithmConfig:
     advantage_estimator: str = choice("gae", ("gae", *GROUP_KINDS))
     group_size: int = 1
@@ -158,7 +169,9 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     whiten_rewards: bool = True
     loss_agg: str = choice("token-mean", LOSS_AGG_MODES)
-    behaviour_is_cap: float = 2.0  # truncated importance weight cap for async off-policy correction
+    # Tokens are sampled by the engine (pi_behaviour) but the loss is taken against the trainer's pi_old:
+    # stale engines (async) and different kernels or precision (sync too) make them differ. See the README.
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     kl: KLConfig = field(default_factory=KLConfig)
 
 
@@ -239,7 +252,10 @@ def validate(cfg: PPOConfig) -> None:
     require(0.0 <= algo.gamma <= 1.0 and 0.0 <= algo.lam <= 1.0, "algorithm.gamma and algorithm.lam must be in [0, 1]")
     require(algo.lr > 0, f"config key 'algorithm.lr' must be > 0, got {algo.lr}")
     require(algo.kl.horizon > 0, "config key 'algorithm.kl.horizon' must be > 0")
-    require(algo.behaviour_is_cap >= 1.0, "config key 'algorithm.behaviour_is_cap' must be >= 1")
+    rc = algo.rollout_correction
+    require(rc.is_cap >= 1.0, "config key 'algorithm.rollout_correction.is_cap' must be >= 1")
+    require(0.0 < rc.mask_low <= 1.0 <= rc.mask_high,
+            "algorithm.rollout_correction needs 0 < mask_low <= 1 <= mask_high (a band around ratio 1)")
     require(ro.response_length > 0, "config key 'rollout.response_length' must be > 0")
     require(ro.temperature > 0, "config key 'rollout.temperature' must be > 0 (logprobs divide logits by it)")
     require(0.0 < ro.top_p <= 1.0, f"config key 'rollout.top_p' must be in (0, 1], got {ro.top_p}")
@@ -304,6 +320,7 @@ def validate_rewards(cfg: PPOConfig) -> None:
                 f"config key '{key}.weight' must be a number, got {spec.get('weight')!r}")
         require(isinstance(spec.get("kwargs", {}), dict), f"config key '{key}.kwargs' must be a mapping")
     require(reward.fn_timeout_s > 0, "config key 'reward.fn_timeout_s' must be > 0")
+    require(reward.fn_processes >= 0, "config key 'reward.fn_processes' must be >= 0 (0 = a thread pool)")
 
 
 def validate_group_options(cfg: PPOConfig) -> None:

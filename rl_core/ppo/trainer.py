@@ -160,7 +160,7 @@ class PPOTrainer:
                     history.setdefault(key, []).append(value)
         # Adaptive KL (OpenAI): steer the per-episode KL of this batch towards the target.
         self.kl_ctl.update(targets.stats["kl/mean"], n_traj)
-        out = {k: sum(v) / len(v) for k, v in history.items()}
+        out = {k: reduce_metric(k, v) for k, v in history.items()}
         out.update(targets.stats)
         out["kl/coef"] = kl_coef
         out["policy/lr"] = self.actor.current_lr()
@@ -179,7 +179,7 @@ class PPOTrainer:
                                                  norm_length).item() for r in rows)
         micro = [self._collate(rows, indices, real) for indices, real in self._micro_batches(rows)]
         metrics = self.actor.forward_backward(micro, functools.partial(self._policy_loss, denominator=denominator))
-        out = {k: sum(v) / len(v) for k, v in metrics.items() if k != "loss"}
+        out = {k: reduce_metric(k, v) for k, v in metrics.items() if k != "loss"}
         out["perf/padding_fraction"] = sum(models.padding_fraction(b) for b in micro) / len(micro)
         out["policy/loss"] = sum(metrics["loss"])
         out["policy/grad_norm"] = self.actor.step()
@@ -190,16 +190,15 @@ class PPOTrainer:
         return out
 
     def _policy_loss(self, model, batch: dict[str, torch.Tensor], denominator: float):
-        """Clipped surrogate (+ entropy bonus, + KL to the reference when it goes in the loss), async
-        samples reweighted by truncated importance weights."""
+        """Clipped surrogate (+ entropy bonus, + KL to the reference when it goes in the loss), each token
+        weighted for the engine-trainer mismatch (algorithm.rollout_correction), sync and async alike."""
         algo = self.cfg.algorithm
         logprobs, entropy = models.token_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
                                                               entropy_grad=bool(algo.entropy_coef))
         mask = batch["action_mask"]
-        weights = None
-        if self.cfg.trainer.mode == "async":  # the engine that sampled may be older than pi_old
-            weights = alg.truncated_importance_weights(batch["old_logprobs"], batch["behaviour_logprobs"],
-                                                       algo.behaviour_is_cap)
+        rc = algo.rollout_correction  # the engine sampled (pi_behaviour); the ratio is against the trainer's pi_old
+        weights, correction = alg.rollout_correction_weights(batch["old_logprobs"], batch["behaviour_logprobs"], mask,
+                                                             rc.mode, rc.is_cap, (rc.mask_low, rc.mask_high))
         low = algo.cliprange if algo.cliprange_low is None else algo.cliprange_low
         per_token, stats = alg.policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask,
                                            low, behaviour_weights=weights, cliprange_high=algo.cliprange_high,
@@ -209,7 +208,8 @@ class PPOTrainer:
             loss = loss - algo.entropy_coef * alg.aggregate_loss(entropy, mask, algo.loss_agg, denominator,
                                                                  self.world_size)
         metrics = {"policy/clipfrac": stats["clipfrac"], "policy/approx_kl": stats["approx_kl"],
-                   "policy/entropy": alg.masked_mean(entropy.detach(), mask)}
+                   "policy/entropy": alg.masked_mean(entropy.detach(), mask),
+                   **{f"rollout_correction/{k}": v for k, v in correction.items()}}
         if algo.kl.placement == "loss":  # GRPO: the KL to the reference in the loss, with gradient (use k3)
             kl = alg.kl_penalty(logprobs, batch["ref_logprobs"], algo.kl.estimator)
             loss = loss + self.kl_ctl.value * alg.aggregate_loss(kl, mask, algo.loss_agg, denominator, self.world_size)
@@ -237,6 +237,15 @@ class PPOTrainer:
         batch = self._collate([{"input_ids": probe_ids, "action_mask": [1] * len(probe_ids)}], [0], real=True)
         with torch.no_grad():
             return models.token_logprobs(self.actor.model, batch, temperature=1.0)[0, 1:].float().cpu().tolist()
+
+
+def reduce_metric(key: str, values: list[float]) -> float:
+    """Micro-batch (or minibatch) values of one metric as one: extremes stay extremes, the rest are averaged."""
+    if key.endswith("_max"):
+        return max(values)
+    if key.endswith("_min"):
+        return min(values)
+    return sum(values) / len(values)
 
 
 def enable_gradient_checkpointing(model) -> None:

@@ -9,7 +9,8 @@ row, so a new task needs no framework change:
 `sample` is the prompt's dataset row with every column (e.g. `answer`). The config names them
 with weights (`reward.fns: {name: {fn: "pkg.module:function", weight: 1.0, kwargs: {...}}}`);
 the trajectory's reward is the weighted sum and every component is logged on its own. Sync
-functions run in a thread pool, async ones on the rollout's event loop, each call under
+functions run in worker processes (`reward.fn_processes`, see workers.py; 0 = a thread pool),
+async ones on the rollout's event loop, each call under
 `reward.fn_timeout_s`: the loop that drives hundreds of trajectories never waits on a slow
 checker. A function that raises, times out or returns something other than a finite number
 fails its trajectory the way an env failure does (left out of training, counted). Multi-turn
@@ -20,6 +21,7 @@ Shipped functions: `rl_core.rewards.math` (answer checker, format reward).
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
 from math import isfinite
@@ -94,8 +96,8 @@ class RewardFunctions:
         if f.is_async:
             call = f.fn(completion, sample, **f.kwargs)
         else:  # blocking checkers (sympy, subprocesses, HTTP) must not stall the rollout's event loop
-            loop = asyncio.get_running_loop()
-            call = loop.run_in_executor(self.executor, lambda: f.fn(completion, sample, **f.kwargs))
+            loop = asyncio.get_running_loop()  # a partial, not a lambda: worker processes receive it pickled
+            call = loop.run_in_executor(self.executor, functools.partial(f.fn, completion, sample, **f.kwargs))
         try:
             value = await asyncio.wait_for(call, self.timeout_s)
         except asyncio.TimeoutError:

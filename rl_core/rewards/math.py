@@ -1,119 +1,66 @@
-"""Shipped rule-based rewards for math word problems (GSM8K-style and the tiny arithmetic recipe).
+"""Shipped rule-based rewards for math problems (GSM8K, MATH-style and the tiny arithmetic recipe).
 
-`answer_reward` gives 1.0 when the completion's final answer equals the reference answer in
-`sample[answer_key]`, numerically where both are numbers ("1,000" = "1000.00" = "\\boxed{1000}",
-"\\frac{3}{4}" = "0.75"), else 0.0. The final answer is read, in this order of trust, from the
-last `\\boxed{...}`, a GSM8K `#### 42` line, an "answer is 42" / "Answer: 42" phrase, and
-finally the last number in the text. The reference may itself be a full GSM8K solution
-(everything after its `####` is the answer). `format_reward` checks only that the completion
-states its final answer in the expected form.
+`answer_reward` gives 1.0 when the completion's final answer is mathematically equal to the
+reference in `sample[answer_key]`, else 0.0, decided by Hugging Face's `math-verify` (what veRL,
+TRL and others use): the answer is taken from a `\\boxed{}`, an "answer is" phrase or the last
+expression, then compared symbolically (numbers with separators, fractions, percentages, units,
+intervals, sets, tuples, matrices, relations). Two conventions of ours on top: a GSM8K `#### 42`
+line states the final answer (on both sides: the reference may be a whole GSM8K solution), and
+LaTeX written without math delimiters is read as math. `format_reward` checks only that the
+completion states its final answer in the expected form.
+
+math-verify bounds parsing and comparison with `signal` timeouts, which only a main thread can
+receive: the job runs sync reward functions in worker processes (`reward.fn_processes`), where
+each call is on a main thread; in any other thread the timeouts are off and only
+`reward.fn_timeout_s` bounds the call.
 """
 
 from __future__ import annotations
 
 import re
-from fractions import Fraction
+import threading
+
+from math_verify import parse, verify
 
 NUMBER = r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?|-?\.\d+"  # 1,234.5 | 1234.5 | .5
-_NUMBER_RE = re.compile(rf"(?<![\w.,])({NUMBER})(?:\s*/\s*(\d+))?")
-# A span that *is* a number: currency sign, a fraction, a percent sign or a unit word may come with it.
-_NUMERIC_SPAN_RE = re.compile(rf"\$?\s*({NUMBER})(?:\s*/\s*(\d+))?\s*%?\s*(?:[A-Za-z][A-Za-z ]*)?\.?")
-_HASH_RE = re.compile(r"####\s*([^\n]*)")
-_PHRASE_RE = re.compile(r"answer\s*(?:is|:|=)\s*:?\s*(.*?)(?:\.\s|\.?$)", re.IGNORECASE | re.MULTILINE)
-_FRAC_RE = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
-_TEXT_RE = re.compile(r"\\(?:text|mathrm|textbf|mbox)\s*\{[^{}]*\}")
 FORMATS = {
     "boxed": re.compile(r"\\boxed\s*\{"),
     "hash": re.compile(rf"####\s*\$?\s*(?:{NUMBER})\s*\.?\s*$"),  # the completion ends with its `#### N` line
     "answer_tag": re.compile(r"<answer>.*?</answer>\s*$", re.DOTALL),
 }
+MATH_DELIMITERS = ("$", "\\(", "\\[", "\\boxed")
+TIMEOUT_S = 5  # math-verify's own bound on one parse or comparison (where signals work)
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`), braces balanced; None if there is none."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    brace = text.find("{", start)
-    if brace < 0:
-        return None
-    depth = 0
-    for position in range(brace, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[position], 0)
-        if depth == 0:
-            return text[brace + 1:position]
-    return None  # unbalanced: the model stopped mid-answer
+def _math_text(text: str) -> str:
+    """The part that states the answer (after a GSM8K `####`), LaTeX wrapped in `$...$` when it has no delimiters."""
+    text = str(text).replace("\u2212", "-")  # a typeset minus sign
+    if "####" in text:
+        text = text.rsplit("####", 1)[1]
+    text = text.strip()
+    if "\\" in text and not any(mark in text for mark in MATH_DELIMITERS):
+        text = f"${text}$"
+    return text
 
 
-def extract_answer(text: str) -> str | None:
-    """The final-answer span of a completion (boxed > `####` > "answer is" > last number), or None."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    for pattern in (_HASH_RE, _PHRASE_RE):
-        matches = pattern.findall(text)
-        if matches and matches[-1].strip():
-            return matches[-1].strip()
-    numbers = _NUMBER_RE.findall(_normalise(text))
-    if numbers:
-        whole, denominator = numbers[-1]
-        return f"{whole}/{denominator}" if denominator else whole
-    return None
-
-
-def _normalise(text: str) -> str:
-    text = text.replace("\u2212", "-").replace("\\!", "").replace("\\,", "").replace("\\$", "$")
-    text = _FRAC_RE.sub(r"\1/\2", text)
-    return _TEXT_RE.sub(" ", text)
-
-
-def parse_number(text: str) -> Fraction | None:
-    """An answer span's value when the span is a number: "$1,234.50" -> 1234.5, "3/4" -> 0.75,
-    "-7." -> -7, "18 dollars" -> 18; None for anything else ("x+1", "5 or 6")."""
-    match = _NUMERIC_SPAN_RE.fullmatch(_normalise(text).strip())
-    if match is None:
-        return None
-    whole, denominator = match.groups()
-    digits = whole.replace(",", "")
-    try:
-        value = Fraction(digits)
-        if denominator:
-            value = value / Fraction(denominator) if int(denominator) else None
-    except (ValueError, ZeroDivisionError):
-        return None
-    return value
-
-
-def _plain(text: str) -> str:
-    return re.sub(r"\s+|\$|\\", "", _normalise(text)).rstrip(".").lower()
-
-
-def reference_answer(reference) -> str:
-    """The answer part of a reference: after `####` in a GSM8K solution, inside a `\\boxed{}`, else as is."""
-    reference = str(reference)
-    if "####" in reference:
-        return reference.rsplit("####", 1)[1].strip()
-    boxed = last_boxed(reference)
-    return boxed.strip() if boxed is not None else reference.strip()
-
-
-def answers_match(predicted: str | None, reference, rel_tol: float = 1e-6) -> bool:
-    """Numeric equality when both parse as numbers, else equality of the normalised text."""
-    if predicted is None:
-        return False
-    reference = reference_answer(reference)
-    want, got = parse_number(reference), parse_number(predicted)
-    if want is not None and got is not None:
-        return abs(got - want) <= rel_tol * max(1, abs(want))
-    return _plain(predicted) == _plain(reference) != ""
+def _reference(text) -> str:
+    """A bare reference ("18", "\\frac{1}{2}", "[1,3)") is the whole answer: boxed, so it is read as one."""
+    text = _math_text(text)
+    return text if any(mark in text for mark in MATH_DELIMITERS) else f"\\boxed{{{text}}}"
 
 
 def answer_reward(completion: str, sample: dict, answer_key: str = "answer") -> float:
-    """1.0 when the completion's final answer equals `sample[answer_key]`, else 0.0."""
+    """1.0 when the completion's final answer equals `sample[answer_key]` (math-verify), else 0.0."""
     if answer_key not in sample:
         raise KeyError(f"answer_reward needs the reference answer in column {answer_key!r}; the sample has "
                        f"{sorted(k for k in sample if k != 'prompt_ids')} (set kwargs.answer_key)")
-    return float(answers_match(extract_answer(completion), sample[answer_key]))
+    timeout = TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    gold = parse(_reference(sample[answer_key]), parsing_timeout=timeout)
+    if not gold:
+        raise ValueError(f"reference answer {sample[answer_key]!r} (column {answer_key!r}) states no answer "
+                         "math-verify can read")
+    predicted = parse(_math_text(completion), parsing_timeout=timeout)
+    return float(bool(predicted) and verify(gold, predicted, timeout_seconds=timeout))
 
 
 def format_reward(completion: str, sample: dict, style: str = "hash", pattern: str | None = None) -> float:

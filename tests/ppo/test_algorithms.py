@@ -191,7 +191,7 @@ def test_policy_loss_by_hand():
     torch.testing.assert_close(loss[0, :3], torch.tensor([-1.2, -0.5, 2.2]))
     assert stats["clipfrac"].item() == pytest.approx(1 / 3)
     behaviour = torch.log(torch.tensor([[0.5, 1.0, 2.0, 0.1]]))
-    weights = alg.truncated_importance_weights(torch.zeros(1, 4), behaviour, cap=1.5)
+    weights, _ = alg.rollout_correction_weights(torch.zeros(1, 4), behaviour, torch.ones(1, 4), "tis", is_cap=1.5)
     torch.testing.assert_close(weights, torch.tensor([[1.5, 1.0, 0.5, 1.5]]))
     weighted, _ = alg.policy_loss(logprobs, old, advantages, mask, 0.2, behaviour_weights=weights)
     torch.testing.assert_close(weighted, loss * weights)
@@ -252,3 +252,54 @@ def test_rejected_responses_get_the_fixed_penalty_instead_of_their_score():
     scores = torch.tensor([0.7, -0.2, 1.5])
     rejected = torch.tensor([False, True, True])
     assert alg.penalize_rejected(scores, rejected, -1.0).tolist() == [pytest.approx(0.7), -1.0, -1.0]
+
+
+def corrected_gradient(mode: str, engine_temperature: float, cap: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy-loss gradient of a one-token policy over 4 actions, in expectation over the engine's
+    samples (each action weighted by its engine probability), next to the exact on-policy gradient.
+
+    The engine samples at another temperature than the trainer scores at: a known mismatch."""
+    from rl_core.ppo.algorithms import rollout_correction_weights
+
+    logits = torch.tensor([-4.2, -1.9, 3.2, -5.8], requires_grad=True)
+    # Every action is better than expected, the likely one most: on-policy, its logit goes up; the
+    # engine's flatter samples over-count the rare ones and push it down.
+    advantages = torch.tensor([0.3, 0.6, 0.9, 0.2])
+    actions = torch.arange(4)[:, None]
+    pi = torch.log_softmax(logits, -1)
+    behaviour = torch.log_softmax(logits.detach() / engine_temperature, -1)
+    old = pi.detach()
+    mask = torch.ones(4, 1)
+    weights, _ = rollout_correction_weights(old[actions], behaviour[actions], mask, mode, is_cap=cap)
+    per_token, _ = alg.policy_loss(pi[actions], old[actions], advantages[:, None], mask, 0.2, behaviour_weights=weights)
+    sampled = torch.autograd.grad((behaviour.exp()[:, None] * per_token).sum(), logits, retain_graph=True)[0]
+    on_policy = torch.autograd.grad(-(old.exp() * advantages * pi).sum(), logits)[0]
+    return sampled, on_policy
+
+
+def test_rollout_correction_restores_the_on_policy_update_under_an_engine_mismatch():
+    cosine = torch.nn.functional.cosine_similarity
+    uncorrected, exact = corrected_gradient("none", engine_temperature=2.0)
+    tis, _ = corrected_gradient("tis", engine_temperature=2.0, cap=100.0)
+    capped, _ = corrected_gradient("tis", engine_temperature=2.0, cap=2.0)
+    assert cosine(uncorrected, exact, dim=0) < -0.9  # the engine's samples push the opposite way
+    torch.testing.assert_close(tis, exact)  # untruncated IS is exactly on-policy in expectation
+    assert cosine(capped, exact, dim=0) > 0.99  # truncated at 2 (here no weight reaches it)
+    assert exact[2] < 0 < uncorrected[2]  # the likely action's logit: up on-policy, down uncorrected
+    same, exact_same = corrected_gradient("tis", engine_temperature=1.0)
+    torch.testing.assert_close(same, exact_same)  # no mismatch: weights of 1 change nothing
+
+
+def test_masked_importance_sampling_drops_tokens_or_whole_rows_outside_the_band():
+    from rl_core.ppo.algorithms import rollout_correction_weights
+
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]))
+    behaviour = torch.log(torch.tensor([[0.5, 0.05, 0.45], [0.5, 0.45, 0.55]]))  # ratios 1, 10, 1.11 | 1, 1.11, 0.91
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    tokens, stats = rollout_correction_weights(old, behaviour, mask, "mis-token", band=(0.5, 2.0))
+    assert tokens[0, 1] == 0 and tokens[0, 0] == 1 and torch.isclose(tokens[0, 2], torch.tensor(0.5 / 0.45))
+    assert torch.isclose(stats["masked_frac"], torch.tensor(1 / 5)) and torch.isclose(stats["ratio_max"], torch.tensor(10.0))
+    rows, stats = rollout_correction_weights(old, behaviour, mask, "mis-sequence", band=(0.5, 2.0))
+    assert (rows[0] == 0).all() and (rows[1] > 0).all()  # row 0's length-normalised ratio is 2.23
+    tis, _ = rollout_correction_weights(old, behaviour, mask, "tis", is_cap=2.0)
+    assert tis[0, 1] == 2.0 and rollout_correction_weights(old, behaviour, mask, "none")[0] is None

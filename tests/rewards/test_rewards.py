@@ -7,7 +7,7 @@ import time
 import pytest
 
 from rl_core.rewards import RewardFnError, RewardFunctions, load_reward_fn
-from rl_core.rewards.math import answer_reward, extract_answer, format_reward
+from rl_core.rewards.math import answer_reward, format_reward
 
 GSM8K_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
 
@@ -34,8 +34,32 @@ GSM8K_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 
     ("\\boxed{x+1}", "y + 1", 0.0),
     ("\\boxed{5 or 6}", "5", 0.0),                               # a hedge is not a number
     ("no number at all", "3", 0.0),
-    ("\\boxed{12", "12", 1.0),                                   # unclosed box: falls back to the last number
+    ("\\boxed{12", "12", 0.0),                                   # cut mid-box: it may have gone on to 123
     ("", "0", 0.0),
+    # Written for the move to math-verify: each was scored wrongly by the hand-written checker.
+    ("Final Answer: The final answer is 18. I hope it is correct.", "18", 1.0),
+    ("0.5", "$\\frac{1}{2}$", 1.0),                            # LaTeX reference, plain answer
+    ("It is 125 miles", "$125$ miles", 1.0),                     # units on the reference
+    ("16386.2", "$16386.20$", 1.0),
+    ("$D = (0, 1)$", "$D = (0, 1)$", 1.0),                       # identical on both sides
+    ("1 000", "1000", 1.0),                                      # space as thousands separator
+    ("$14{,}916$", "14916", 1.0),                                # LaTeX thousands separator
+    ("$\\frac13$", "\\frac{1}{3}", 1.0),                         # brace-less fraction
+    ("\\cfrac{1}{3}", "1/3", 1.0),                               # \cfrac, no delimiters
+    ("\\boxed{+033}", "33", 1.0),
+    ("$\\frac{1+\\sqrt{5}}{2}$", "2", 0.0),                       # the golden ratio is not its last digit
+    ("The answer is $[1, 3)$", "[1,3)", 1.0),                    # interval
+    ("$[1, 3)$", "[1,3]", 0.0),                                  # open and closed ends differ
+    ("\\boxed{\\{1,2\\}}", "\\{2,1\\}", 1.0),                    # sets ignore order
+    ("\\boxed{(1,2)}", "(2,1)", 0.0),                            # tuples do not
+    ("\\boxed{50\\%}", "0.5", 1.0),                              # percentage
+    ("x \\geq 3", "x >= 3", 1.0),                                # relation
+    ("$\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}$", "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", 1.0),  # matrix
+    ("$\\begin{pmatrix}1&2\\\\3&5\\end{pmatrix}$", "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", 0.0),
+    ("so she has 1,000 dollars.\n#### 1,000", "1000", 1.0),
+    ("9 - 4 = 5\n#### 4", "Ann had 9 and gave 4 away.\n#### 4", 1.0),  # GSM8K final lines on both sides
+    ("The answer is 42.", "#### 42", 1.0),
+    ("\\boxed{\\sqrt{8}}", "2\\sqrt{2}", 1.0),                       # symbolic equality
 ])
 def test_answer_reward_on_tricky_formats(completion, reference, expected):
     assert answer_reward(completion, {"answer": reference}) == expected
@@ -45,7 +69,8 @@ def test_answer_reward_reads_the_configured_column_and_says_when_it_is_missing()
     assert answer_reward("#### 4", {"label": "4"}, answer_key="label") == 1.0
     with pytest.raises(KeyError, match="answer_key"):
         answer_reward("#### 4", {"question": "2+2"})
-    assert extract_answer("text\n#### 19") == "19" and extract_answer("nothing") is None
+    with pytest.raises(ValueError, match="states no answer"):  # bad data is named, not scored 0
+        answer_reward("#### 4", {"answer": "   "})
 
 
 @pytest.mark.parametrize("completion, style, expected", [
@@ -141,3 +166,40 @@ def test_bad_import_paths_are_explained():
         load_reward_fn("no_such_module:fn")
     with pytest.raises(ImportError, match="not a callable"):
         load_reward_fn("rl_core.rewards.math:NUMBER")
+
+
+def hang(completion, sample):
+    while True:
+        time.sleep(1)
+
+
+def on_main_thread(completion, sample):
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+@pytest.mark.timeout(120)
+def test_worker_processes_run_checkers_on_a_main_thread_and_a_hung_one_costs_only_its_call():
+    import multiprocessing
+
+    from rl_core.rewards.workers import ProcessExecutor
+
+    executor = ProcessExecutor(2)
+    specs = {"hang": {"fn": f"{__name__}:hang"}}
+    checkers = {"main": {"fn": f"{__name__}:on_main_thread"},
+                "correct": {"fn": "rl_core.rewards.math:answer_reward"}}
+    hanging = RewardFunctions.from_config(specs, timeout_s=1.0, executor=executor)
+    working = RewardFunctions.from_config(checkers, timeout_s=30.0, executor=executor)
+
+    async def main():
+        with pytest.raises(RewardFnError, match="'hang' failed.*timed out"):
+            await hanging.score("x", {})
+        # One worker is stuck for good; the other goes on checking, with math-verify's timeouts on.
+        return await asyncio.gather(*(working.score(f"#### {n}", {"answer": "12"}) for n in (12, 13)))
+    try:
+        right, wrong = asyncio.run(main())
+    finally:
+        executor.shutdown(wait=True)
+    assert right == {"main": 1.0, "correct": 1.0} and wrong == {"main": 1.0, "correct": 0.0}
+    assert multiprocessing.active_children() == []  # the stuck worker was killed, not waited for
