@@ -119,11 +119,6 @@ def require(condition: bool, message: str) -> None:
 # ------------------------------------------------------------------------------------ internals
 
 
-def _is_free_mapping(ftype) -> bool:
-    """`dict` fields (env kwargs, server args) take any keys: they are replaced, not merged key by key."""
-    return typing.get_origin(ftype) is dict or ftype is dict
-
-
 def _deep_merge(base: dict, update: dict) -> dict:
     merged = dict(base)
     for key, value in update.items():

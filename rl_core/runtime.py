@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rl_core.distributed import device_for_rank, init_distributed, local_world_size, on_rank0, rank_seed
-from rl_core.ppo.config import PPOConfig, engine_dtype
+from rl_core.ppo.config import PPOConfig, engine_dtype, sampling_params
 from rl_core.run_dir import RunDirLock
 from workers.engines.client import EngineError
 from workers.engines.rank_engine import EngineSpec, RankEngine
@@ -162,10 +162,7 @@ class JobRuntime:
 
         cfg, ro = self.cfg, self.cfg.rollout
         self.env_executor = make_executor(cfg.env.thread_pool_size)
-        sampling = {"max_new_tokens": ro.response_length, "temperature": ro.temperature, "top_p": ro.top_p,
-                    "top_k": ro.top_k if ro.top_k > 0 else -1, "ignore_eos": ro.ignore_eos}
-        if ro.stop_token_ids:
-            sampling["stop_token_ids"] = [int(t) for t in ro.stop_token_ids]
+        sampling = sampling_params(ro)
         reward_fns = None
         if cfg.reward.fns:
             from rl_core.rewards import RewardFunctions

@@ -221,6 +221,15 @@ class PPOConfig:
     trainer: PPOTrainerConfig = field(default_factory=PPOTrainerConfig)
 
 
+def sampling_params(ro: RolloutConfig, **overrides) -> dict:
+    """SGLang `sampling_params` of the rollout section (training); evaluation overrides a few keys."""
+    params = {"max_new_tokens": ro.response_length, "temperature": ro.temperature, "top_p": ro.top_p,
+              "top_k": ro.top_k if ro.top_k > 0 else -1, "ignore_eos": ro.ignore_eos}
+    if ro.stop_token_ids:
+        params["stop_token_ids"] = [int(t) for t in ro.stop_token_ids]
+    return {**params, **overrides}
+
+
 def engine_dtype(cfg: PPOConfig) -> str:
     """The dtype engines hold weights in: rollout.dtype, else the training compute dtype."""
     if cfg.rollout.dtype is not None:

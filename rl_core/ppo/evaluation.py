@@ -14,17 +14,14 @@ import torch
 
 from rl_core.distributed import broadcast_object
 from rl_core.ppo import algorithms as alg
-from rl_core.ppo.config import PPOConfig
+from rl_core.ppo.config import PPOConfig, sampling_params
 from rl_core.rollout.trajectory import Trajectory
 
 
 def eval_sampling_params(cfg: PPOConfig) -> dict:
-    ro, ev = cfg.rollout, cfg.eval
-    params = {"max_new_tokens": ev.response_length or ro.response_length, "temperature": ev.temperature,
-              "top_p": ev.top_p, "top_k": -1, "ignore_eos": ro.ignore_eos}
-    if ro.stop_token_ids:
-        params["stop_token_ids"] = [int(t) for t in ro.stop_token_ids]
-    return params
+    ev = cfg.eval
+    return sampling_params(cfg.rollout, max_new_tokens=ev.response_length or cfg.rollout.response_length,
+                           temperature=ev.temperature, top_p=ev.top_p, top_k=-1)
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
