@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -137,8 +138,13 @@ def _run(main, argv, rank: int, stop: _StopRequest, handler: OneLineErrorHandler
             handler.record_line(f"[rank {rank}] stopped: {err}", secondary=True)
             raise SystemExit(1) from None
         if _lost_peer(err):
-            line = (f"[rank {rank}] stopped: another rank failed or exited first ({_first_line(err)}); "
-                    "its error above (or in torchrun's summary) is the cause")
+            peer = re.search(r"by peer \[?([0-9a-fA-F.:]+?)\]?:\d+", str(err))
+            if peer and not peer.group(1).startswith("127."):  # another host: it may have no say of its own
+                line = (f"[rank {rank}] stopped: the rank at {peer.group(1)} went away ({_first_line(err)}); if that "
+                        "is another node, it died or lost its link: see its log")
+            else:
+                line = (f"[rank {rank}] stopped: another rank failed or exited first ({_first_line(err)}); "
+                        "its error above (or in torchrun's summary) is the cause")
             handler.record_line(line, secondary=True)
             _say(line)
             raise SystemExit(1) from None

@@ -144,14 +144,15 @@ def prepare_before_process_group(prepare: Callable[[Callable[[str], None]], T], 
 
     def wait_for(ranks: list[int]) -> None:
         keys = [f"{prefix}/done/{r}" for r in ranks]
-        last_report = time.monotonic()
+        last_report, last_said = time.monotonic(), None
         while not store.check(keys):
             if time.monotonic() - last_report >= report_every_s:
                 pending = [r for r, key in zip(ranks, keys) if not store.check([key])]
                 progress = f"{prefix}/progress/{pending[0]}"
                 said = store.get(progress).decode() if store.check([progress]) else "no progress reported yet"
-                print(f"[rank {rank}] waiting for rank {pending[0]} to {what} ({said})", flush=True)
-                last_report = time.monotonic()
+                if said != last_said or time.monotonic() - last_report >= 4 * report_every_s:  # news, or a sign of life
+                    print(f"[rank {rank}] waiting for rank {pending[0]} to {what} ({said})", flush=True)
+                    last_report, last_said = time.monotonic(), said
             time.sleep(0.5)
         for key in keys:
             outcome = store.get(key).decode()

@@ -21,7 +21,7 @@ from rl_core.run_dir import RunDirLock
 from workers.engines.client import EngineError
 from workers.engines.rank_engine import EngineSpec, RankEngine
 from workers.engines.weights import PROBE_TOLERANCE, WeightSyncError
-from workers.procs import ManagedProcesses
+from workers.procs import ManagedProcesses, ProcessStartError, node_address
 
 ENGINE_START_TIMEOUT_S = 300.0
 
@@ -91,12 +91,17 @@ class JobRuntime:
 
     # ------------------------------------------------------------------ engines and router
 
+    @property
+    def nnodes(self) -> int:
+        return self.world_size // max(self.local_world_size, 1)
+
     def bind_host(self) -> str:
-        """Loopback unless several nodes must reach each other."""
-        nnodes = self.world_size // max(self.local_world_size, 1)
-        if nnodes <= 1:
+        """Loopback on one node; on several, this node's address (rollout.multi_node_host, or the one
+        that reaches node 0), so the router on node 0 reaches every engine."""
+        if self.nnodes <= 1:
             return "127.0.0.1"
-        return self.cfg.rollout.multi_node_host or socket.gethostbyname(socket.gethostname())
+        return node_address(self.cfg.rollout.multi_node_host, os.environ["MASTER_ADDR"],
+                            int(os.environ["MASTER_PORT"]))
 
     def start_engines(self, policy_path: str) -> None:
         """Each rank launches its engine; rank 0 starts the router and registers every engine."""
@@ -120,20 +125,28 @@ class JobRuntime:
         self.engine = RankEngine.launch(spec, log_path, self.procs, deadline, ro.weight_bucket_mb << 20,
                                         timeout_s=ro.engine_timeout_s)
         gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, (self.engine.url, str(log_path)))
-        self.engine_urls = [url for url, _ in gathered]
-        self.engine_logs = {url: log for url, log in gathered}
+        node = {"node": self.rank // max(self.local_world_size, 1), "host": socket.gethostname()}
+        dist.all_gather_object(gathered, (self.engine.url, str(log_path), node))
+        self.engine_urls = [url for url, _, _ in gathered]
+        self.engine_logs = {url: log for url, log, _ in gathered}
+        if self.nnodes > 1:  # rollout traffic crosses the network: every engine must answer node 0 first
+            on_rank0(lambda: check_reachable(gathered))
         if self.rank == 0:
             from workers.router import launch_router
 
-            router = launch_router(spec.host, None, self.engine_urls, log_path=self.log_dir / "router.log",
+            # Only this rank talks to the router, so it stays on loopback; it reaches out to the engines.
+            router = launch_router("127.0.0.1", None, self.engine_urls, log_path=self.log_dir / "router.log",
                                    policy=ro.router_policy, processes=self.procs)
             self.router_url = router.url
-            # What the router actually registered, for whoever debugs a multi-node launch.
-            workers = [{"url": w.get("url"), "healthy": w.get("is_healthy"), "log": self.engine_logs.get(w.get("url"))}
+            # What the router actually registered, and where each engine runs, for whoever debugs a launch.
+            where = {url: {"rank": rank, **node, "log": log} for rank, (url, log, node) in enumerate(gathered)}
+            workers = [{"url": w.get("url"), "healthy": w.get("is_healthy"), **where.get(w.get("url"), {})}
                        for w in router.workers()]
             (self.log_dir / "engines.json").write_text(json.dumps({"router": self.router_url, "workers": workers},
                                                                   indent=1))
+            if self.nnodes > 1:
+                for url, info in where.items():
+                    print(f"engine of rank {info['rank']} on node {info['node']} ({info['host']}): {url}", flush=True)
         dist.barrier()
 
     def dead_engines(self) -> list[str]:
@@ -236,3 +249,21 @@ class JobRuntime:
         if holding:
             self.service.release()
         return stats
+
+
+def check_reachable(engines: list[tuple[str, str, dict]], timeout_s: float = 10.0) -> None:
+    """Every engine answers /health from here (node 0, where the router runs), or one line names it."""
+    import urllib.request
+
+    for rank, (url, _, node) in enumerate(engines):
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as response:
+                if response.status == 200:
+                    continue
+                problem = f"HTTP {response.status}"
+        except OSError as err:
+            problem = str(getattr(err, "reason", err))
+        raise ProcessStartError(f"the engine of rank {rank} on node {node['node']} ({node['host']}) at {url} cannot "
+                                f"be reached from node 0, where the router runs ({problem}); let node 0 reach that "
+                                "node's TCP ports (engines take free ports) or set rollout.multi_node_host to an "
+                                "address node 0 can reach")

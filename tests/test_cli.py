@@ -77,6 +77,14 @@ def test_a_collective_broken_by_a_dead_peer_is_one_line(error_file, capsys):
     assert err.startswith("[rank 0] stopped: another rank failed or exited first (") and err.count("\n") == 1
 
 
+def test_a_peer_lost_on_another_host_is_named_by_its_address(error_file, capsys):
+    def main():
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.9.0.2]:41150")
+
+    code, err = ends(main, capsys)
+    assert code == 1 and err.startswith("[rank 0] stopped: the rank at 10.9.0.2 went away") and err.count("\n") == 1
+
+
 def test_ctrl_c_is_one_line_and_a_second_one_does_not_cut_the_clean_up_short(error_file, capsys):
     cleaned = []
 

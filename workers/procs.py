@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shlex
 import signal
 import socket
@@ -151,15 +152,48 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def log_tail(log_path: str | Path | None, max_chars: int = 3000) -> str:
-    """The last `max_chars` characters of a log file, or a note when there is none."""
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # terminal colours (the router's log has them)
+
+
+def log_tail(log_path: str | Path | None, max_lines: int = 12) -> str:
+    """The last `max_lines` non-empty lines of a log file, without terminal colour codes, or a note
+    when there is none: enough to see why, short enough for an error message."""
     if log_path is None:
         return "(no log file)"
     try:
-        data = Path(log_path).read_bytes()
+        data = Path(log_path).read_bytes()[-20000:]
     except OSError as err:
         return f"(cannot read {log_path}: {err})"
-    return data[-max_chars:].decode("utf-8", errors="replace")
+    lines = [line for line in ANSI_ESCAPE.sub("", data.decode("utf-8", errors="replace")).splitlines() if line.strip()]
+    return "\n".join(line[:400] for line in lines[-max_lines:])
+
+
+def node_address(given: str | None, peer: str, peer_port: int) -> str:
+    """This node's address for a multi-node job: `given` (rollout.multi_node_host) once checked to be
+    one of this node's, else the address of the interface that reaches `peer` (node 0, torchrun's
+    MASTER_ADDR). Not the host name: on most Debian and Ubuntu machines it resolves to loopback.
+    """
+    if given:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((given, 0))
+        except OSError as err:
+            raise ProcessStartError(f"rollout.multi_node_host={given} is not an address of this node "
+                                    f"({socket.gethostname()}: {err.strerror}); give one of its own addresses "
+                                    "(ip -brief addr) or leave it unset to use the one that reaches node 0") from None
+        return given
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((peer, peer_port))  # UDP: picks the route and its source address, sends nothing
+            address = sock.getsockname()[0]
+    except OSError as err:
+        raise ProcessStartError(f"cannot find the address of this node that reaches node 0 ({peer}): "
+                                f"{err.strerror}; set rollout.multi_node_host to this node's address") from None
+    if address.startswith("127."):
+        raise ProcessStartError(f"node 0 ({peer}) is reached through loopback, so this node's address for the other "
+                                "nodes is unknown; give torchrun node 0's network address (--master_addr or "
+                                "--rdzv-endpoint) or set rollout.multi_node_host")
+    return address
 
 
 def wait_http_ok(url: str, deadline_s: float, proc: subprocess.Popen | None = None,

@@ -293,7 +293,8 @@ def _quiet_transformers_progress() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _build_policy(paths: AssetPaths, settings: TinyAssetSettings, progress: bool = False) -> dict:
+def _build_policy(paths: AssetPaths, settings: TinyAssetSettings, progress: bool = False,
+                  log: Callable[[str], None] = print) -> dict:
     """Tokenizer + pretrained policy in one directory; returns the facts it recorded."""
     started = time.perf_counter()
     with staged_directory(paths.model_dir) as staging:
@@ -308,7 +309,8 @@ def _build_policy(paths: AssetPaths, settings: TinyAssetSettings, progress: bool
                              "shrink n_layer/n_embd/vocab_size")
         losses = pretrain_tiny_gpt2(model, tokenizer, texts, steps=settings.steps,
                                     batch_size=settings.batch_size, seq_len=settings.seq_len,
-                                    lr=settings.lr, seed=settings.seed, progress=progress)
+                                    lr=settings.lr, seed=settings.seed, progress=progress,
+                                    log_every=max(1, settings.steps // 10), log=log)
         with _quiet_transformers_progress():
             model.save_pretrained(staging)
         tail = losses[-max(1, len(losses) // 20):]
@@ -383,7 +385,7 @@ def ensure_tiny_assets(root: str | Path | None = None, *, small: bool = False,
         log(f"[rl_core.tiny] building {kind} assets ({', '.join(missing)}) under {paths.root} "
             f"with seed {settings.seed}; cached for later runs")
         if "policy" in missing:
-            _build_policy(paths, settings, progress)
+            _build_policy(paths, settings, progress, log)
         if "prompts" in missing:
             _build_prompts(paths, settings)
         _write_summary(paths, settings, small)
