@@ -9,6 +9,8 @@ import json
 import os
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -21,7 +23,7 @@ from rl_core.run_dir import RunDirLock
 from workers.engines.client import EngineError
 from workers.engines.rank_engine import EngineSpec, RankEngine
 from workers.engines.weights import PROBE_TOLERANCE, WeightSyncError
-from workers.procs import ManagedProcesses, ProcessStartError, node_address
+from workers.procs import ManagedProcesses, ProcessStartError, node_address, stop_this_process
 
 ENGINE_START_TIMEOUT_S = 300.0
 
@@ -41,6 +43,7 @@ class JobRuntime:
         self.env_executor = None
         self.reward_executor = None
         self.run_dir_lock = None
+        self.node_watch = None
         self._loop = asyncio.new_event_loop()  # for this rank's own engine calls (release, push, check)
 
     # ------------------------------------------------------------------ lifecycle
@@ -65,6 +68,7 @@ class JobRuntime:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self.stop_node_watch()
         try:
             if self.service is not None:
                 self.service.close()
@@ -148,6 +152,13 @@ class JobRuntime:
                 for url, info in where.items():
                     print(f"engine of rank {info['rank']} on node {info['node']} ({info['host']}): {url}", flush=True)
         dist.barrier()
+        if self.nnodes > 1:  # a node whose link is cut closes no connection: notice it anyway
+            self.node_watch = NodeWatch(self.rank, node["node"], gathered)
+
+    def stop_node_watch(self) -> None:
+        """From here on the other nodes may finish and stop their engines: that is no lost node."""
+        if self.node_watch is not None:
+            self.node_watch.stop()
 
     def dead_engines(self) -> list[str]:
         """Router and engines (with their log files) that no longer answer: the usual cause of a rollout error."""
@@ -267,3 +278,48 @@ def check_reachable(engines: list[tuple[str, str, dict]], timeout_s: float = 10.
                                 f"be reached from node 0, where the router runs ({problem}); let node 0 reach that "
                                 "node's TCP ports (engines take free ports) or set rollout.multi_node_host to an "
                                 "address node 0 can reach")
+
+
+class NodeWatch:
+    """Several nodes only: notice a lost node even when no connection says so.
+
+    A killed node closes its sockets and the next collective fails at once; a node whose link is
+    cut closes nothing, and every rank would wait out the collective timeout. So each rank asks
+    one engine of every other node for /health (answered even while paused or released) every
+    `interval_s`; when a node has not answered `misses` times in a row over at least `timeout_s`,
+    this rank stops, naming it. Misses are counted, not only timed, so a rank starved of CPU for a
+    while does not mistake its own silence for the other node's.
+    """
+
+    def __init__(self, rank: int, my_node: int, engines: list[tuple[str, str, dict]], interval_s: float = 5.0,
+                 timeout_s: float = 30.0, misses: int = 3):
+        self.rank, self.interval_s, self.timeout_s, self.misses = rank, interval_s, timeout_s, misses
+        self.watched: dict[int, tuple[str, str]] = {}
+        for url, _, node in engines:
+            if node["node"] != my_node:
+                self.watched.setdefault(node["node"], (url, node["host"]))
+        self.stopped = threading.Event()
+        threading.Thread(target=self._watch, name="node-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _watch(self) -> None:
+        import urllib.request
+
+        missed: dict[int, list[float]] = {n: [] for n in self.watched}
+        while not self.stopped.wait(self.interval_s):
+            for number, (url, host) in self.watched.items():
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=self.interval_s):
+                        missed[number] = []
+                    continue
+                except OSError:
+                    missed[number].append(time.monotonic())
+                times = missed[number]
+                if len(times) >= self.misses and times[-1] - times[0] >= self.timeout_s - self.interval_s \
+                        and not self.stopped.is_set():
+                    stop_this_process(f"[rank {self.rank}] stopped: node {number} ({host}) stopped answering "
+                                      f"({url} silent for {time.monotonic() - times[0] + self.interval_s:.0f}s): it "
+                                      "died or lost its link; see its log", grace_s=10.0)
+                    return

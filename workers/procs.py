@@ -61,12 +61,19 @@ def follow_launcher(grace_s: float = 15.0) -> None:
 def _watch_launcher(launcher: int, grace_s: float) -> None:
     while os.getppid() == launcher:
         time.sleep(0.5)
+    stop_this_process(f"[rank {os.environ.get('RANK', 0)}] torchrun (pid {launcher}) is gone; stopping this rank, "
+                      "its engine and the router", grace_s)
+
+
+def stop_this_process(line: str, grace_s: float = 15.0) -> None:
+    """From a watcher thread: say `line`, SIGTERM this process (the job's handler turns it into the
+    normal clean-up) and, if it is still alive `grace_s` later (its main thread stuck in a collective
+    with a peer that is gone), SIGKILL its children's process groups and exit."""
     try:
-        print(f"[rank {os.environ.get('RANK', 0)}] torchrun (pid {launcher}) is gone; stopping this rank, "
-              "its engine and the router", file=sys.stderr, flush=True)
-    except OSError:  # the reading end of torchrun's pipe may be gone with it
+        print(line, file=sys.stderr, flush=True)
+    except OSError:  # the reading end of torchrun's pipe may be gone
         pass
-    os.kill(os.getpid(), signal.SIGTERM)  # the job's handler raises SystemExit: the normal clean-up
+    os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(grace_s)
     for child in _children():  # engines and router each lead their own process group
         _signal_group(child, signal.SIGKILL)

@@ -149,6 +149,7 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
                 prompts.state_dict() if cfg.trainer.mode == "sync" else service.resume_state)
             checkpointer.save(step + 1, trainer, data_state)
 
+    rt.stop_node_watch()  # other nodes may finish first and stop their engines
     if cfg.trainer.export_hf:
         export_policy(trainer, tokenizer, policy_path, run_dir / "final", rt.rank)
     if logger is not None:
