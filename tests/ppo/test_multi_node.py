@@ -119,6 +119,9 @@ def test_a_lost_node_stops_every_node_within_a_minute_and_leaves_nothing(two_hos
         while not ((run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text().strip()):
             assert all(p.poll() is None for p in nodes) and time.monotonic() < deadline, logs[0].read_text()[-3000:]
             time.sleep(1)
+        for rank, (namespace, _, address) in enumerate(two_hosts):  # each engine listens on its node's address only
+            port = int((run_dir / "logs" / f"engine-rank{rank}.log").read_text().split("--port ", 1)[1].split()[0])
+            assert listening(namespace, port) == [address]
         lost = time.monotonic()
         if how == "killed":
             os.killpg(nodes[1].pid, signal.SIGKILL)  # node 1's torchrun; its ranks follow it down
