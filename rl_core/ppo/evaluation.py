@@ -13,8 +13,8 @@ from math import comb
 import torch
 
 from rl_core.distributed import broadcast_object
-from rl_core.ppo import algorithms as alg
 from rl_core.ppo.config import PPOConfig, sampling_params
+from rl_core.ppo.experience import trajectory_scores
 from rl_core.rollout.trajectory import Trajectory
 
 
@@ -94,9 +94,10 @@ def evaluate(cfg: PPOConfig, rank: int, service, trainer, tokenizer, held_out, v
         return {}, []
     samples, skipped = held_out
     scores = torch.zeros(0)
-    if trajectories:
-        scores = alg.penalize_rejected(rm_scores, rejected, cfg.reward.penalty)
-        scores = scores + torch.tensor([t.fn_reward + t.env_reward for t in trajectories])
+    if trajectories:  # the training score (penalties and shaping included), plus the env's rewards
+        scores, _ = trajectory_scores(trajectories, rm_scores, rejected, cfg.reward, cfg.algorithm,
+                                      cfg.eval.response_length or cfg.rollout.response_length)
+        scores = scores + torch.tensor([t.env_reward for t in trajectories], dtype=scores.dtype)
     metrics = eval_metrics(cfg, samples, trajectories, scores, skipped)
     return metrics, eval_rows(cfg, tokenizer, trajectories, scores, cfg.eval.log_samples)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rl_core.ppo import algorithms as alg
+from rl_core.ppo.config import AlgorithmConfig, RewardConfig
 from rl_core.rollout.trajectory import Sequence, Trajectory
 
 
@@ -119,25 +120,28 @@ def apply_group_rule(trajectories: list[Trajectory], group_size: int, rule: str)
                           "groups/singleton": sum(1 for n in sizes.values() if n == 1)}
 
 
-def has_reward_variance(group: list[Trajectory]) -> bool:
-    """DAPO dynamic sampling's filter: the group's rewards (reward functions + env) are not all equal."""
-    return len({t.fn_reward + t.env_reward for t in group}) > 1
+def has_reward_variance(group: list[Trajectory], reward: RewardConfig, algo: AlgorithmConfig,
+                        response_length: int) -> bool:
+    """DAPO dynamic sampling's filter: the group's rewards are not all equal. The score as in
+    training, but for the reward model, which scores after the rollout, plus the env's rewards."""
+    no_model = torch.zeros(len(group))
+    scores, _ = trajectory_scores(group, no_model, no_model.bool(), reward, algo, response_length)
+    return len({s + t.env_reward for s, t in zip(scores.tolist(), group)}) > 1
 
 
-def compute_advantages(exp: Experience, scores: torch.Tensor, kl_coef: float, *, gamma: float, lam: float,
-                       kl_estimator: str, whiten_rewards: bool, estimator: str = "gae",
-                       kl_in_reward: bool = True, normalize_group_std: bool = True,
-                       whiten_advantages: bool = True) -> Targets:
+def compute_advantages(exp: Experience, scores: torch.Tensor, kl_coef: float, algo: AlgorithmConfig) -> Targets:
     """Advantages and returns of the whole batch, computed once per step before minibatching.
 
-    `scores` are the per-trajectory scores after the rejection penalty (plus reward functions
-    and shaping). OpenAI details: the KL penalty is folded into per-token rewards with the score
-    on the last action token; rewards are whitened without shifting their mean; GAE with
-    gamma=1, lambda=0.95; advantages whitened. (OpenAI whitens per minibatch; with the recipe's
-    one minibatch that is the same.) Group baselines (GRPO/RLOO/REINFORCE) replace GAE for
-    critic-free recipes: groups are found by `group_id`, so order and missing members do not
-    matter. `kl_in_reward=False` leaves the KL out of the rewards (the trainer puts it in the loss).
+    `scores` are the per-trajectory scores of `task_scores`. OpenAI details: the KL penalty is
+    folded into per-token rewards with the score on the last action token; rewards are whitened
+    without shifting their mean; GAE with gamma=1, lambda=0.95; advantages whitened. (OpenAI
+    whitens per minibatch; with the recipe's one minibatch that is the same.) Group baselines
+    (GRPO/RLOO/REINFORCE) replace GAE for critic-free recipes: groups are found by `group_id`, so
+    order and missing members do not matter. With the KL in the loss (`algo.kl.placement`), it is
+    left out of the rewards.
     """
+    gamma, lam, kl_estimator, estimator = algo.gamma, algo.lam, algo.kl.estimator, algo.advantage_estimator
+    kl_in_reward = algo.kl.placement == "reward"
     mask = exp.action_mask_rows()
     old, ref = exp.rows(exp.old_logprobs), exp.rows(exp.ref_logprobs)
     env_rewards = exp.env_reward_rows()
@@ -150,7 +154,7 @@ def compute_advantages(exp: Experience, scores: torch.Tensor, kl_coef: float, *,
         rewards = alg.add_kl_penalty(scores, old, ref, mask, reward_kl_coef, kl_estimator) + env_rewards
         total_reward = (rewards * mask).sum(dim=1)  # per episode, before whitening, for logging
         # 2. reward whitening (scale only), 3. GAE over each trajectory's action tokens
-        if whiten_rewards:
+        if algo.whiten_rewards:
             rewards = alg.whiten(rewards, shift_mean=False, mask=mask)
         advantages, returns = alg.compute_gae(rewards, exp.rows(exp.values), gamma, lam, mask)
     else:
@@ -158,34 +162,42 @@ def compute_advantages(exp: Experience, scores: torch.Tensor, kl_coef: float, *,
         # summed KL when it goes in the reward, as RLOO does), put on every one of its action tokens
         total_reward = scores + env_rewards.sum(dim=1) - reward_kl_coef * kl_per_episode
         ids = group_ids(exp.trajectories)
-        advantages = alg.group_advantages(total_reward, ids, estimator, normalize_std=normalize_group_std)
+        advantages = alg.group_advantages(total_reward, ids, estimator, normalize_std=algo.normalize_group_std)
         advantages = advantages[:, None] * mask
         returns = advantages.clone()
         stats = {"groups/zero_variance_frac": alg.zero_variance_groups(total_reward, ids).float().mean().item()}
     # 4. advantage whitening
-    if whiten_advantages:
+    if algo.whiten_advantages:
         advantages = alg.whiten(advantages, mask=mask)
     stats.update({"kl/mean": kl_per_episode.mean().item(), "reward/total_mean": total_reward.mean().item(),
                   "reward/non_score_mean": (-reward_kl_coef * kl_per_episode).mean().item()})
     return Targets(exp.split(advantages), exp.split(returns), stats)
 
 
-def task_scores(exp: Experience, *, rejection_penalty: float, truncated_penalty: float | None = None,
-                overlong_buffer: int = 0, overlong_factor: float = 1.0,
-                max_response_length: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
-    """Each trajectory's score before the KL: reward model (OpenAI rejection penalty applied), plus
-    the weighted reward functions; then the truncation penalty and DAPO's overlong shaping."""
-    # OpenAI rejection sampling: no truncation token at/after `truncate_after` -> fixed score
-    scores = alg.penalize_rejected(exp.scores, exp.rejected, rejection_penalty)
+def trajectory_scores(trajectories: list[Trajectory], model_scores: torch.Tensor, rejected: torch.Tensor,
+                      reward: RewardConfig, algo: AlgorithmConfig, response_length: int
+                      ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The one definition of a trajectory's score before the KL, for training, evaluation and DAPO's
+    filter: the reward-model score (OpenAI rejection penalty: no truncation token at/after
+    `truncate_after` gives `reward.penalty`), plus the weighted reward functions; a response cut by
+    the length limit gets `reward.truncated_penalty` instead when set; DAPO's overlong shaping on top.
+    Env rewards are not in it: they sit on their own tokens."""
+    scores = alg.penalize_rejected(model_scores, rejected, reward.penalty)
     stats: dict[str, float] = {}
-    if any(t.reward_components for t in exp.trajectories):
-        scores = scores + torch.tensor([t.fn_reward for t in exp.trajectories], dtype=scores.dtype)
-    if truncated_penalty is not None:  # cut by the length limit: this score instead of a partial answer's
-        truncated = torch.tensor([t.truncated for t in exp.trajectories])
-        scores = torch.where(truncated, torch.full_like(scores, truncated_penalty), scores)
-    if overlong_buffer:
-        lengths = torch.tensor([len(t.final_response()[1]) for t in exp.trajectories])
-        shaping = alg.overlong_penalty(lengths, max_response_length, overlong_buffer, overlong_factor)
+    if any(t.reward_components for t in trajectories):
+        scores = scores + torch.tensor([t.fn_reward for t in trajectories], dtype=scores.dtype)
+    if reward.truncated_penalty is not None:  # cut by the length limit: this score instead of a partial answer's
+        truncated = torch.tensor([t.truncated for t in trajectories])
+        scores = torch.where(truncated, torch.full_like(scores, reward.truncated_penalty), scores)
+    if algo.overlong_buffer:
+        lengths = torch.tensor([len(t.final_response()[1]) for t in trajectories])
+        shaping = alg.overlong_penalty(lengths, response_length, algo.overlong_buffer, algo.overlong_penalty_factor)
         scores = scores + shaping.to(scores.dtype)
         stats["reward/overlong_penalty_mean"] = shaping.mean().item()
     return scores, stats
+
+
+def task_scores(exp: Experience, reward: RewardConfig, algo: AlgorithmConfig,
+                response_length: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """`trajectory_scores` of a scored batch."""
+    return trajectory_scores(exp.trajectories, exp.scores, exp.rejected, reward, algo, response_length)

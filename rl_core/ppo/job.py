@@ -7,6 +7,7 @@ environments. `train` below is the whole loop; one step reads top to bottom in `
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from pathlib import Path
@@ -104,18 +105,10 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
         with timer("train"):
             # 4. scores: reward model (OpenAI rejection penalty: no period after token 16 -> fixed score)
             #    + reward functions, truncation penalty, overlong shaping
-            algo = cfg.algorithm
-            scores, stats = task_scores(exp, rejection_penalty=cfg.reward.penalty,
-                                        truncated_penalty=cfg.reward.truncated_penalty,
-                                        overlong_buffer=algo.overlong_buffer, overlong_factor=algo.overlong_penalty_factor,
-                                        max_response_length=cfg.rollout.response_length)
+            scores, stats = task_scores(exp, cfg.reward, cfg.algorithm, cfg.rollout.response_length)
             metrics.update(stats)
             # 5. KL-penalised rewards, reward whitening, GAE (or group baselines by group id), advantage whitening
-            targets = compute_advantages(exp, scores, trainer.kl_ctl.value, gamma=algo.gamma, lam=algo.lam,
-                                         kl_estimator=algo.kl.estimator, whiten_rewards=algo.whiten_rewards,
-                                         estimator=algo.advantage_estimator, kl_in_reward=algo.kl.placement == "reward",
-                                         normalize_group_std=algo.normalize_group_std,
-                                         whiten_advantages=algo.whiten_advantages)
+            targets = compute_advantages(exp, scores, trainer.kl_ctl.value, cfg.algorithm)
             metrics.update(trainer.update(exp, targets, step))  # 6. PPO epochs x minibatches, adaptive KL
         with timer("sync"):  # 7. new weights into every engine, checked by version and probe logprobs
             version = step + 1
@@ -165,7 +158,9 @@ def collect_batch(cfg: PPOConfig, rt: JobRuntime, service, prompts, version: int
             if cfg.trainer.mode == "sync" and algo.filter_zero_variance_groups:
                 # DAPO dynamic sampling: a group whose rewards are all equal has no signal; sample more prompts
                 n_groups = algo.batch_size // algo.group_size
-                result = service.collect_groups(prompts.groups(), n_groups, has_reward_variance,
+                varied = functools.partial(has_reward_variance, reward=cfg.reward, algo=algo,
+                                           response_length=cfg.rollout.response_length)
+                result = service.collect_groups(prompts.groups(), n_groups, varied,
                                                 max(n_groups, int(algo.filter_max_groups_factor * n_groups)), version)
                 dropped = 0
             elif cfg.trainer.mode == "sync":

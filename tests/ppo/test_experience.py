@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from rl_core.ppo.config import AlgorithmConfig, KLConfig
 from rl_core.ppo.experience import Experience, compute_advantages, reward_model_inputs
 from rl_core.rollout.trajectory import Sequence, Trajectory
 
@@ -63,8 +64,9 @@ def test_gae_runs_over_both_sequences_of_a_trajectory_in_order(gamma, lam):
     exp.values = [torch.tensor(n["values"]) for n in numbers]
     scores, kl_coef = torch.tensor([0.8, -1.2]), 0.15
 
-    targets = compute_advantages(exp, scores, kl_coef, gamma=gamma, lam=lam, kl_estimator="k1",
-                                 whiten_rewards=True, estimator="gae")
+    algo = AlgorithmConfig(gamma=gamma, lam=lam, whiten_rewards=True, advantage_estimator="gae",
+                           kl=KLConfig(estimator="k1"))
+    targets = compute_advantages(exp, scores, kl_coef, algo)
 
     def chain(seqs):
         out = []

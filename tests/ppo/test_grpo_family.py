@@ -11,9 +11,21 @@ import pytest
 import torch
 
 from rl_core.ppo import algorithms as alg
+from rl_core.ppo.config import AlgorithmConfig, KLConfig, RewardConfig
 from rl_core.ppo.experience import Experience, compute_advantages, task_scores
 from rl_core.ppo.experience import apply_group_rule, has_reward_variance
 from rl_core.rollout.trajectory import Sequence, Trajectory
+
+RESPONSE_LENGTH = 24
+
+
+def algorithm(placement: str = "reward", **fields) -> AlgorithmConfig:
+    """The algorithm section of these tests: k1 KL, gamma = lambda = 1, no whitening."""
+    return AlgorithmConfig(gamma=1.0, lam=1.0, whiten_rewards=False, whiten_advantages=False,
+                           kl=KLConfig(estimator="k1", placement=placement), **fields)
+
+
+ALGO = algorithm()
 
 # Group "a" = [1, 2, 4]: mean 7/3, deviations -4/3, -1/3, 5/3, unbiased variance (16+1+25)/9/2 = 7/3.
 A_STD = math.sqrt(7 / 3)
@@ -140,9 +152,8 @@ def test_advantages_are_computed_by_group_before_minibatching_with_a_failed_traj
     trajs = [make_traj(8, 3, fn_reward=1.0), make_traj(7, 2, fn_reward=1.0), make_traj(8, 4, fn_reward=0.0),
              make_traj(7, 3, fn_reward=0.0), make_traj(8, 2, fn_reward=1.0)]
     exp = scored(trajs)
-    scores, _ = task_scores(exp, rejection_penalty=-1.0)
-    targets = compute_advantages(exp, scores, 0.0, gamma=1.0, lam=1.0, kl_estimator="k1", whiten_rewards=False,
-                                 estimator="grpo", whiten_advantages=False)
+    scores, _ = task_scores(exp, RewardConfig(), ALGO, RESPONSE_LENGTH)
+    targets = compute_advantages(exp, scores, 0.0, algorithm(advantage_estimator="grpo"))
     # prompt 8: [1, 0, 1] mean 2/3, std sqrt(1/3); prompt 7 (2 left): [1, 0] mean 1/2, std sqrt(1/2)
     s8, s7 = math.sqrt(1 / 3), math.sqrt(1 / 2)
     expected = [(1 / 3) / s8, 0.5 / s7, (-2 / 3) / s8, -0.5 / s7, (1 / 3) / s8]
@@ -167,13 +178,12 @@ def test_kl_in_the_reward_for_rloo_and_left_to_the_loss_for_grpo():
     # log(pi/ref) = 0.1 on every token, k1: a response of n tokens has KL 0.1 n
     trajs = [make_traj(0, 2, fn_reward=1.0), make_traj(0, 4, fn_reward=1.0)]
     exp = scored(trajs, kl_per_token=0.1)
-    scores, _ = task_scores(exp, rejection_penalty=-1.0)
-    common = dict(gamma=1.0, lam=1.0, kl_estimator="k1", whiten_rewards=False, whiten_advantages=False)
-    in_reward = compute_advantages(exp, scores, 0.5, estimator="rloo", kl_in_reward=True, **common)
+    scores, _ = task_scores(exp, RewardConfig(), ALGO, RESPONSE_LENGTH)
+    in_reward = compute_advantages(exp, scores, 0.5, algorithm(advantage_estimator="rloo", placement="reward"))
     # totals: 1 - 0.5 * 0.2 = 0.9 and 1 - 0.5 * 0.4 = 0.8; RLOO: 0.9 - 0.8, 0.8 - 0.9
     assert first_advantage(in_reward) == pytest.approx([0.1, -0.1], abs=1e-6)
     assert in_reward.stats["reward/non_score_mean"] == pytest.approx(-0.5 * 0.3)
-    in_loss = compute_advantages(exp, scores, 0.5, estimator="grpo", kl_in_reward=False, **common)
+    in_loss = compute_advantages(exp, scores, 0.5, algorithm(advantage_estimator="grpo", placement="loss"))
     assert first_advantage(in_loss) == [0.0, 0.0] and in_loss.stats["reward/non_score_mean"] == 0.0
     assert in_loss.stats["kl/mean"] == pytest.approx(0.3)  # still measured (adaptive controller, logs)
     # k3 with gradient, as the trainer adds it to the loss: d/dlogp [exp(ref - logp) - (ref - logp) - 1] = 1 - exp(ref - logp)
@@ -187,12 +197,17 @@ def test_task_scores_add_reward_functions_penalise_truncation_and_shape_overlong
              make_traj(0, 9, fn_reward=0.0)]
     exp = scored(trajs)
     exp.scores = torch.tensor([0.5, 0.5, 0.5])  # as if a reward model scored them too
-    scores, stats = task_scores(exp, rejection_penalty=-1.0)
+    scores, stats = task_scores(exp, RewardConfig(), ALGO, 10)
     torch.testing.assert_close(scores, torch.tensor([1.5, 1.5, 0.5]))
-    scores, _ = task_scores(exp, rejection_penalty=-1.0, truncated_penalty=-2.0)
+    truncating = RewardConfig(truncated_penalty=-2.0)
+    scores, _ = task_scores(exp, truncating, ALGO, 10)
     torch.testing.assert_close(scores, torch.tensor([1.5, -2.0, 0.5]))
-    scores, stats = task_scores(exp, rejection_penalty=-1.0, overlong_buffer=4, max_response_length=10)
+    shaping = algorithm(overlong_buffer=4)
+    scores, stats = task_scores(exp, RewardConfig(), shaping, 10)
     torch.testing.assert_close(scores, torch.tensor([1.5, 0.5, -0.25]))  # 10 tokens: -1; 9 tokens: -0.75
     assert stats["reward/overlong_penalty_mean"] == pytest.approx(-1.75 / 3)
-    # dynamic sampling keeps a group only when its rewards differ
-    assert has_reward_variance(trajs) and not has_reward_variance(trajs[:2])
+    # dynamic sampling keeps a group only when its rewards differ, by the same score as training
+    assert has_reward_variance(trajs, RewardConfig(), ALGO, 10)
+    assert not has_reward_variance(trajs[:2], RewardConfig(), ALGO, 10)
+    assert has_reward_variance(trajs[:2], truncating, ALGO, 10)  # the truncated one scores -2 now
+    assert has_reward_variance(trajs[:2], RewardConfig(), shaping, 10)  # and the overlong one less

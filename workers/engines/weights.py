@@ -60,7 +60,7 @@ class FlattenedTensorMetadata:
     numel: int
 
     def __reduce__(self):
-        return types.SimpleNamespace, (), dataclasses.asdict(self)
+        return types.SimpleNamespace, (), dict(vars(self))
 
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:
