@@ -23,7 +23,7 @@ from typing import Any, Callable
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from rl_core.config import ConfigError, load_config
-from rl_core.errors import JobError, PeerFailed
+from rl_core.errors import JobError, PeerFailed, PreferenceDataError
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -47,7 +47,6 @@ def _is_user_error(err: BaseException) -> bool:
     """Failures whose message is the whole story: the traceback would only bury it."""
     from envs.pool import TooManyEnvFailures
     from rl_core.data import PromptDataError
-    from rl_core.reward_model.data import PreferenceDataError
     from workers.engines.client import EngineError
     from workers.models import ModelPathError
     from workers.procs import ProcessStartError

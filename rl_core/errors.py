@@ -7,3 +7,7 @@ class JobError(RuntimeError):
 
 class PeerFailed(RuntimeError):
     """This rank stops because another rank failed; that rank reports the cause."""
+
+
+class PreferenceDataError(ValueError):
+    """A preference file that cannot be used as it is; the message names the rows and the fix."""

@@ -14,6 +14,7 @@ import torch
 
 from rl_core.ppo import algorithms as alg
 from rl_core.ppo.config import AlgorithmConfig, RewardConfig
+from rl_core.rewards.lm_human_preferences import truncated_ids
 from rl_core.rollout.trajectory import Sequence, Trajectory
 
 
@@ -92,7 +93,7 @@ def reward_model_inputs(trajectories: list[Trajectory], truncate_token: int | No
     inputs, rejected = [], []
     for traj in trajectories:
         context, response = traj.final_response()
-        kept = None if truncate_token is None else alg.truncated_ids(response, truncate_token, truncate_after)
+        kept = None if truncate_token is None else truncated_ids(response, truncate_token, truncate_after)
         rejected.append(truncate_token is not None and kept is None)
         inputs.append(list(context) + list(response if kept is None else kept))
     return inputs, torch.tensor(rejected, dtype=torch.bool)

@@ -29,7 +29,7 @@ from rl_core.ppo.experience import apply_group_rule, compute_advantages, has_rew
 from rl_core.ppo.trainer import PPOTrainer, score_metrics
 from rl_core.rewards import load_reward_fn
 from rl_core.rollout.prompts import eval_samples, prompt_samples
-from rl_core.runtime import JobRuntime
+from rl_core.ppo.runtime import JobRuntime
 from workers import models
 from workers.engines.client import EngineError
 from workers.engines.weights import probe_token_ids

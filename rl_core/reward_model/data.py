@@ -24,6 +24,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
+from rl_core.errors import PreferenceDataError
+
 logger = logging.getLogger(__name__)
 
 FORMATS = ("pairwise", "llama2", "openai")
@@ -54,10 +56,6 @@ _DEGREE_ALIASES = {"negligibly better/unsure": NEGLIGIBLE, "negligibly better": 
                    "unsure": NEGLIGIBLE}
 
 MAX_ERRORS_SHOWN = 10
-
-
-class PreferenceDataError(ValueError):
-    """A preference file that cannot be used as it is; the message names the rows and the fix."""
 
 
 @dataclass

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from rl_core.ppo.algorithms import truncated_ids
+from rl_core.rewards.lm_human_preferences import truncated_ids
 from rl_core.reward_model.config import NormalizeConfig
 from workers.models import single_token_id
 

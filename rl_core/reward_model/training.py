@@ -17,7 +17,7 @@ from rl_core.balance import with_stand_ins
 from rl_core.distributed import rank_seed
 from rl_core.logger import progress_bar
 from rl_core.optim import build_optimizer, linear_anneal_schedule
-from rl_core.ppo.algorithms import reward_gain_bias
+from rl_core.rewards.lm_human_preferences import reward_gain_bias
 from rl_core.reward_model.config import NormalizeConfig, RMConfig, RMDataConfig, RMTrainConfig
 from rl_core.reward_model.data import load_preference_dataset, tokenize_preferences
 from rl_core.reward_model.losses import preference_accuracy, preference_loss, spearman

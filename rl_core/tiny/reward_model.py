@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from rl_core.logger import progress_bar
-from rl_core.ppo.algorithms import truncated_ids
+from rl_core.rewards.lm_human_preferences import truncated_ids
 from rl_core.reward_model.config import LabelerConfig, RMConfig, check_lengths
 from rl_core.reward_model.sampling import load_queries, sample_responses
 from rl_core.reward_model.training import (DataParallel, Log, build_reward_model, export_reward_model,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rl_core.ppo import algorithms as alg
+from rl_core.rewards.lm_human_preferences import reward_gain_bias, truncated_ids
 
 SEED_REWARDS = torch.tensor([[1.2, 1.3, 1.4], [1.5, 1.6, 1.7], [1.8, 1.9, 2.0]], dtype=torch.float64)
 
@@ -150,15 +151,15 @@ def test_add_kl_penalty_puts_score_on_last_action_token():
 
 def test_reward_gain_bias_normalises_a_known_distribution():
     scores = 3.0 + 2.0 * torch.randn(4096, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    gain, bias = alg.reward_gain_bias(scores)
+    gain, bias = reward_gain_bias(scores)
     assert gain == pytest.approx(0.5, rel=0.05) and bias == pytest.approx(-1.5, abs=0.1)
     normalised = gain * scores + bias
     assert normalised.mean().item() == pytest.approx(0.0, abs=1e-9)
     assert normalised.std(unbiased=False).item() == pytest.approx(1.0, abs=1e-9)
-    gain, bias = alg.reward_gain_bias(scores, target_mean=1.0, target_std=0.5)
+    gain, bias = reward_gain_bias(scores, target_mean=1.0, target_std=0.5)
     assert (gain * scores + bias).mean().item() == pytest.approx(1.0)
     with pytest.raises(ValueError, match="identical"):
-        alg.reward_gain_bias(torch.ones(5))
+        reward_gain_bias(torch.ones(5))
 
 
 # --------------------------------------------------------------------------- truncation / rejection
@@ -168,13 +169,13 @@ PERIOD = 13
 
 def test_truncated_ids_cuts_at_first_token_at_or_after_the_index():
     # A period before truncate_after is ignored; the first one at or after it ends the response.
-    assert alg.truncated_ids([5, PERIOD, 6, 7, PERIOD, 8, PERIOD], PERIOD, truncate_after=3) == [5, PERIOD, 6, 7, PERIOD]
-    assert alg.truncated_ids([5, 6, 7, PERIOD, 8], PERIOD, truncate_after=3) == [5, 6, 7, PERIOD]
+    assert truncated_ids([5, PERIOD, 6, 7, PERIOD, 8, PERIOD], PERIOD, truncate_after=3) == [5, PERIOD, 6, 7, PERIOD]
+    assert truncated_ids([5, 6, 7, PERIOD, 8], PERIOD, truncate_after=3) == [5, 6, 7, PERIOD]
     # None: no period at/after 3, so OpenAI's rejection sampling penalises (or does not label) it.
-    assert alg.truncated_ids([5, PERIOD, 6, 7, 8], PERIOD, truncate_after=3) is None
-    assert alg.truncated_ids([], PERIOD, truncate_after=0) is None
+    assert truncated_ids([5, PERIOD, 6, 7, 8], PERIOD, truncate_after=3) is None
+    assert truncated_ids([], PERIOD, truncate_after=0) is None
     with pytest.raises(ValueError, match="truncate_after"):
-        alg.truncated_ids([PERIOD], PERIOD, truncate_after=-1)
+        truncated_ids([PERIOD], PERIOD, truncate_after=-1)
 
 
 # --------------------------------------------------------------------------- losses
