@@ -310,7 +310,8 @@ def _build_policy(paths: AssetPaths, settings: TinyAssetSettings, progress: bool
         losses = pretrain_tiny_gpt2(model, tokenizer, texts, steps=settings.steps,
                                     batch_size=settings.batch_size, seq_len=settings.seq_len,
                                     lr=settings.lr, seed=settings.seed, progress=progress,
-                                    log_every=max(1, settings.steps // 10), log=log)
+                                    log_every=max(1, settings.steps // 10),  # what a waiting rank shows
+                                    log=lambda line: log(f"[rl_core.tiny] pretraining the tiny policy: {line}"))
         with _quiet_transformers_progress():
             model.save_pretrained(staging)
         tail = losses[-max(1, len(losses) // 20):]

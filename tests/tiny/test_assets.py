@@ -37,12 +37,16 @@ def _weights(paths: AssetPaths) -> dict:
     return load_file(paths.model_dir / "model.safetensors")
 
 
-def test_first_call_builds_everything_and_logs_one_line(first_build):
+def test_first_call_builds_everything_and_logs_one_line_then_its_progress(first_build):
     paths, lines = first_build
     assert paths.built == ("policy", "prompts")
-    assert len(lines) == 1 and str(paths.root) in lines[0]
+    assert str(paths.root) in lines[0] and "building" in lines[0]
+    progress = lines[1:]  # every 10% of the pretraining: what a rank waiting for this build shows
+    assert progress and all(line.startswith("[rl_core.tiny] pretraining the tiny policy: step ") for line in progress)
+    assert progress[-1].startswith("[rl_core.tiny] pretraining the tiny policy: step 12/12 loss")
+    logged = len(lines)
     assert ensure_tiny_assets(paths.root, small=True, log=lines.append).built == ()
-    assert len(lines) == 1
+    assert len(lines) == logged  # a cached build says nothing
 
 
 def test_second_call_reuses_the_cache(small_assets):
