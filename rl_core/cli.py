@@ -136,6 +136,15 @@ def _run(main, argv, rank: int, stop: _StopRequest, handler: OneLineErrorHandler
         if isinstance(err, PeerFailed):  # the failing rank prints the cause; one line is enough
             handler.record_line(f"[rank {rank}] stopped: {err}", secondary=True)
             raise SystemExit(1) from None
+        failed = getattr(err, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failed, dict) and failed and rank not in failed:  # another rank died mid-save
+            per_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+            cause = failed[min(failed)][0]
+            line = (f"[rank {rank}] stopped: " + ", ".join(f"rank {r} (node {r // per_node})" for r in sorted(failed))
+                    + f" failed while the checkpoint was written ({type(cause).__name__}: {cause}); see its log")
+            handler.record_line(line, secondary=True)
+            _say(line)
+            raise SystemExit(1) from None
         if _lost_peer(err):
             peer = re.search(r"by peer \[?([0-9a-fA-F.:]+?)\]?:\d+", str(err))
             if peer and not peer.group(1).startswith("127."):  # another host: it may have no say of its own

@@ -77,6 +77,19 @@ def test_a_collective_broken_by_a_dead_peer_is_one_line(error_file, capsys):
     assert err.startswith("[rank 0] stopped: another rank failed or exited first (") and err.count("\n") == 1
 
 
+def test_a_peer_lost_while_a_checkpoint_is_written_is_named_with_its_node(error_file, capsys, monkeypatch):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+
+    def main():
+        raise CheckpointException("save failed", {3: (SystemExit(143), None)})
+
+    code, err = ends(main, capsys)
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith("[rank 0] stopped: rank 3 (node 1) failed while the checkpoint was written (SystemExit: 143)")
+
+
 def test_a_peer_lost_on_another_host_is_named_by_its_address(error_file, capsys):
     def main():
         raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.9.0.2]:41150")
