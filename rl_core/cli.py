@@ -56,9 +56,11 @@ def _is_user_error(err: BaseException) -> bool:
 
 
 def _lost_peer(err: BaseException) -> bool:
-    """A collective failed because another rank went away (gloo: "Connection closed by peer")."""
+    """A collective failed because another rank went away (gloo: "Connection closed by peer"). Only
+    the process group's own errors count: an engine call that met a reset connection is this rank's."""
     text = str(err)
-    return isinstance(err, RuntimeError) and (
+    in_collective = "gloo" in text or "nccl" in text.lower() or "ProcessGroup" in text
+    return isinstance(err, RuntimeError) and in_collective and (
         "Connection closed by peer" in text or "Connection reset by peer" in text or "Broken pipe" in text)
 
 

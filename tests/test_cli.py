@@ -90,6 +90,17 @@ def test_a_peer_lost_while_a_checkpoint_is_written_is_named_with_its_node(error_
     assert err.startswith("[rank 0] stopped: rank 3 (node 1) failed while the checkpoint was written (SystemExit: 143)")
 
 
+def test_an_engine_call_that_met_a_reset_connection_is_this_ranks_error_in_full(error_file, capsys):
+    def main():
+        raise RuntimeError("engine http://127.0.0.1:5 failed during the weight push of version 2: "
+                           "http://127.0.0.1:5/resume_memory_occupation: no HTTP answer: ClientOSError: [Errno 104] "
+                           "Connection reset by peer; its log: /runs/x/logs/engine-rank1.log")
+
+    code, err = ends(main, capsys)
+    assert code == 1 and err.splitlines()[-1].startswith("[rank 0] error: RuntimeError: engine http://127.0.0.1:5")
+    assert err.splitlines()[-1].endswith("its log: /runs/x/logs/engine-rank1.log")
+
+
 def test_a_peer_lost_on_another_host_is_named_by_its_address(error_file, capsys):
     def main():
         raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.9.0.2]:41150")
