@@ -37,6 +37,7 @@ class JobRuntime:
         self.engine: RankEngine | None = None
         self.engine_urls: list[str] = []
         self.engine_logs: dict[str, str] = {}
+        self.engine_places: dict[str, str] = {}  # url -> "rank R on node N, host"
         self.router_url: str | None = None
         self.engine_version = 0
         self.service = None
@@ -133,6 +134,8 @@ class JobRuntime:
         dist.all_gather_object(gathered, (self.engine.url, str(log_path), node))
         self.engine_urls = [url for url, _, _ in gathered]
         self.engine_logs = {url: log for url, log, _ in gathered}
+        self.engine_places = {url: f"rank {rank} on node {where['node']}, {where['host']}"
+                              for rank, (url, _, where) in enumerate(gathered)}
         if self.nnodes > 1:  # rollout traffic crosses the network: every engine must answer node 0 first
             on_rank0(lambda: check_reachable(gathered))
         if self.rank == 0:
@@ -176,8 +179,8 @@ class JobRuntime:
         if self.router_url is not None and ("sglang-router" in exit_codes or not answers(self.router_url)):
             how = f"exited with code {exit_codes['sglang-router']}" if "sglang-router" in exit_codes else "stopped answering"
             dead.append(f"sglang-router {self.router_url} {how} (log {self.log_dir / 'router.log'})")
-        dead += [f"engine {url} stopped answering (log {self.engine_logs.get(url)})"
-                 for url in self.engine_urls if not answers(url)]
+        dead += [f"engine {url} ({self.engine_places.get(url, 'this node')}) stopped answering "
+                 f"(log {self.engine_logs.get(url)})" for url in self.engine_urls if not answers(url)]
         return dead
 
     def start_rollout_service(self, tokenizer, max_positions: int | None):
