@@ -196,7 +196,15 @@ class RolloutService:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=10)
+            if not self.thread.is_alive():
+                self.loop.close()
 
     async def _shutdown(self) -> None:
+        # A stop signal can leave a rollout running on this loop (the main thread stopped waiting
+        # for it): cancel it and let it unwind before its HTTP session is closed under it.
+        running = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
         await self.client.close()
         await self.env_pool.close()

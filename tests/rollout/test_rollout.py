@@ -359,3 +359,35 @@ def test_a_response_whose_last_token_is_eos_at_the_limit_is_not_counted_as_trunc
     assert run(max_new_tokens=3, stop_token_ids=[9])._ends_with_stop([5, 6, 9])
     assert not run(max_new_tokens=3)._ends_with_stop([5, 6, 7])
     assert not run(max_new_tokens=3, ignore_eos=True)._ends_with_stop([5, 6, 0])  # sentiment: fixed length
+
+
+def test_closing_the_service_cancels_a_rollout_left_running_by_a_stop_signal(router_url, tokenizer):
+    """Ctrl-C stops the main thread's wait, not the rollout on the service's loop: `close` must
+    cancel it before closing the HTTP session under it (else aiohttp calls into a closed loop and
+    prints tracebacks at exit, as a CI run of the Ctrl-C test once did)."""
+    import threading
+
+    from rl_core.rollout.service import RolloutService
+
+    factory = make_env_factory(SentimentEnv, {"query_length": 8, "pad_token_id": tokenizer.pad_token_id})
+    service = RolloutService(router_url=router_url, tokenizer=tokenizer, env_factory=factory, num_envs=4,
+                             step_timeout_s=30, max_failed_ratio=0.1,
+                             sampling_params={"max_new_tokens": 48, "ignore_eos": True}, max_turns=1, concurrency=4,
+                             max_total_tokens=CONTEXT, timeout_s=60, progress=False)
+    loop_errors = []
+    service.loop.call_soon_threadsafe(service.loop.set_exception_handler, lambda _, ctx: loop_errors.append(ctx))
+    samples = [{"query_ids": tokenizer.encode("the old man walked")} for _ in range(16)]
+    in_flight = asyncio.run_coroutine_threadsafe(service._rollout(samples, 0), service.loop)
+    started = threading.Event()
+
+    async def wait_until_generating():
+        while not service.env_pool.in_use:
+            await asyncio.sleep(0.001)
+        started.set()
+
+    service._call(wait_until_generating(), timeout=60)
+    assert started.is_set() and not in_flight.done()
+    service.close()
+    assert in_flight.cancelled()
+    assert service.loop.is_closed() and not service.thread.is_alive()
+    assert loop_errors == []
