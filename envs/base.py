@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import inspect
 import queue
 import threading
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
+
+from envs.plugins import load_by_path
 
 Observation = Union[str, list[int]]
 
@@ -231,23 +232,7 @@ def load_env_class(import_path: str) -> type:
     The class must subclass `Env` or `SyncEnv`; anything else is refused with a message that
     says what was found and what is expected.
     """
-    if not isinstance(import_path, str) or not import_path.strip():
-        raise ValueError(f"env class path must be a non-empty string like 'envs.sentiment:SentimentEnv', got {import_path!r}")
-    module_name, sep, class_name = import_path.partition(":")
-    if not sep:
-        module_name, _, class_name = import_path.rpartition(".")
-    if not module_name or not class_name:
-        raise ValueError(f"env class path {import_path!r} must look like 'pkg.module:ClassName' or 'pkg.module.ClassName'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ImportError(
-            f"cannot import module {module_name!r} for env {import_path!r}: {err}. "
-            "Check the spelling and that the package is installed or on PYTHONPATH."
-        ) from err
-    env_cls = getattr(module, class_name, None)
-    if env_cls is None:
-        raise ImportError(f"module {module_name!r} has no attribute {class_name!r} (env {import_path!r})")
+    env_cls = load_by_path(import_path, "env class", "envs.sentiment:SentimentEnv")
     if not (inspect.isclass(env_cls) and issubclass(env_cls, (Env, SyncEnv))):
         raise TypeError(
             f"{import_path!r} is {env_cls!r}, not an environment class: "

@@ -96,11 +96,11 @@ def router_model(workdir: Path, context: int) -> str:
 
 def launch_engine(spec: EngineSpec, log_path: Path, procs: ManagedProcesses, core: int | None = None) -> str:
     """Start an engine and wait for /health; with `core`, every thread of it runs on that CPU only."""
-    url, proc = start_engine(spec, log_path, procs, deadline_s=600)
+    engine = start_engine(spec, log_path, procs, deadline_s=600)
     if core is not None:  # threads started later inherit it
-        for task in Path(f"/proc/{proc.pid}/task").iterdir():
+        for task in Path(f"/proc/{engine.proc.pid}/task").iterdir():
             os.sched_setaffinity(int(task.name), {core})
-    return url
+    return engine.url
 
 
 # ---------------------------------------------------------------- part 1: engine vs generate

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workers.engines.client import EngineClient  # noqa: E402
-from workers.engines.embedded import launch_embedded_engine  # noqa: E402
+from workers.engines.rank_engine import EngineSpec, start_engine  # noqa: E402
 from workers.engines.weights import WeightPusher, check_pushed_weights, tensor_nbytes  # noqa: E402
 from workers.procs import ManagedProcesses  # noqa: E402
 from bench_rollout import bench_model  # noqa: E402 - the same models as the rollout bench
@@ -86,8 +86,8 @@ async def bench_one(name: str, model_path: str, args, workdir: Path, procs: Mana
     named = unique_parameters(model)
     nbytes = sum(tensor_nbytes(t) for _, t in named)
     buffer = torch.empty(sum(t.numel() for _, t in named), dtype=torch.float32)
-    engine = launch_embedded_engine(model_path, workdir / f"{name}_engine.log", processes=procs,
-                                    num_threads=args.threads)
+    spec = EngineSpec("embedded", model_path, "float32", "cpu", num_threads=args.threads)
+    engine = start_engine(spec, workdir / f"{name}_engine.log", procs, deadline_s=300)
     pusher = WeightPusher(torch.float32, bucket_bytes=args.bucket_mb << 20)
     copies, pushes, files, stats = [], [], [], []
     async with EngineClient(engine.url, timeout_s=600) as client:

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import inspect
 from math import isfinite
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from envs.plugins import load_by_path
 
 
 class RewardFnError(RuntimeError):
@@ -36,14 +37,7 @@ class RewardFnError(RuntimeError):
 
 def load_reward_fn(import_path: str) -> Callable:
     """The callable at "pkg.module:function", or an error that says what was found."""
-    module_name, _, attr = import_path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"reward function path {import_path!r} must look like 'pkg.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ImportError(f"cannot import module {module_name!r} for reward function {import_path!r}: {err}") from err
-    fn = getattr(module, attr, None)
+    fn = load_by_path(import_path, "reward function", "rl_core.rewards.math:answer_reward")
     if not callable(fn):
         raise ImportError(f"{import_path!r} is {fn!r}, not a callable (completion, sample, **kwargs) -> float")
     return fn

@@ -88,7 +88,7 @@ def test_load_env_class_good_paths():
     ("envs.calculator:NoSuchEnv", ImportError, "has no attribute 'NoSuchEnv'"),
     ("envs.calculator:safe_eval", TypeError, "not an environment class"),
     ("json:JSONDecoder", TypeError, "subclass envs.base.Env"),
-    ("CalculatorEnv", ValueError, "pkg.module:ClassName"),
+    ("CalculatorEnv", ValueError, "pkg.module:name"),
     ("", ValueError, "non-empty"),
 ])
 def test_load_env_class_bad_paths(path, error, message):

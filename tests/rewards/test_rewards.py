@@ -159,9 +159,12 @@ def test_failures_raise_one_error_naming_the_function(fn, message):
         run_score({fn: {"fn": f"{__name__}:{fn}"}}, timeout_s=0.1)
 
 
-def test_bad_import_paths_are_explained():
-    with pytest.raises(ValueError, match="pkg.module:function"):
-        load_reward_fn("rl_core.rewards.math.answer_reward")
+def test_import_paths_load_like_env_classes_and_bad_ones_are_explained():
+    from rl_core.rewards.math import answer_reward
+
+    assert load_reward_fn("rl_core.rewards.math.answer_reward") is answer_reward  # the env classes' dotted form too
+    with pytest.raises(ValueError, match="pkg.module:name"):
+        load_reward_fn("answer_reward")
     with pytest.raises(ImportError, match="cannot import module"):
         load_reward_fn("no_such_module:fn")
     with pytest.raises(ImportError, match="not a callable"):

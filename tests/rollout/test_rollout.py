@@ -13,7 +13,7 @@ from envs.pool import EnvPool, TooManyEnvFailures
 from envs.sentiment import SentimentEnv
 from rl_core.rollout.rollout import rollout, rollout_until
 from workers.engines.client import EngineClient
-from workers.engines.embedded import launch_embedded_engine
+from workers.engines.rank_engine import EngineSpec, start_engine
 from workers.engines.weights import WeightPusher
 from workers.procs import ManagedProcesses
 from workers.router import launch_router
@@ -25,8 +25,8 @@ CONTEXT = 64  # the tiny model's n_positions
 def servers(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("rollout_logs")
     with ManagedProcesses() as procs:
-        engine = launch_embedded_engine(tiny_model_dir, logs / "engine.log", processes=procs, num_threads=1,
-                                        deadline_s=90)
+        spec = EngineSpec("embedded", str(tiny_model_dir), "float32", "cpu", num_threads=1)
+        engine = start_engine(spec, logs / "engine.log", procs, deadline_s=90)
         router = launch_router("127.0.0.1", None, [engine.url], log_path=logs / "router.log", processes=procs,
                                deadline_s=60)
         yield router.url, engine.url

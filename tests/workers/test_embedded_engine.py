@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workers.engines.client import EngineClient, EngineError
-from workers.engines.embedded import launch_embedded_engine
+from workers.engines.rank_engine import EngineSpec, start_engine
 from workers.engines.weights import (WeightPusher, WeightSyncError, check_pushed_weights, flatten_bucket,
                                      serialize_for_engine)
 from tests.workers.small_models import save_small_gpt2
@@ -29,7 +29,8 @@ def model_dir(tiny_model_dir, tmp_path_factory):
 def engine(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "engine.log"
     with ManagedProcesses() as procs:
-        yield launch_embedded_engine(model_dir, log, processes=procs, num_threads=1)
+        spec = EngineSpec("embedded", str(model_dir), "float32", "cpu", num_threads=1)
+        yield start_engine(spec, log, procs, deadline_s=120)
 
 
 @pytest.fixture(scope="module")

@@ -47,8 +47,7 @@ def engine(request, model_dir, tmp_path_factory):
                       num_threads=1, sglang_python=python)
     log_path = tmp_path_factory.mktemp(f"{request.param}_engine") / "engine.log"
     with ManagedProcesses() as procs:
-        url, _ = start_engine(spec, log_path, procs, deadline_s=300)
-        yield Engine(request.param, url, log_path)
+        yield Engine(request.param, start_engine(spec, log_path, procs, deadline_s=300).url, log_path)
 
 
 @pytest.fixture(scope="module")

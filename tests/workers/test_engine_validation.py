@@ -8,7 +8,7 @@ import time
 import aiohttp
 import pytest
 
-from workers.engines.embedded import launch_embedded_engine
+from workers.engines.rank_engine import EngineSpec, start_engine
 from workers.engines.embedded.validation import DEFAULT_MAX_NEW_TOKENS, MAX_BODY_BYTES, MAX_N, MAX_ROWS
 from tests.workers.small_models import save_small_gpt2
 from workers.procs import ManagedProcesses
@@ -22,7 +22,8 @@ def engine(tiny_model_dir, tmp_path_factory):
                                 n_positions=CONTEXT)
     log = tmp_path_factory.mktemp("logs") / "engine.log"
     with ManagedProcesses() as procs:
-        yield launch_embedded_engine(str(model_dir), log, processes=procs, num_threads=1)
+        spec = EngineSpec("embedded", str(model_dir), "float32", "cpu", num_threads=1)
+        yield start_engine(spec, log, procs, deadline_s=120)
 
 
 async def post(session, url: str, body, raw: bool = False) -> tuple[int, object]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from workers.engines.client import EngineClient, EngineError
-from workers.engines.embedded import launch_embedded_engine
+from workers.engines.rank_engine import EngineSpec, start_engine
 from workers.procs import ManagedProcesses, ProcessStartError, start_process, stop_process, wait_http_ok
 from workers.router import build_router_argv, launch_router
 
@@ -50,10 +50,10 @@ def wait_until(predicate, timeout: float) -> bool:
 def stack(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("router_logs")
     with ManagedProcesses() as procs:
-        engines = [launch_embedded_engine(tiny_model_dir, logs / f"engine{i}.log", processes=procs,
-                                          num_threads=1, wait=False) for i in range(2)]
-        for engine in engines:
-            engine.wait_ready()
+        spec = EngineSpec("embedded", str(tiny_model_dir), "float32", "cpu", num_threads=1)
+        engines = [start_engine(spec, logs / f"engine{i}.log", procs, deadline_s=120, wait=False) for i in range(2)]
+        for engine in engines:  # both load at once
+            engine.wait_ready(120)
         router = launch_router("127.0.0.1", None, [e.url for e in engines], logs / "router.log",
                                policy="round_robin", processes=procs)
         yield {"procs": procs, "engines": engines, "router": router}

@@ -15,6 +15,7 @@ is released, so the caller drains or pauses first.
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -22,7 +23,7 @@ import torch
 
 from workers.engines.client import EngineClient
 from workers.engines.weights import WeightPusher, check_pushed_weights, encode_bucket, sglang_encode_bucket
-from workers.procs import ManagedProcesses, free_port, wait_http_ok
+from workers.procs import ManagedProcesses, free_port, stop_process, wait_http_ok
 
 RELEASE_TAGS = ("kv_cache", "weights")
 RESUME_BEFORE_PUSH = ("weights",)
@@ -62,15 +63,37 @@ def engine_argv(spec: EngineSpec, port: int) -> tuple[list[str], dict[str, str] 
     return build_server_argv(kwargs, server_python(spec.sglang_python)), server_env(spec.gpu_ids, device=spec.device)
 
 
-def start_engine(spec: EngineSpec, log_path: Path, processes: ManagedProcesses, deadline_s: float):
-    """Start one engine process on a free loopback (or configured) port and wait for /health: (url, process)."""
+@dataclasses.dataclass
+class EngineProcess:
+    """A running engine server: where it answers, its process and its log."""
+    name: str  # "<kind> engine <url>", as errors and the process list call it
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def wait_ready(self, deadline_s: float) -> "EngineProcess":
+        """Block until /health answers; an engine that exits or never answers is stopped and named."""
+        try:
+            wait_http_ok(f"{self.url}/health", deadline_s, self.proc, self.log_path, name=self.name)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        stop_process(self.proc, timeout)
+
+
+def start_engine(spec: EngineSpec, log_path: Path, processes: ManagedProcesses, deadline_s: float,
+                 wait: bool = True) -> EngineProcess:
+    """The one way an engine starts (job, tests, benchmarks): `spec`'s server on a free port of its
+    host, owned by `processes`; with `wait`, once /health answers."""
     port = free_port(spec.host)
     argv, env = engine_argv(spec, port)
     url = f"http://{spec.host}:{port}"
     name = f"{spec.kind} engine {url}"
-    proc = processes.start(name, argv, log_path, env)
-    wait_http_ok(f"{url}/health", deadline_s, proc, log_path, name=name)
-    return url, proc
+    engine = EngineProcess(name, url, processes.start(name, argv, log_path, env), Path(log_path))
+    return engine.wait_ready(deadline_s) if wait else engine
 
 
 class RankEngine:
@@ -92,7 +115,7 @@ class RankEngine:
     @classmethod
     def launch(cls, spec: EngineSpec, log_path: Path, processes: ManagedProcesses, deadline_s: float,
                bucket_bytes: int, timeout_s: float = 300.0) -> "RankEngine":
-        url, _ = start_engine(spec, log_path, processes, deadline_s)
+        url = start_engine(spec, log_path, processes, deadline_s).url
         # CUDA buckets for SGLang need its own pickler (IPC handles keyed by GPU UUID); CPU buckets
         # travel the same way to both engines (shared-memory files), without importing sglang.
         encode = sglang_encode_bucket if spec.kind == "sglang" and spec.device.startswith("cuda") else encode_bucket
