@@ -12,6 +12,7 @@ from typing import Optional
 from rl_core.config import TrainerConfig, choice, require
 from rl_core.data import LONG_PROMPT_POLICIES
 from rl_core.ppo.algorithms import GROUP_KINDS, KL_KINDS, LOSS_AGG_MODES, ROLLOUT_CORRECTIONS
+from rl_core.rollout.rollout import RolloutSettings
 from rl_core.optim import OPTIMIZER_NAMES
 from workers.router import POLICIES
 
@@ -228,6 +229,12 @@ def sampling_params(ro: RolloutConfig, **overrides) -> dict:
     if ro.stop_token_ids:
         params["stop_token_ids"] = [int(t) for t in ro.stop_token_ids]
     return {**params, **overrides}
+
+
+def rollout_settings(ro: RolloutConfig, max_positions: int | None, progress: bool) -> RolloutSettings:
+    """The rollout section as the rollout's frozen settings; `max_positions`: the policy's context."""
+    return RolloutSettings(sampling_params(ro), max_turns=ro.max_turns, concurrency=ro.concurrency,
+                           max_total_tokens=max_positions, progress=progress)
 
 
 def engine_dtype(cfg: PPOConfig) -> str:

@@ -7,9 +7,9 @@ environments. `train` below is the whole loop; one step reads top to bottom in `
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -23,13 +23,15 @@ from rl_core.distributed import (broadcast_object, on_every_rank, on_rank0, prep
 from rl_core.errors import JobError
 from rl_core.logger import MetricsLogger, StepTimer, print_step
 from rl_core.ppo.checkpoint import Checkpointer
-from rl_core.ppo.config import PPOConfig, check_context_length, validate
+from rl_core.ppo.collect import AsyncCollector, SyncCollector, make_collector
+from rl_core.ppo.config import PPOConfig, check_context_length, rollout_settings, validate
 from rl_core.ppo.evaluation import evaluate, print_eval
-from rl_core.ppo.experience import apply_group_rule, compute_advantages, has_reward_variance, task_scores
+from rl_core.ppo.experience import apply_group_rule, compute_advantages, task_scores
 from rl_core.ppo.trainer import PPOTrainer, score_metrics
 from rl_core.rewards import load_reward_fn
-from rl_core.rollout.prompts import eval_samples, prompt_samples
 from rl_core.ppo.runtime import JobRuntime
+from rl_core.rollout.prompts import eval_samples, prompt_samples
+from rl_core.rollout.service import RolloutService
 from workers import models
 from workers.engines.client import EngineError
 from workers.engines.weights import probe_token_ids
@@ -51,55 +53,19 @@ def _main(argv: list[str] | None, prepare) -> None:
 
 
 def train(cfg: PPOConfig, rt: JobRuntime) -> None:
-    load_env_class(cfg.env.cls)  # a wrong import path fails here, before any engine starts
-    for spec in cfg.reward.fns.values():
-        load_reward_fn(spec["fn"])
-    on_every_rank(lambda: check_model_paths(cfg))  # one line before minutes go into loading models
-    policy_path, reward_path = cfg.model.path, cfg.reward.model_path or None
-    prompts_path, eval_path = cfg.data.train_path, cfg.data.eval_path
-    tokenizer = models.load_tokenizer(cfg.model.tokenizer_path or policy_path)
-    max_positions = models.context_length(AutoConfig.from_pretrained(policy_path))
-    check_context_length(cfg, max_positions)
-    seed_everything(rank_seed(cfg.trainer.seed, rt.rank))
-    run_dir = Path(cfg.trainer.run_dir)
-    batch_size = cfg.algorithm.batch_size
-    total_steps = cfg.trainer.total_episodes // batch_size
-    # Rank 0 reads the prompts before any engine or model loads: a data error costs seconds, not minutes.
-    prompts = on_rank0(lambda: prompt_samples(cfg.data, prompts_path, tokenizer, batch_size, cfg.algorithm.group_size,
-                                              cfg.trainer.seed))
-    held_out = None
-    if eval_path is not None:
-        held_out = on_rank0(lambda: eval_samples(cfg.data, eval_path, tokenizer, cfg.eval.n, cfg.eval.max_prompts))
-    rt.start_engines(policy_path)
-    trainer = PPOTrainer(cfg, tokenizer, policy_path, reward_path, total_steps, rt.device, rt.rank, rt.world_size)
-    checkpointer = Checkpointer(run_dir / "checkpoints", rt.rank, keep_last=cfg.trainer.keep_last)
-    start_step = checkpointer.maybe_resume(cfg.trainer.resume, trainer, prompts)
-    logger = None
-    if rt.rank == 0:
-        # Rows after the checkpoint's step (written by the interrupted run) are dropped: each step once.
-        logger = MetricsLogger(run_dir, to_dict(cfg), cfg.trainer.wandb, cfg.trainer.wandb_project,
-                               resume_step=start_step)
-        save_config(cfg, run_dir / "config.yaml")
-
-    probe = probe_token_ids(tokenizer)
-    version = start_step
-    rt.sync_weights(trainer.actor_weights(), version, probe, trainer.probe_logprobs(probe))
-    service = rt.start_rollout_service(tokenizer, max_positions) if rt.rank == 0 else None
-    if eval_path is not None and start_step == 0:  # the baseline every later evaluation compares with
-        eval_metrics_, rows = evaluate(cfg, rt.rank, service, trainer, tokenizer, held_out, version)
-        if rt.rank == 0:
-            logger.log(0, eval_metrics_)
-            logger.log_samples(0, rows, table="eval_samples")
-            print_eval(0, eval_metrics_)
-    if service is not None and cfg.trainer.mode == "async":
-        service.start_producer(prompts, lambda: rt.engine_version, cfg.async_.queue_batches)
-
-    for step in range(start_step, total_steps):
+    job = start_job(cfg, rt)  # checks, prompts, engines, models, resume, logger, first push, rollout service
+    trainer, collector, logger = job.trainer, job.collector, job.logger
+    if job.eval_due(0) and job.start_step == 0:  # the baseline every later evaluation compares with
+        evaluation, eval_rows = evaluate(cfg, rt.rank, job.service, trainer, job.tokenizer, job.held_out, 0)
+        log_step(job, 0, evaluation, eval_rows, sample_rows=None)
+    version = job.start_step
+    for step in range(job.start_step, job.total_steps):
         timer = StepTimer()
         with timer("rollout"):  # 1. rollout through the router (rank 0), broadcast to every rank
-            trajectories, metrics = collect_batch(cfg, rt, service, prompts, version)
+            trajectories, metrics = collect_batch(collector, rt, cfg.algorithm, version)
         with timer("inference"):
-            rt.release_engine_memory()  # 2. sync mode: engines free their KV cache and weights
+            if collector.engines_idle_while_training:
+                rt.release_engine_memory()  # 2. sync mode: engines free their KV cache and weights
             exp = trainer.score(trajectories)  # 3. old/ref logprobs, values, reward-model scores
             metrics.update(score_metrics(exp))
         with timer("train"):
@@ -112,61 +78,99 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
             metrics.update(trainer.update(exp, targets, step))  # 6. PPO epochs x minibatches, adaptive KL
         with timer("sync"):  # 7. new weights into every engine, checked by version and probe logprobs
             version = step + 1
-            metrics.update(rt.sync_weights(trainer.actor_weights(), version, probe, trainer.probe_logprobs(probe)))
-        if rt.rank == 0:
-            metrics.update(timer.metrics())
-            tokens = sum(t.num_tokens for t in trajectories)
-            metrics.update({"perf/tokens_per_s": tokens / metrics["perf/step_s"],
-                            "perf/episodes_per_s": len(trajectories) / metrics["perf/step_s"],
-                            "episodes": (step + 1) * batch_size})
-            metrics["data/prompts_skipped"] = prompts.skipped
-        eval_rows_ = None
-        if eval_path is not None and (step + 1 == total_steps or (cfg.trainer.eval_every
-                                                                  and (step + 1) % cfg.trainer.eval_every == 0)):
-            started = time.perf_counter()  # 8. held-out prompts with the new weights (not in perf/step_s)
-            eval_metrics_, eval_rows_ = evaluate(cfg, rt.rank, service, trainer, tokenizer, held_out, version)
-            metrics.update(eval_metrics_, **{"perf/eval_s": time.perf_counter() - started})
-        if rt.rank == 0:
-            logger.log(step + 1, metrics)
-            print_step(step + 1, total_steps, metrics)
-            if eval_rows_ is not None:
-                logger.log_samples(step + 1, eval_rows_, table="eval_samples")
-                print_eval(step + 1, metrics)
-            if cfg.trainer.log_samples_every and (step % cfg.trainer.log_samples_every == 0 or step + 1 == total_steps):
-                logger.log_samples(step + 1, sample_rows(tokenizer, exp, scores, n=4))
+            metrics.update(push_weights(rt, job, version))
+        metrics.update(step_metrics(timer, trajectories, step + 1, job))
+        eval_rows = None
+        if job.eval_due(step + 1):  # 8. held-out prompts with the new weights (not in perf/step_s)
+            started = time.perf_counter()
+            evaluation, eval_rows = evaluate(cfg, rt.rank, job.service, trainer, job.tokenizer, job.held_out, version)
+            metrics.update(evaluation, **{"perf/eval_s": time.perf_counter() - started})
+        log_step(job, step + 1, metrics, eval_rows, sample_rows(job.tokenizer, exp, scores, n=4))
         # Saved after the step is logged: a run killed in between resumes from the previous checkpoint
         # and logs this step again (the resumed logger drops the extra row), so no step goes missing.
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
-            # Async: the position after the last batch trained on, not the producer's, which runs ahead.
-            data_state = None if rt.rank != 0 else (
-                prompts.state_dict() if cfg.trainer.mode == "sync" else service.resume_state)
-            checkpointer.save(step + 1, trainer, data_state)
-
+            job.checkpointer.save(step + 1, trainer, collector.resume_state() if rt.rank == 0 else None)
     rt.stop_node_watch()  # other nodes may finish first and stop their engines
     if cfg.trainer.export_hf:
-        export_policy(trainer, tokenizer, policy_path, run_dir / "final", rt.rank)
+        export_policy(trainer, job.tokenizer, cfg.model.path, Path(cfg.trainer.run_dir) / "final", rt.rank)
     if logger is not None:
         logger.close()
 
 
-def collect_batch(cfg: PPOConfig, rt: JobRuntime, service, prompts, version: int) -> tuple[list, dict]:
+@dataclass
+class Job:
+    """What the steps use, set up once by `start_job`; rank 0 alone has prompts, logger and service."""
+    cfg: PPOConfig
+    tokenizer: object
+    trainer: PPOTrainer
+    collector: SyncCollector | AsyncCollector
+    checkpointer: Checkpointer
+    probe: list[int]  # token ids whose logprobs engine and trainer must agree on after each push
+    start_step: int
+    total_steps: int
+    prompts: object = None
+    held_out: tuple | None = None
+    logger: MetricsLogger | None = None
+    service: RolloutService | None = None
+
+    def eval_due(self, step: int) -> bool:
+        every = self.cfg.trainer.eval_every
+        return self.cfg.data.eval_path is not None and (step in (0, self.total_steps) or bool(every and step % every == 0))
+
+
+def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
+    """Everything before the first step, cheapest checks first: a bad import path, model path or
+    prompt file costs seconds, not the minutes of loading models and starting engines."""
+    load_env_class(cfg.env.cls)
+    for spec in cfg.reward.fns.values():
+        load_reward_fn(spec["fn"])
+    on_every_rank(lambda: check_model_paths(cfg))
+    tokenizer = models.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    max_positions = models.context_length(AutoConfig.from_pretrained(cfg.model.path))
+    check_context_length(cfg, max_positions)
+    seed_everything(rank_seed(cfg.trainer.seed, rt.rank))
+    algo, run_dir = cfg.algorithm, Path(cfg.trainer.run_dir)
+    total_steps = cfg.trainer.total_episodes // algo.batch_size
+    prompts = on_rank0(lambda: prompt_samples(cfg.data, cfg.data.train_path, tokenizer, algo.batch_size,
+                                              algo.group_size, cfg.trainer.seed))
+    held_out = None
+    if cfg.data.eval_path is not None:
+        held_out = on_rank0(lambda: eval_samples(cfg.data, cfg.data.eval_path, tokenizer, cfg.eval.n,
+                                                 cfg.eval.max_prompts))
+    collector = make_collector(cfg, prompts)
+    rt.start_engines(cfg.model.path, collector.pauses_in_place)
+    trainer = PPOTrainer(cfg, tokenizer, cfg.model.path, cfg.reward.model_path or None, total_steps, rt.device,
+                         rt.rank, rt.world_size)
+    checkpointer = Checkpointer(run_dir / "checkpoints", rt.rank, keep_last=cfg.trainer.keep_last)
+    start_step = checkpointer.maybe_resume(cfg.trainer.resume, trainer, prompts)
+    job = Job(cfg, tokenizer, trainer, collector, checkpointer, probe_token_ids(tokenizer), start_step, total_steps,
+              prompts, held_out)
+    push_weights(rt, job, start_step)  # the engines start from the trainer's (maybe resumed) weights
+    if rt.rank == 0:
+        # Rows after the checkpoint's step (written by the interrupted run) are dropped: each step once.
+        job.logger = MetricsLogger(run_dir, to_dict(cfg), cfg.trainer.wandb, cfg.trainer.wandb_project,
+                                   resume_step=start_step)
+        save_config(cfg, run_dir / "config.yaml")
+        job.service = rt.start_rollout_service(tokenizer, rollout_settings(cfg.rollout, max_positions,
+                                                                           cfg.trainer.progress))
+        collector.start(job.service, lambda: rt.engine_version)
+    return job
+
+
+def push_weights(rt: JobRuntime, job: Job, version: int) -> dict[str, float]:
+    """Every rank's engine gets the trainer's weights as `version`, checked by the probe's logprobs."""
+    trainer, collector = job.trainer, job.collector
+    with collector.weight_push():
+        return rt.sync_weights(trainer.actor_weights(), version, job.probe, trainer.probe_logprobs(job.probe),
+                               collector.pauses_in_place)
+
+
+def collect_batch(collector, rt: JobRuntime, algo, version: int) -> tuple[list, dict]:
     """Rank 0 collects one batch (sync: generate now; async: take fresh-enough queued ones); all ranks get it."""
     trajectories, metrics = None, {}
-    algo = cfg.algorithm
     if rt.rank == 0:
         try:
-            if cfg.trainer.mode == "sync" and algo.filter_zero_variance_groups:
-                # DAPO dynamic sampling: a group whose rewards are all equal has no signal; sample more prompts
-                n_groups = algo.batch_size // algo.group_size
-                varied = functools.partial(has_reward_variance, reward=cfg.reward, algo=algo,
-                                           response_length=cfg.rollout.response_length)
-                result = service.collect_groups(prompts.groups(), n_groups, varied,
-                                                max(n_groups, int(algo.filter_max_groups_factor * n_groups)), version)
-                dropped = 0
-            elif cfg.trainer.mode == "sync":
-                result, dropped = service.collect(next(prompts), version), 0
-            else:
-                result, dropped = service.next_batch(algo.batch_size, version, cfg.async_.max_staleness)
+            result, dropped = collector.collect(version)
         except EngineError as err:
             dead = rt.dead_engines()
             if not dead:
@@ -183,6 +187,33 @@ def collect_batch(cfg: PPOConfig, rt: JobRuntime, service, prompts, version: int
     if not trajectories:
         raise JobError("the rollout produced no usable trajectory (every env failed); see rank 0's log")
     return trajectories, metrics
+
+
+def step_metrics(timer: StepTimer, trajectories: list, step: int, job: Job) -> dict[str, float]:
+    """Phase times and throughput (rank 0 logs them)."""
+    if job.logger is None:
+        return {}
+    metrics = timer.metrics()
+    step_s = metrics["perf/step_s"]
+    metrics.update({"perf/tokens_per_s": sum(t.num_tokens for t in trajectories) / step_s,
+                    "perf/episodes_per_s": len(trajectories) / step_s,
+                    "episodes": step * job.cfg.algorithm.batch_size, "data/prompts_skipped": job.prompts.skipped})
+    return metrics
+
+
+def log_step(job: Job, step: int, metrics: dict, eval_rows: list | None, sample_rows: list | None) -> None:
+    """Rank 0: the metrics row, the console line, and the sample tables when due."""
+    logger, every = job.logger, job.cfg.trainer.log_samples_every
+    if logger is None:
+        return
+    logger.log(step, metrics)
+    if step > 0:
+        print_step(step, job.total_steps, metrics)
+    if eval_rows is not None:
+        logger.log_samples(step, eval_rows, table="eval_samples")
+        print_eval(step, metrics)
+    if sample_rows is not None and every and ((step - 1) % every == 0 or step == job.total_steps):
+        logger.log_samples(step, sample_rows)
 
 
 def check_model_paths(cfg: PPOConfig) -> None:

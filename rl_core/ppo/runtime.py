@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from rl_core.distributed import device_for_rank, init_distributed, local_world_size, on_rank0, rank_seed
-from rl_core.ppo.config import PPOConfig, engine_dtype, sampling_params
+from rl_core.ppo.config import PPOConfig, engine_dtype
 from rl_core.run_dir import RunDirLock
 from workers.engines.client import EngineError
 from workers.engines.rank_engine import EngineSpec, RankEngine
@@ -108,11 +108,13 @@ class JobRuntime:
         return node_address(self.cfg.rollout.multi_node_host, os.environ["MASTER_ADDR"],
                             int(os.environ["MASTER_PORT"]))
 
-    def start_engines(self, policy_path: str) -> None:
-        """Each rank launches its engine; rank 0 starts the router and registers every engine."""
+    def start_engines(self, policy_path: str, pauses_in_place: bool) -> None:
+        """Each rank launches its engine; rank 0 starts the router and registers every engine.
+
+        `pauses_in_place`: requests stay in the engine across a weight push (async partial rollout)."""
         ro = self.cfg.rollout
         sglang_args = dict(ro.sglang_args)
-        if self.cfg.trainer.mode == "async" and self.cfg.async_.partial_rollout and ro.engine == "sglang":
+        if pauses_in_place and ro.engine == "sglang":
             # Paused requests keep running across a push, so the cache cannot be flushed then; without
             # a prefix cache no entry computed under old weights outlives the push.
             sglang_args.setdefault("disable_radix_cache", True)
@@ -183,13 +185,13 @@ class JobRuntime:
                  f"(log {self.engine_logs.get(url)})" for url in self.engine_urls if not answers(url)]
         return dead
 
-    def start_rollout_service(self, tokenizer, max_positions: int | None):
+    def start_rollout_service(self, tokenizer, settings):
+        """Rank 0: the envs, the reward functions and the rollout loop that sends `/generate` to the router."""
         from envs.base import make_env_factory, make_executor
         from rl_core.rollout.service import RolloutService
 
-        cfg, ro = self.cfg, self.cfg.rollout
+        cfg = self.cfg
         self.env_executor = make_executor(cfg.env.thread_pool_size)
-        sampling = sampling_params(ro)
         reward_fns = None
         if cfg.reward.fns:
             from rl_core.rewards import RewardFunctions
@@ -201,13 +203,9 @@ class JobRuntime:
             else:
                 self.reward_executor = make_executor(cfg.env.thread_pool_size)
             reward_fns = RewardFunctions.from_config(cfg.reward.fns, cfg.reward.fn_timeout_s, self.reward_executor)
-        self.service = RolloutService(
-            router_url=self.router_url, tokenizer=tokenizer,
-            env_factory=make_env_factory(cfg.env.cls, dict(cfg.env.kwargs), self.env_executor),
-            num_envs=cfg.env.num_envs, step_timeout_s=cfg.env.step_timeout_s,
-            max_failed_ratio=cfg.env.max_failed_ratio, sampling_params=sampling, max_turns=ro.max_turns,
-            concurrency=ro.concurrency, max_total_tokens=max_positions, timeout_s=ro.engine_timeout_s,
-            progress=cfg.trainer.progress, reward_fns=reward_fns)
+        env_factory = make_env_factory(cfg.env.cls, dict(cfg.env.kwargs), self.env_executor)
+        self.service = RolloutService(self.router_url, tokenizer, env_factory, cfg.env, settings,
+                                      cfg.rollout.engine_timeout_s, reward_fns)
         return self.service
 
     def _engine_call(self, coro, what: str):
@@ -219,39 +217,32 @@ class JobRuntime:
                                f"its log: {self.engine.log_path}") from err
 
     def release_engine_memory(self) -> None:
-        """Sync mode: every engine frees its KV cache and weights while the trainer runs.
+        """Every engine frees its KV cache and weights while the trainer runs (it must be idle: sync mode).
 
-        The same call on CPU as on GPU, so every CI run exercises the GPU control flow; the
-        engines are idle here (the rollout has returned every request).
+        The same call on CPU as on GPU, so every CI run exercises the GPU control flow.
         """
-        if self.cfg.trainer.mode != "sync" or not self.cfg.rollout.release_memory:
+        if not self.cfg.rollout.release_memory:
             return
         self._engine_call(self.engine.release_memory(), "releasing memory")
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                     probe_ids: list[int], trainer_logprobs: list[float]) -> dict[str, float]:
+                     probe_ids: list[int], trainer_logprobs: list[float], pause_in_place: bool) -> dict[str, float]:
         """Push this rank's full weights into its engine, then check version and probe logprobs.
 
-        Collective (the tensors are gathered from every rank). Async mode first stops the
-        rollout from using stale engines: with partial rollout each engine pauses in place (its
-        running requests continue on the new weights), otherwise rank 0 holds new requests and
-        waits for the running ones, so they finish on the old weights.
+        Collective (the tensors are gathered from every rank). `pause_in_place`: the engine pauses
+        its running requests for the push and continues them on the new weights (async partial
+        rollout); otherwise it must be idle (the collector saw to that).
         """
-        cfg = self.cfg
-        partial = cfg.trainer.mode == "async" and cfg.async_.partial_rollout
-        holding = self.rank == 0 and self.service is not None and cfg.trainer.mode == "async" and not partial
-        if holding:
-            self.service.hold()
         dist.barrier()
-        tolerance = cfg.rollout.weight_check_tolerance or PROBE_TOLERANCE[self.engine.spec.dtype]
+        tolerance = self.cfg.rollout.weight_check_tolerance or PROBE_TOLERANCE[self.engine.spec.dtype]
 
         async def push_and_check() -> dict[str, float]:
-            if partial:
+            if pause_in_place:
                 await self.engine.pause_generation("in_place")
             try:
-                stats = await self.engine.push_weights(named_tensors, version, flush_cache=not partial)
+                stats = await self.engine.push_weights(named_tensors, version, flush_cache=not pause_in_place)
             finally:
-                if partial:
+                if pause_in_place:
                     await self.engine.continue_generation()
             stats["weight_sync/probe_gap"] = await self.engine.check_weights(version, probe_ids, trainer_logprobs,
                                                                          tolerance)
@@ -260,8 +251,6 @@ class JobRuntime:
         stats = self._engine_call(push_and_check(), f"the weight push of version {version}")
         self.engine_version = version
         dist.barrier()
-        if holding:
-            self.service.release()
         return stats
 
 

@@ -23,8 +23,9 @@ import logging
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping
 
 from tqdm.auto import tqdm
 
@@ -40,6 +41,34 @@ KeepFn = Callable[[list[Trajectory]], bool]
 
 class EngineOutputError(RuntimeError):
     """The engine's /generate answer lacks what training needs (ids, logprobs)."""
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How a rollout generates; fixed for a job (evaluation swaps in its sampling with `with_sampling`).
+
+    `sampling_params`: SGLang's, sent with every /generate. `max_turns`: actions per episode.
+    `concurrency`: trajectories in flight at once (None: as many as envs allow).
+    `max_total_tokens`: the model's context; a sequence never grows past it. `max_abort_retries`:
+    how often one action continues after an `abort` (a weight push pausing the engines).
+    """
+
+    sampling_params: Mapping[str, Any]
+    max_turns: int = 1
+    concurrency: int | None = None
+    max_total_tokens: int | None = None
+    max_abort_retries: int = 8
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.max_turns < 1:
+            raise ValueError(f"rollout.max_turns must be >= 1, got {self.max_turns}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"rollout.concurrency must be >= 1 or null, got {self.concurrency}")
+        object.__setattr__(self, "sampling_params", MappingProxyType(dict(self.sampling_params)))
+
+    def with_sampling(self, sampling_params: Mapping[str, Any]) -> "RolloutSettings":
+        return replace(self, sampling_params=sampling_params)
 
 
 @dataclass
@@ -100,27 +129,22 @@ def prompt_of(sample: dict) -> Observation:
 class _Rollout:
     """State of one rollout call: clients, limits, the progress bar and the sample printout."""
 
-    def __init__(self, *, client: Any, env_pool: EnvPool, tokenizer: Any, sampling_params: dict,
-                 max_turns: int, policy_version: int | Callable[[], int], concurrency: int | None,
-                 max_total_tokens: int | None, max_abort_retries: int, reward_fns: RewardFunctions | None = None):
-        if max_turns < 1:
-            raise ValueError(f"rollout.max_turns must be >= 1, got {max_turns}")
-        if concurrency is not None and concurrency < 1:
-            raise ValueError(f"rollout.concurrency must be >= 1 or null, got {concurrency}")
+    def __init__(self, settings: RolloutSettings, *, client: Any, env_pool: EnvPool, tokenizer: Any,
+                 policy_version: int | Callable[[], int], reward_fns: RewardFunctions | None = None):
         self.client = client
         self.env_pool = env_pool
         self.tokenizer = tokenizer
-        self.sampling_params = dict(sampling_params)
-        self.max_turns = max_turns
+        self.sampling_params = dict(settings.sampling_params)
+        self.max_turns = settings.max_turns
         # The version the engines serve now: a number, or a callable when pushes land mid-rollout (async).
         self.current_version = policy_version if callable(policy_version) else (lambda: policy_version)
-        self.max_total_tokens = max_total_tokens
-        self.max_abort_retries = max_abort_retries
+        self.max_total_tokens = settings.max_total_tokens
+        self.max_abort_retries = settings.max_abort_retries
         self.reward_fns = reward_fns
         # Tokens that end a response (none under ignore_eos: OpenAI's fixed-length responses).
         self.stop_ids = set() if self.sampling_params.get("ignore_eos") else (
             set(self.sampling_params.get("stop_token_ids") or ()) | {getattr(tokenizer, "eos_token_id", None)})
-        self.limit = asyncio.Semaphore(concurrency) if concurrency else None
+        self.limit = asyncio.Semaphore(settings.concurrency) if settings.concurrency else None
         self.sample_shown = False
         self.bar: tqdm | None = None
 
@@ -251,21 +275,18 @@ async def _gather_all(coroutines: Iterable[Awaitable]) -> list:
         raise
 
 
-async def rollout(samples: list[dict], *, client: Any, env_pool: EnvPool, tokenizer: Any,
-                  sampling_params: dict, max_turns: int, policy_version: int | Callable[[], int], progress: bool = True,
-                  concurrency: int | None = None, max_total_tokens: int | None = None,
-                  max_abort_retries: int = 8, reward_fns: RewardFunctions | None = None) -> RolloutResult:
+async def rollout(samples: list[dict], settings: RolloutSettings, *, client: Any, env_pool: EnvPool, tokenizer: Any,
+                  policy_version: int | Callable[[], int], reward_fns: RewardFunctions | None = None) -> RolloutResult:
     """Run one trajectory per sample, all concurrently (envs and `concurrency` permitting).
 
     Raises `envs.pool.TooManyEnvFailures` when this rollout's env (and reward function) failure
     ratio exceeds the pool's `max_failed_ratio`.
     """
-    run = _Rollout(client=client, env_pool=env_pool, tokenizer=tokenizer, sampling_params=sampling_params,
-                   max_turns=max_turns, policy_version=policy_version, concurrency=concurrency,
-                   max_total_tokens=max_total_tokens, max_abort_retries=max_abort_retries, reward_fns=reward_fns)
+    run = _Rollout(settings, client=client, env_pool=env_pool, tokenizer=tokenizer, policy_version=policy_version,
+                   reward_fns=reward_fns)
     before = env_pool.counts()
     start = time.perf_counter()
-    with tqdm(total=len(samples), desc=f"rollout v{run.current_version()}", unit="traj", disable=not progress,
+    with tqdm(total=len(samples), desc=f"rollout v{run.current_version()}", unit="traj", disable=not settings.progress,
               dynamic_ncols=True) as bar:
         run.bar = bar
 
@@ -282,12 +303,10 @@ async def rollout(samples: list[dict], *, client: Any, env_pool: EnvPool, tokeni
     return RolloutResult(kept, failed, rollout_metrics(kept, failed, time.perf_counter() - start, env_pool))
 
 
-async def rollout_until(n_wanted: int, sample_iter: Iterable[dict | list[dict]], keep_fn: KeepFn | None = None, *,
-                        group_size: int = 1, client: Any, env_pool: EnvPool, tokenizer: Any,
-                        sampling_params: dict, max_turns: int, policy_version: int | Callable[[], int], progress: bool = True,
-                        concurrency: int | None = None, max_total_tokens: int | None = None,
-                        max_groups: int | None = None, max_abort_retries: int = 8,
-                        reward_fns: RewardFunctions | None = None, fill_with_dropped: bool = False) -> RolloutResult:
+async def rollout_until(n_wanted: int, sample_iter: Iterable[dict | list[dict]], settings: RolloutSettings,
+                        keep_fn: KeepFn | None = None, *, group_size: int = 1, client: Any, env_pool: EnvPool,
+                        tokenizer: Any, policy_version: int | Callable[[], int], reward_fns: RewardFunctions | None = None,
+                        max_groups: int | None = None, fill_with_dropped: bool = False) -> RolloutResult:
     """Keep launching groups until `n_wanted` GROUPS are kept; returns their trajectories, group by group.
 
     A group is `group_size` trajectories of the same sample (or, when `sample_iter` yields lists,
@@ -302,9 +321,8 @@ async def rollout_until(n_wanted: int, sample_iter: Iterable[dict | list[dict]],
     if n_wanted < 1 or group_size < 1:
         raise ValueError(f"rollout_until needs n_wanted >= 1 and group_size >= 1, got {n_wanted} and {group_size}")
     max_groups = max_groups if max_groups is not None else 10 * n_wanted
-    run = _Rollout(client=client, env_pool=env_pool, tokenizer=tokenizer, sampling_params=sampling_params,
-                   max_turns=max_turns, policy_version=policy_version, concurrency=concurrency,
-                   max_total_tokens=max_total_tokens, max_abort_retries=max_abort_retries, reward_fns=reward_fns)
+    run = _Rollout(settings, client=client, env_pool=env_pool, tokenizer=tokenizer, policy_version=policy_version,
+                   reward_fns=reward_fns)
     samples: Iterator[dict] = iter(sample_iter)
     before = env_pool.counts()
     start = time.perf_counter()
@@ -319,7 +337,7 @@ async def rollout_until(n_wanted: int, sample_iter: Iterable[dict | list[dict]],
         members = sample if isinstance(sample, list) else [sample] * group_size
         return await _gather_all(run.trajectory(member, {"group": index}) for member in members)
 
-    with tqdm(total=n_wanted, desc=f"rollout v{run.current_version()}", unit="group", disable=not progress,
+    with tqdm(total=n_wanted, desc=f"rollout v{run.current_version()}", unit="group", disable=not settings.progress,
               dynamic_ncols=True) as bar:
         run.bar = bar
         try:

@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 
 from envs.pool import EnvPool
 from rl_core.rewards import RewardFunctions
-from rl_core.rollout.rollout import KeepFn, RolloutResult, rollout, rollout_until
+from rl_core.rollout.rollout import KeepFn, RolloutResult, RolloutSettings, rollout, rollout_until
 from workers.engines.client import EngineClient
 
 
@@ -64,25 +64,22 @@ class GatedClient:
 
 
 class RolloutService:
-    def __init__(self, *, router_url: str, tokenizer, env_factory, num_envs: int, step_timeout_s: float,
-                 max_failed_ratio: float, sampling_params: dict, max_turns: int, concurrency: int,
-                 max_total_tokens: int, timeout_s: float, progress: bool,
-                 reward_fns: RewardFunctions | None = None):
+    """`env`: the env section (`num_envs`, `step_timeout_s`, `max_failed_ratio`); `engine_timeout_s`:
+    the longest one /generate may take."""
+
+    def __init__(self, router_url: str, tokenizer, env_factory, env, settings: RolloutSettings,
+                 engine_timeout_s: float, reward_fns: RewardFunctions | None = None):
         self.tokenizer = tokenizer
         self.reward_fns = reward_fns
-        self.sampling_params = sampling_params
-        self.max_turns = max_turns
-        self.concurrency = concurrency
-        self.max_total_tokens = max_total_tokens
-        self.timeout_s = timeout_s
-        self.progress = progress
+        self.settings = settings
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True)
         self.thread.start()
         # aiohttp sessions and the pool's semaphore belong to the loop they are created on.
-        self.client = self._call(self._make(GatedClient, EngineClient(router_url, timeout_s=timeout_s)))
-        self.env_pool = self._call(self._make(EnvPool, env_factory, num_envs=num_envs, step_timeout_s=step_timeout_s,
-                                              max_failed_ratio=max_failed_ratio))
+        self.client = self._call(self._make(GatedClient, EngineClient(router_url, timeout_s=engine_timeout_s)))
+        self.env_pool = self._call(self._make(EnvPool, env_factory, num_envs=env.num_envs,
+                                              step_timeout_s=env.step_timeout_s,
+                                              max_failed_ratio=env.max_failed_ratio))
         self.batches: queue.Queue = queue.Queue()
         self.producer: asyncio.Future | None = None
         self.stop_producing = threading.Event()
@@ -98,15 +95,12 @@ class RolloutService:
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def _common(self, sampling_params: dict | None) -> dict:
-        return dict(client=self.client, env_pool=self.env_pool, tokenizer=self.tokenizer,
-                    sampling_params=sampling_params or self.sampling_params, max_turns=self.max_turns,
-                    progress=self.progress, concurrency=self.concurrency, max_total_tokens=self.max_total_tokens,
-                    reward_fns=self.reward_fns)
+    def _common(self) -> dict:
+        return dict(client=self.client, env_pool=self.env_pool, tokenizer=self.tokenizer, reward_fns=self.reward_fns)
 
     async def _rollout(self, samples: list[dict], version: int | Callable[[], int],
-                       sampling_params: dict | None = None) -> RolloutResult:
-        return await rollout(samples, policy_version=version, **self._common(sampling_params))
+                       settings: RolloutSettings | None = None) -> RolloutResult:
+        return await rollout(samples, settings or self.settings, policy_version=version, **self._common())
 
     def collect(self, samples: list[dict], version: int) -> RolloutResult:
         """Sync mode: generate one batch with the current policy and wait for it."""
@@ -115,12 +109,12 @@ class RolloutService:
     def collect_groups(self, groups, n_groups: int, keep_fn: KeepFn, max_groups: int, version: int) -> RolloutResult:
         """Sync mode, dynamic sampling: draw prompt groups until `n_groups` pass `keep_fn` (at most
         `max_groups` launched; then the batch is topped up with dropped groups)."""
-        return self._call(rollout_until(n_groups, groups, keep_fn, policy_version=version, max_groups=max_groups,
-                                        fill_with_dropped=True, **self._common(None)))
+        return self._call(rollout_until(n_groups, groups, self.settings, keep_fn, policy_version=version,
+                                        max_groups=max_groups, fill_with_dropped=True, **self._common()))
 
     def evaluate(self, samples: list[dict], sampling_params: dict, version: int) -> RolloutResult:
         """Held-out prompts with the eval sampling settings (greedy by default)."""
-        return self._call(self._rollout(samples, version, sampling_params))
+        return self._call(self._rollout(samples, version, self.settings.with_sampling(sampling_params)))
 
     # ------------------------------------------------------------------ async mode
 

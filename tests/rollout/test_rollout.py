@@ -11,7 +11,7 @@ from envs.base import Action, Env, StepResult, make_env_factory
 from envs.calculator import CalculatorEnv
 from envs.pool import EnvPool, TooManyEnvFailures
 from envs.sentiment import SentimentEnv
-from rl_core.rollout.rollout import rollout, rollout_until
+from rl_core.rollout.rollout import RolloutSettings, rollout, rollout_until
 from workers.engines.client import EngineClient
 from workers.engines.rank_engine import EngineSpec, start_engine
 from workers.engines.weights import WeightPusher
@@ -55,16 +55,18 @@ class RecordingClient:
         return answer
 
 
-def run_rollout(router_url, samples, env_factory, tokenizer, *, num_envs=4, max_failed_ratio=0.1, **kwargs):
-    """One rollout on a fresh loop; returns (result, recorded engine calls, pool)."""
+def run_rollout(router_url, samples, env_factory, tokenizer, *, num_envs=4, max_failed_ratio=0.1, policy_version=0,
+                reward_fns=None, **settings):
+    """One rollout on a fresh loop; `settings` are RolloutSettings'; returns (result, recorded engine calls, pool)."""
     pool = EnvPool(env_factory, num_envs=num_envs, step_timeout_s=30, max_failed_ratio=max_failed_ratio)
 
     async def main():
         async with EngineClient(router_url, timeout_s=60) as client:
             recorder = RecordingClient(client)
             try:
-                result = await rollout(samples, client=recorder, env_pool=pool, tokenizer=tokenizer,
-                                       progress=False, **kwargs)
+                result = await rollout(samples, RolloutSettings(progress=False, **settings), client=recorder,
+                                       env_pool=pool, tokenizer=tokenizer, policy_version=policy_version,
+                                       reward_fns=reward_fns)
             finally:
                 await pool.close()
             return result, recorder.calls
@@ -209,10 +211,9 @@ def test_rollout_until_replaces_dropped_groups(router_url, tokenizer):
 
     async def main(keep_fn, max_groups=None):
         async with EngineClient(router_url, timeout_s=60) as client:
-            return await rollout_until(2, samples, keep_fn, group_size=3, client=client, env_pool=pool,
-                                       tokenizer=tokenizer, sampling_params={"max_new_tokens": 4}, max_turns=1,
-                                       policy_version=0, progress=False, max_total_tokens=CONTEXT,
-                                       max_groups=max_groups)
+            settings = RolloutSettings({"max_new_tokens": 4}, max_total_tokens=CONTEXT, progress=False)
+            return await rollout_until(2, samples, settings, keep_fn, group_size=3, client=client, env_pool=pool,
+                                       tokenizer=tokenizer, policy_version=0, max_groups=max_groups)
 
     result = asyncio.run(main(lambda group: group[0].info["group"] % 2 == 1))  # drop every other group
     groups = [result.trajectories[i:i + 3] for i in range(0, len(result.trajectories), 3)]
@@ -263,8 +264,8 @@ def test_aborted_generation_continues_on_new_weights_with_per_token_versions(ser
         async with EngineClient(router, timeout_s=60) as client, EngineClient(engine_url) as engine:
             await pusher.push(engine, same_weights, "4")
             generating = asyncio.create_task(rollout(
-                samples, client=client, env_pool=pool, tokenizer=tokenizer, sampling_params=params, max_turns=1,
-                policy_version=lambda: version["now"], progress=False, max_total_tokens=CONTEXT))
+                samples, RolloutSettings(params, max_total_tokens=CONTEXT, progress=False), client=client,
+                env_pool=pool, tokenizer=tokenizer, policy_version=lambda: version["now"]))
             try:
                 await push_midway(engine, generating)
                 return await generating
@@ -351,8 +352,7 @@ def test_a_response_whose_last_token_is_eos_at_the_limit_is_not_counted_as_trunc
         eos_token_id = 0
 
     def run(**params):
-        return _Rollout(client=None, env_pool=None, tokenizer=Tok(), sampling_params=params, max_turns=1,
-                        policy_version=0, concurrency=None, max_total_tokens=None, max_abort_retries=0)
+        return _Rollout(RolloutSettings(params), client=None, env_pool=None, tokenizer=Tok(), policy_version=0)
 
     # SGLang reports "length" when EOS arrives as the last allowed token; the response did end
     assert run(max_new_tokens=3)._ends_with_stop([5, 6, 0])
@@ -370,10 +370,12 @@ def test_closing_the_service_cancels_a_rollout_left_running_by_a_stop_signal(rou
     from rl_core.rollout.service import RolloutService
 
     factory = make_env_factory(SentimentEnv, {"query_length": 8, "pad_token_id": tokenizer.pad_token_id})
-    service = RolloutService(router_url=router_url, tokenizer=tokenizer, env_factory=factory, num_envs=4,
-                             step_timeout_s=30, max_failed_ratio=0.1,
-                             sampling_params={"max_new_tokens": 48, "ignore_eos": True}, max_turns=1, concurrency=4,
-                             max_total_tokens=CONTEXT, timeout_s=60, progress=False)
+    from types import SimpleNamespace
+
+    envs = SimpleNamespace(num_envs=4, step_timeout_s=30, max_failed_ratio=0.1)  # the env config section's keys
+    settings = RolloutSettings({"max_new_tokens": 48, "ignore_eos": True}, concurrency=4, max_total_tokens=CONTEXT,
+                               progress=False)
+    service = RolloutService(router_url, tokenizer, factory, envs, settings, engine_timeout_s=60)
     loop_errors = []
     service.loop.call_soon_threadsafe(service.loop.set_exception_handler, lambda _, ctx: loop_errors.append(ctx))
     samples = [{"query_ids": tokenizer.encode("the old man walked")} for _ in range(16)]
@@ -391,3 +393,15 @@ def test_closing_the_service_cancels_a_rollout_left_running_by_a_stop_signal(rou
     assert in_flight.cancelled()
     assert service.loop.is_closed() and not service.thread.is_alive()
     assert loop_errors == []
+
+
+def test_rollout_settings_are_frozen_and_refuse_impossible_limits():
+    settings = RolloutSettings({"max_new_tokens": 4}, max_turns=2)
+    with pytest.raises(TypeError):
+        settings.sampling_params["max_new_tokens"] = 8  # read-only: one job's settings, shared by every rollout
+    evaluation = settings.with_sampling({"max_new_tokens": 8, "temperature": 0.0})
+    assert evaluation.max_turns == 2 and settings.sampling_params["max_new_tokens"] == 4
+    with pytest.raises(ValueError, match="rollout.max_turns must be >= 1"):
+        RolloutSettings({}, max_turns=0)
+    with pytest.raises(ValueError, match="rollout.concurrency must be >= 1"):
+        RolloutSettings({}, concurrency=0)
