@@ -1,54 +1,81 @@
-"""Build (or reuse) the offline tiny assets and show what the pretrained policy writes.
+"""Build the offline assets the recipes name, or check that the shipped ones are what the code builds.
 
-    python scripts/bootstrap_assets.py [--root DIR] [--small] [--force]
+    python scripts/bootstrap_assets.py [--root DIR] [--force]   # build what is missing (or everything)
+    python scripts/bootstrap_assets.py --check                  # rebuild from scratch, compare with checksums.json
+    python scripts/bootstrap_assets.py --write-sums             # after a rebuild you mean to ship
+
+The repository ships `assets/` (tiny policy and tokenizer, sentiment prompts, preferences and
+reward model, the arithmetic chat policy and problems; about 13 MB), built by this project's code
+(`rl_core/tiny/`), so a fresh clone trains at once. `--check` rebuilds all of it in a temporary
+directory (about 10 minutes on 2 cores) and compares every file's sha256 with
+`assets/checksums.json`; the builds fix their seeds and thread counts, so the same torch build on
+the same kind of CPU reproduces them bit for bit (another CPU or torch may round differently,
+and the check says which files differ).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import resource
+import shutil
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rl_core.tiny.assets import default_assets_root  # noqa: E402
+from rl_core.tiny.prepare import SUMS_FILE, asset_digests, build_all  # noqa: E402
+
+
+def check(root: Path, keep: bool) -> int:
+    shipped = json.loads((root / SUMS_FILE).read_text())
+    scratch = Path(tempfile.mkdtemp(prefix="rl_core_assets_check_"))
+    try:
+        started = time.perf_counter()
+        build_all(scratch, log=print, progress=False)
+        print(f"rebuilt every asset under {scratch} in {time.perf_counter() - started:.0f} s")
+        rebuilt = asset_digests(scratch)
+    finally:
+        if not keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+    different = sorted(name for name in shipped if rebuilt.get(name) != shipped[name])
+    extra = sorted(set(rebuilt) - set(shipped))
+    for name in different:
+        print(f"DIFFERENT  {name}" if name in rebuilt else f"MISSING    {name}")
+    for name in extra:
+        print(f"NOT SHIPPED {name}")
+    same = len(shipped) - len(different)
+    print(json.dumps({"files": len(shipped), "identical": same, "different": len(different), "not_shipped": len(extra)}))
+    return 0 if not different and not extra else 1
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", default=None, help="assets directory (default: $RL_CORE_ASSETS or <repo>/assets)")
-    parser.add_argument("--small", action="store_true", help="a tiny build for tests (seconds)")
-    parser.add_argument("--force", action="store_true", help="rebuild even if cached")
-    parser.add_argument("--seed", type=int, default=None, help="override the build seed")
+    parser.add_argument("--root", type=Path, default=None, help="assets directory (default: $RL_CORE_ASSETS or <repo>/assets)")
+    parser.add_argument("--force", action="store_true", help="rebuild everything under --root, shipped or not")
+    parser.add_argument("--check", action="store_true", help="rebuild in a temporary directory and compare with checksums.json")
+    parser.add_argument("--keep", action="store_true", help="with --check: keep the rebuilt directory")
+    parser.add_argument("--write-sums", action="store_true", help="write checksums.json for what is under --root")
     args = parser.parse_args()
-
-    from rl_core.tiny.assets import count_parameters, ensure_tiny_assets, read_build_facts
-    from rl_core.data import load_prompt_dataset
-    from rl_core.reward_model.sampling import sample_responses
-    from workers.models import load_causal_lm, load_tokenizer
-
-    started = time.perf_counter()
-    paths = ensure_tiny_assets(args.root, small=args.small, force=args.force, seed=args.seed)
-    elapsed = time.perf_counter() - started
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    state = f"built {', '.join(paths.built)}" if paths.built else "cached, nothing built"
-    print(f"assets: {paths.root} ({state}) in {elapsed:.1f}s wall, "
-          f"{usage.ru_utime + usage.ru_stime:.1f}s CPU")
-
-    facts = read_build_facts(paths)
-    tokenizer = load_tokenizer(str(paths.model_dir))
-    model = load_causal_lm(str(paths.model_dir), vocab_size=len(tokenizer)).eval()
-    print(f"policy: {paths.model_dir}  parameters={count_parameters(model):,}  "
-          f"vocab={len(tokenizer)}  final_loss={facts['final_loss']:.3f}  "
-          f"(first {facts['first_loss']:.3f}; policy build {facts['seconds']}s)")
-    prompts = load_prompt_dataset(str(paths.test_prompts))
-    print(f"prompts: {paths.train_prompts} / {paths.test_prompts} ({len(prompts)} test rows)")
-
-    samples = [prompts[i]["text"] for i in range(3)]
-    queries = [tokenizer.encode(text, add_special_tokens=False) for text in samples]
-    for temperature in (1.0, 0.7):
-        responses = sample_responses(model, tokenizer, queries, response_length=32, temperature=temperature, seed=0)
-        for prompt, response in zip(samples, responses):
-            print(f"[T={temperature}] {prompt} ||| {tokenizer.decode(response)}")
+    root = args.root or default_assets_root()
+    if args.check:
+        sys.exit(check(root, args.keep))
+    if args.force:
+        for child in root.iterdir() if root.exists() else ():
+            if child.name != SUMS_FILE:
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+    if not args.write_sums or args.force:
+        started = time.perf_counter()
+        build_all(root, log=print, progress=True)
+        print(f"assets under {root} ready in {time.perf_counter() - started:.0f} s")
+    if args.write_sums:
+        digests = asset_digests(root)
+        (root / SUMS_FILE).write_text(json.dumps(digests, indent=1, sort_keys=True) + "\n")
+        print(f"{root / SUMS_FILE}: {len(digests)} files")
 
 
 if __name__ == "__main__":

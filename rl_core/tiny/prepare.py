@@ -66,3 +66,51 @@ def resolve_rm_assets(cfg, log: Log):
     if cfg.normalize.prompts_path == "tiny":
         cfg.normalize.prompts_path = str(tiny.train_prompts)
     return cfg
+
+
+# --- the shipped assets ------------------------------------------------------------------------
+# The repository ships what the recipes need, built by this code, so a fresh clone trains in
+# seconds instead of building for minutes. `scripts/bootstrap_assets.py --check` rebuilds them
+# from scratch and compares every file with checksums.json.
+
+SUMS_FILE = "checksums.json"  # sha256 by relative path
+
+
+def build_all(root, log: Log, progress: bool = False, small: bool = False):
+    """Every asset the recipes name, built (or reused) under `root`: tiny policy, prompts,
+    sentiment preferences and reward model, arithmetic policy and problems (`small`: the tests'
+    quick versions)."""
+    from rl_core.tiny.arithmetic import ensure_arithmetic_assets
+    from rl_core.tiny.assets import ensure_tiny_assets
+    from rl_core.tiny.reward_model import ensure_tiny_reward_model
+
+    tiny = ensure_tiny_assets(root, small=small, log=log, progress=progress)
+    ensure_tiny_reward_model(tiny, log=log, small=small, progress=progress)
+    ensure_arithmetic_assets(root, small=small, log=log)
+    return tiny
+
+
+def asset_digests(root) -> dict[str, str]:
+    """sha256 of every built file under `root`, by relative path. Lock and staging files (dot
+    names) are not assets; a build.json is hashed without its wall-clock `seconds`."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    root = Path(root)
+    digests = {}
+    for path in sorted(root.rglob("*")):
+        relative = path.relative_to(root)
+        if not path.is_file() or any(part.startswith(".") for part in relative.parts) or path.name == SUMS_FILE:
+            continue
+        data = path.read_bytes()
+        if (path.name.endswith(".json") and "build" in path.name) or path.name == "assets.json":
+            data = json.dumps(_without_timings(json.loads(data)), sort_keys=True).encode()
+        digests[str(relative)] = hashlib.sha256(data).hexdigest()
+    return digests
+
+
+def _without_timings(value):
+    if isinstance(value, dict):
+        return {k: _without_timings(v) for k, v in value.items() if k != "seconds"}
+    return value

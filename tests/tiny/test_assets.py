@@ -126,7 +126,7 @@ def test_default_root_follows_the_environment(monkeypatch, tmp_path):
     assert default_assets_root() == tmp_path
     monkeypatch.delenv("RL_CORE_ASSETS")
     repo = Path(__file__).resolve().parents[2]
-    assert default_assets_root() == repo / "assets"  # beside configs/, git-ignored
+    assert default_assets_root() == repo / "assets"  # beside configs/, shipped with the repository
 
 
 def test_corpus_is_deterministic_and_sentence_shaped():
