@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import random
 import time
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -171,3 +172,37 @@ def prepare_before_process_group(prepare: Callable[[Callable[[str], None]], T], 
     store.set(f"{prefix}/done/{rank}", "ok")
     wait_for(list(range(world)))
     return result
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place among the trainers.
+
+    ``sharded=False`` trains alone without any torch.distributed call, even when a process
+    group exists (the tiny-RM bootstrap runs on one rank of the PPO job).
+    """
+    rank: int = 0
+    size: int = 1
+    sharded: bool = False
+    device: torch.device = torch.device("cpu")
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sum of ``values`` over ranks."""
+        if not self.sharded or self.size == 1:
+            return [float(v) for v in values]
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Concatenate equally long 1-D tensors from every rank, in rank order."""
+        if not self.sharded or self.size == 1:
+            return values
+        values = values.to(self.device).contiguous()
+        parts = [torch.empty_like(values) for _ in range(self.size)]
+        dist.all_gather(parts, values)
+        return torch.cat(parts).cpu()
+
+    def barrier(self) -> None:
+        if self.sharded and self.size > 1:
+            dist.barrier()

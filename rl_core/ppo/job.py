@@ -16,13 +16,13 @@ from typing import Callable
 from transformers import AutoConfig
 
 from envs.base import load_env_class
+from rl_core.checkpoint import Checkpointer
 from rl_core.cli import parse_job_config, run_main
 from rl_core.config import save_config, to_dict
 from rl_core.distributed import (broadcast_object, on_every_rank, on_rank0, prepare_before_process_group,
                                  rank_seed, seed_everything)
 from rl_core.errors import JobError
 from rl_core.logger import MetricsLogger, StepTimer, print_step
-from rl_core.ppo.checkpoint import Checkpointer
 from rl_core.ppo.collect import AsyncCollector, SyncCollector, make_collector
 from rl_core.ppo.config import PPOConfig, check_context_length, rollout_settings, validate
 from rl_core.ppo.evaluation import evaluate, print_eval
@@ -89,7 +89,7 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
         # Saved after the step is logged: a run killed in between resumes from the previous checkpoint
         # and logs this step again (the resumed logger drops the extra row), so no step goes missing.
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
-            job.checkpointer.save(step + 1, trainer, collector.resume_state() if rt.rank == 0 else None)
+            save_checkpoint(job, step + 1, rt.rank)
     rt.stop_node_watch()  # other nodes may finish first and stop their engines
     if cfg.trainer.export_hf:
         export_policy(trainer, job.tokenizer, cfg.model.path, Path(cfg.trainer.run_dir) / "final", rt.rank)
@@ -142,7 +142,11 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
     trainer = PPOTrainer(cfg, tokenizer, cfg.model.path, cfg.reward.model_path or None, total_steps, rt.device,
                          rt.rank, rt.world_size)
     checkpointer = Checkpointer(run_dir / "checkpoints", rt.rank, keep_last=cfg.trainer.keep_last)
-    start_step = checkpointer.maybe_resume(cfg.trainer.resume, trainer, prompts)
+    start_step, saved = checkpointer.maybe_resume(cfg.trainer.resume, trainer.models())
+    if saved:
+        trainer.kl_ctl.load_state_dict(saved["kl_controller"])
+        if prompts is not None and saved.get("prompts") is not None:
+            prompts.load_state_dict(saved["prompts"])
     job = Job(cfg, tokenizer, trainer, collector, checkpointer, probe_token_ids(tokenizer), start_step, total_steps,
               prompts, held_out)
     push_weights(rt, job, start_step)  # the engines start from the trainer's (maybe resumed) weights
@@ -163,6 +167,14 @@ def push_weights(rt: JobRuntime, job: Job, version: int) -> dict[str, float]:
     with collector.weight_push():
         return rt.sync_weights(trainer.actor_weights(), version, job.probe, trainer.probe_logprobs(job.probe),
                                collector.pauses_in_place)
+
+
+def save_checkpoint(job: Job, step: int, rank: int) -> None:
+    """Collective: models and optimizers, and rank 0's KL controller and prompt position."""
+    state = None
+    if rank == 0:
+        state = {"kl_controller": job.trainer.kl_ctl.state_dict(), "prompts": job.collector.resume_state()}
+    job.checkpointer.save(step, job.trainer.models(), state)
 
 
 def collect_batch(collector, rt: JobRuntime, algo, version: int) -> tuple[list, dict]:

@@ -226,6 +226,10 @@ class PPOTrainer:
         return loss, {"value/vf_clipfrac": stats["vf_clipfrac"],
                       "value/loss": alg.masked_mean(per_token.detach(), mask)}
 
+    def models(self) -> dict:
+        """The trained models by name, as checkpoints hold them."""
+        return {"actor": self.actor} if self.critic is None else {"actor": self.actor, "critic": self.critic}
+
     # ------------------------------------------------------------------ weights for the engines
 
     def actor_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -26,11 +26,11 @@ import torch.distributed as dist
 
 from rl_core.cli import parse_job_config, run_main
 from rl_core.config import save_config
-from rl_core.distributed import (device_for_rank, init_distributed, on_every_rank, on_rank0,
+from rl_core.distributed import (DataParallel, device_for_rank, init_distributed, on_every_rank, on_rank0,
                                  prepare_before_process_group, seed_everything)
 from rl_core.reward_model.config import RMConfig, check_lengths, validate
 from rl_core.reward_model.sampling import load_queries
-from rl_core.reward_model.training import (DataParallel, Log, build_reward_model, export_reward_model,
+from rl_core.reward_model.training import (Log, build_reward_model, export_reward_model,
                                            fit_reward_model, load_preference_splits)
 from rl_core.run_dir import RunDirLock
 from workers.models import check_model_path, context_length, load_causal_lm, load_tokenizer

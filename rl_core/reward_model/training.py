@@ -5,16 +5,14 @@ normalisation on reference-policy samples before and after training."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from rl_core.balance import micro_batches_for_rank as balanced_micro_batches
 from rl_core.balance import with_stand_ins
-from rl_core.distributed import rank_seed
+from rl_core.distributed import DataParallel, rank_seed
 from rl_core.logger import progress_bar
 from rl_core.optim import build_optimizer, linear_anneal_schedule
 from rl_core.rewards.lm_human_preferences import reward_gain_bias
@@ -27,40 +25,6 @@ from workers.models import (init_reward_model, load_reward_model, make_micro_bat
                             reward_scores, set_reward_gain_bias, to_device)
 
 Log = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class DataParallel:
-    """This process's place among the trainers.
-
-    ``sharded=False`` trains alone without any torch.distributed call, even when a process
-    group exists (the tiny-RM bootstrap runs on one rank of the PPO job).
-    """
-    rank: int = 0
-    size: int = 1
-    sharded: bool = False
-    device: torch.device = torch.device("cpu")
-
-    def sum(self, values: Sequence[float]) -> list[float]:
-        """Element-wise sum of ``values`` over ranks."""
-        if not self.sharded or self.size == 1:
-            return [float(v) for v in values]
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor)
-        return tensor.tolist()
-
-    def gather(self, values: torch.Tensor) -> torch.Tensor:
-        """Concatenate equally long 1-D tensors from every rank, in rank order."""
-        if not self.sharded or self.size == 1:
-            return values
-        values = values.to(self.device).contiguous()
-        parts = [torch.empty_like(values) for _ in range(self.size)]
-        dist.all_gather(parts, values)
-        return torch.cat(parts).cpu()
-
-    def barrier(self) -> None:
-        if self.sharded and self.size > 1:
-            dist.barrier()
 
 
 # ----------------------------------------------------------------------------- models

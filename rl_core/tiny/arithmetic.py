@@ -238,3 +238,39 @@ def ensure_arithmetic_assets(root: str | Path | None = None, *, small: bool = Fa
             (staging / "build.json").write_text(json.dumps({"settings": expected, **facts}, indent=2))
         log(f"[rl_core.tiny] arithmetic assets built in {time.perf_counter() - started:.0f} s")
     return paths
+
+
+# --- the SFT recipe's data ----------------------------------------------------------------------
+
+ARITHMETIC_SFT = "tiny-arithmetic-sft"  # config value naming the SFT recipe's offline data
+
+
+def ensure_arithmetic_sft_data(root: str | Path | None = None, *, small: bool = False,
+                               log: Callable[[str], None] = print) -> Path:
+    """`<root>/arithmetic-sft/`: the chat tokenizer, and chat rows for `rl_core.train_sft`:
+    `train.jsonl` is the fine-tuning corpus the recipe's policy is trained on (the careless
+    annotator's slips included), `eval.jsonl` the held-out problems of the GRPO recipe with correct
+    solutions and their `answer`. Seconds to build: no training."""
+    settings = SMALL_SETTINGS if small else REAL_SETTINGS
+    paths = ArithmeticPaths.under(Path(root) if root is not None else default_assets_root())
+    directory = paths.root / "arithmetic-sft"
+    expected = {"format": FORMAT_VERSION, "component": "arithmetic-sft", "small": small, **dataclasses.asdict(settings)}
+    if _is_built(directory, expected):
+        return directory
+    base = ensure_tiny_assets(paths.root, small=small, log=log)
+    with file_lock(paths.root / ".arithmetic-sft.lock"):
+        if _is_built(directory, expected):
+            return directory
+        log(f"[rl_core.tiny] writing the arithmetic SFT rows under {directory}")
+        with staged_directory(directory) as staging:
+            chat_tokenizer(base.model_dir).save_pretrained(staging / "tokenizer")
+            corpus = make_problems(settings.sft_problems, settings.seed, settings.max_operand, settings.sub_frac,
+                                   settings.slip_frac)
+            held_out = make_problems(settings.eval_problems, settings.seed + 2, settings.max_operand, settings.sub_frac)
+            for name, problems in (("train.jsonl", corpus), ("eval.jsonl", held_out)):
+                with (staging / name).open("w", encoding="utf-8") as handle:
+                    for problem in problems:
+                        chat = problem["messages"] + [{"role": "assistant", "content": problem["solution"]}]
+                        handle.write(json.dumps({"messages": chat, "answer": problem["answer"]}) + "\n")
+            (staging / "build.json").write_text(json.dumps({"settings": expected}, indent=2))
+    return directory

@@ -78,15 +78,16 @@ SUMS_FILE = "checksums.json"  # sha256 by relative path
 
 def build_all(root, log: Log, progress: bool = False, small: bool = False):
     """Every asset the recipes name, built (or reused) under `root`: tiny policy, prompts,
-    sentiment preferences and reward model, arithmetic policy and problems (`small`: the tests'
-    quick versions)."""
-    from rl_core.tiny.arithmetic import ensure_arithmetic_assets
+    sentiment preferences and reward model, arithmetic policy, problems and SFT rows (`small`:
+    the tests' quick versions)."""
+    from rl_core.tiny.arithmetic import ensure_arithmetic_assets, ensure_arithmetic_sft_data
     from rl_core.tiny.assets import ensure_tiny_assets
     from rl_core.tiny.reward_model import ensure_tiny_reward_model
 
     tiny = ensure_tiny_assets(root, small=small, log=log, progress=progress)
     ensure_tiny_reward_model(tiny, log=log, small=small, progress=progress)
     ensure_arithmetic_assets(root, small=small, log=log)
+    ensure_arithmetic_sft_data(root, small=small, log=log)
     return tiny
 
 
@@ -114,3 +115,26 @@ def _without_timings(value):
     if isinstance(value, dict):
         return {k: _without_timings(v) for k, v in value.items() if k != "seconds"}
     return value
+
+
+def resolve_sft_assets(cfg, log: Log):
+    """An SFT config whose model, tokenizer and data paths name no offline asset any more."""
+    from rl_core.tiny.arithmetic import ARITHMETIC_SFT
+
+    _check_given((("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path)),
+                 ("tiny", ARITHMETIC_SFT))
+    if "tiny" in (cfg.model.path, cfg.model.tokenizer_path):
+        from rl_core.tiny.assets import ensure_tiny_assets
+
+        tiny = ensure_tiny_assets(log=log, progress=cfg.trainer.progress)
+        cfg.model.path = str(tiny.model_dir) if cfg.model.path == "tiny" else cfg.model.path
+        cfg.model.tokenizer_path = str(tiny.model_dir) if cfg.model.tokenizer_path == "tiny" else cfg.model.tokenizer_path
+    if ARITHMETIC_SFT in (cfg.model.tokenizer_path, cfg.data.train_path, cfg.data.eval_path):
+        from rl_core.tiny.arithmetic import ensure_arithmetic_sft_data
+
+        data = ensure_arithmetic_sft_data(log=log)
+        if cfg.model.tokenizer_path == ARITHMETIC_SFT:
+            cfg.model.tokenizer_path = str(data / "tokenizer")
+        cfg.data.train_path = str(data / "train.jsonl") if cfg.data.train_path == ARITHMETIC_SFT else cfg.data.train_path
+        cfg.data.eval_path = str(data / "eval.jsonl") if cfg.data.eval_path == ARITHMETIC_SFT else cfg.data.eval_path
+    return cfg

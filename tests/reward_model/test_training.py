@@ -6,7 +6,8 @@ import torch
 
 def test_micro_batches_keep_comparisons_whole_and_ranks_even():
     from rl_core.reward_model.data import TokenizedPreference
-    from rl_core.reward_model.training import DataParallel, micro_batches_for_rank
+    from rl_core.distributed import DataParallel
+    from rl_core.reward_model.training import micro_batches_for_rank
 
     examples = [TokenizedPreference([[5] * (3 + i % 7), [6] * (2 + i % 5)], 1, i % 2, 0.0) for i in range(13)]
     per_rank = [micro_batches_for_rank(examples, DataParallel(rank, 2), 40, pad_id=0) for rank in (0, 1)]

@@ -1,5 +1,6 @@
-"""Sharded, atomic checkpoints: models + optimizers + LR schedules (torch.distributed.checkpoint),
-KL controller, data position and every rank's RNG.
+"""Sharded, atomic checkpoints for every job: models + optimizers + LR schedules
+(torch.distributed.checkpoint), the job's own state (a KL controller, a data position: rank 0's
+JSON) and every rank's RNG.
 
 A checkpoint is written to `step_N.tmp/` and renamed to `step_N/` only after every rank has
 finished, so a run killed mid-save leaves the previous checkpoint as the latest complete one.
@@ -35,24 +36,21 @@ class Checkpointer:
         done = [p for p in self.root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and not p.name.endswith(".tmp")]
         return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
 
-    def save(self, step: int, trainer, data_state: dict | None) -> Path:
-        """``data_state``: rank 0's prompt-stream position to resume from (None on other ranks)."""
+    def save(self, step: int, models: dict, state: dict | None) -> Path:
+        """Collective. `models`: name -> TrainableModel; `state`: rank 0's JSON-able job state."""
         final = self.root / f"{PREFIX}{step:08d}"
         tmp = final.with_name(final.name + ".tmp")
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        trainer.actor.save_checkpoint(str(tmp / "actor"))
-        if trainer.critic is not None:
-            trainer.critic.save_checkpoint(str(tmp / "critic"))
+        for name, model in models.items():
+            model.save_checkpoint(str(tmp / name))
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
                    tmp / f"rng_rank{self.rank}.pt")
         if self.rank == 0:
-            state = {"step": step, "kl_controller": trainer.kl_ctl.state_dict(),
-                     "prompts": data_state}
-            (tmp / "trainer_state.json").write_text(json.dumps(state))
+            (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(state or {})}))
         dist.barrier()
         if self.rank == 0:
             tmp.rename(final)
@@ -70,27 +68,24 @@ class Checkpointer:
             old.rename(doomed)
             shutil.rmtree(doomed, ignore_errors=True)
 
-    def maybe_resume(self, mode: str, trainer, prompts) -> int:
-        """Load the checkpoint `mode` asks for; returns the step to continue from (0 when fresh)."""
+    def maybe_resume(self, mode: str, models: dict) -> tuple[int, dict]:
+        """Load the checkpoint `mode` asks for into `models`; returns (the step to continue from, the
+        job state saved with it); (0, {}) when starting fresh."""
         if mode == "never":
-            return 0
+            return 0, {}
         if mode == "auto":
             found = self.complete()
             if not found:
-                return 0
+                return 0, {}
             path = found[-1]
         else:
             path = Path(mode)
             if not (path / "trainer_state.json").is_file():
                 raise FileNotFoundError(f"trainer.resume={mode}: {path} is not a complete checkpoint "
                                         f"(no trainer_state.json); use 'auto' or a {PREFIX}N directory")
-        trainer.actor.load_checkpoint(str(path / "actor"))
-        if trainer.critic is not None:
-            trainer.critic.load_checkpoint(str(path / "critic"))
+        for name, model in models.items():
+            model.load_checkpoint(str(path / name))
         state = json.loads((path / "trainer_state.json").read_text())
-        trainer.kl_ctl.load_state_dict(state["kl_controller"])
-        if prompts is not None and state.get("prompts") is not None:
-            prompts.load_state_dict(state["prompts"])
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
             rng = torch.load(rng_file, weights_only=False)
@@ -101,4 +96,4 @@ class Checkpointer:
                 torch.cuda.set_rng_state_all(rng["cuda"])
         if self.rank == 0:
             print(f"resumed from {path} at step {state['step']}", flush=True)
-        return int(state["step"])
+        return int(state.pop("step")), state

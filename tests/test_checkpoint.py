@@ -2,7 +2,7 @@
 
 import pytest
 
-from rl_core.ppo.checkpoint import Checkpointer
+from rl_core.checkpoint import Checkpointer
 
 
 def make_checkpoints(root, steps, partial=()):

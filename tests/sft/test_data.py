@@ -1,0 +1,82 @@
+"""SFT rows: which tokens are trained, and one clear line for rows the job cannot use."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from rl_core.sft.data import SFTDataError, encode_messages, encode_prompt_response, encode_rows
+from rl_core.tiny.arithmetic import CHAT_TEMPLATE
+from workers.models import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def data_cfg(**overrides):
+    cfg = dict(format="auto", messages_key="messages", prompt_key="prompt", response_key="response",
+               max_length=512, on_long="drop")
+    return SimpleNamespace(**{**cfg, **overrides})
+
+
+def trained_text(tokenizer, ids, mask):
+    return [tokenizer.decode([i for i, m in zip(ids, mask) if m == 1])]
+
+
+def test_only_assistant_turns_are_trained_and_the_pieces_tokenize_on_their_own(chat_tokenizer):
+    tok = chat_tokenizer
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "one plus one?"},
+            {"role": "assistant", "content": "two"}, {"role": "user", "content": "and two more?"},
+            {"role": "assistant", "content": "four"}]
+    ids, mask = encode_messages(tok, chat)
+    assert len(ids) == len(mask)
+    # The whole conversation as the template renders it, token for token.
+    assert tok.decode(ids) == tok.apply_chat_template(chat, tokenize=False)
+    runs, current = [], []
+    for token, trained in zip(ids, mask):
+        if trained:
+            current.append(token)
+        elif current:
+            runs.append(tok.decode(current))
+            current = []
+    runs.append(tok.decode(current)) if current else None
+    eos = tok.eos_token
+    assert runs == [f" two{eos}\n", f" four{eos}\n"]  # after "Assistant:", up to the end of the turn
+    # The prompt part is exactly what the RL jobs render as the prompt of the first turn.
+    first = mask.index(1)
+    assert tok.decode(ids[:first]) == tok.apply_chat_template(chat[:2], add_generation_prompt=True, tokenize=False)
+
+
+def test_prompt_response_rows_train_the_response_and_end_with_eos(chat_tokenizer):
+    tok = chat_tokenizer
+    ids, mask = encode_prompt_response(tok, "the old man", " walked home")
+    assert mask == [0] * len(tok("the old man")["input_ids"]) + [1] * (len(tok(" walked home")["input_ids"]) + 1)
+    assert ids[-1] == tok.eos_token_id
+    chat_ids, chat_mask = encode_prompt_response(tok, [{"role": "user", "content": "hi"}], " hello")
+    assert tok.decode(chat_ids[:chat_mask.index(1)]) == "User: hi\nAssistant:"
+
+
+def test_rows_the_job_cannot_use_are_named(chat_tokenizer, tiny_model_dir):
+    with pytest.raises(SFTDataError, match="cannot tell the SFT format.*data.format"):
+        encode_rows([{"text": "a"}], chat_tokenizer, data_cfg(), "rows.jsonl")
+    with pytest.raises(SFTDataError, match="rows.jsonl row 2: a conversation has no assistant turn"):
+        encode_rows([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+                     {"messages": [{"role": "user", "content": "a"}]}], chat_tokenizer, data_cfg(), "rows.jsonl")
+    plain = load_tokenizer(tiny_model_dir)
+    plain.chat_template = None
+    with pytest.raises(SFTDataError, match="no chat template.*model.tokenizer_path"):
+        encode_messages(plain, [{"role": "assistant", "content": "b"}])
+
+
+def test_long_rows_are_dropped_or_cut_and_counted(chat_tokenizer):
+    rows = [{"prompt": "a b c d e f g h", "response": " i j k l m n o p"}, {"prompt": "a", "response": " b"}]
+    length = len(encode_prompt_response(chat_tokenizer, rows[0]["prompt"], rows[0]["response"])[0])
+    kept, too_long = encode_rows(rows, chat_tokenizer, data_cfg(max_length=length - 3), "rows.jsonl")
+    assert too_long == 1 and len(kept) == 1
+    cut, too_long = encode_rows(rows, chat_tokenizer, data_cfg(max_length=length - 3, on_long="truncate"), "rows.jsonl")
+    assert too_long == 1 and len(cut) == 2 and len(cut[0].input_ids) == length - 3
+    with pytest.raises(SFTDataError, match="no row fits data.max_length=2"):
+        encode_rows(rows[:1], chat_tokenizer, data_cfg(max_length=2), "rows.jsonl")
