@@ -76,6 +76,12 @@ class JobRuntime:
             for executor in (self.env_executor, self.reward_executor):
                 if executor is not None:  # never wait on a stuck env call or reward function
                     executor.shutdown(wait=False, cancel_futures=True)
+            # A stop signal can interrupt an engine call (a push, a release) mid-way: cancel it and let
+            # it unwind here, before its session closes, rather than in a closed loop at exit.
+            pending = asyncio.all_tasks(self._loop)
+            for task in pending:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             if self.engine is not None:
                 self._loop.run_until_complete(self.engine.close())
         finally:
