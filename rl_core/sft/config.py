@@ -46,6 +46,7 @@ class SFTTrainConfig:
     optimizer: str = choice("adamw", OPTIMIZER_NAMES)
     weight_decay: float = 0.0
     adam_eps: float = 1e-8
+    adam_betas: tuple = (0.9, 0.999)
     max_grad_norm: Optional[float] = 1.0
     max_tokens_per_device: int = 8192  # real tokens per micro-batch; rows are balanced across ranks by tokens
     log_every: int = 10
@@ -87,6 +88,8 @@ def validate(cfg: SFTConfig) -> None:
     require(tr.epochs > 0, f"config key 'train.epochs' must be > 0, got {tr.epochs}")
     require(tr.max_steps is None or tr.max_steps > 0, f"config key 'train.max_steps' must be > 0 or null, got {tr.max_steps}")
     require(tr.lr > 0, f"config key 'train.lr' must be > 0, got {tr.lr}")
+    require(len(tr.adam_betas) == 2 and all(0 <= b < 1 for b in tr.adam_betas),
+            f"config key 'train.adam_betas' must be two numbers in [0, 1), got {tr.adam_betas}")
     require(tr.warmup_steps >= 0, f"config key 'train.warmup_steps' must be >= 0, got {tr.warmup_steps}")
     require(tr.max_grad_norm is None or tr.max_grad_norm > 0,
             f"config key 'train.max_grad_norm' must be > 0 or null, got {tr.max_grad_norm}")

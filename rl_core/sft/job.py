@@ -76,7 +76,7 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
         lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, tr.warmup_steps))))
     trainable = TrainableModel(
         model, lambda m: build_optimizer(m.parameters(), tr.optimizer, tr.lr, eps=tr.adam_eps,
-                                         weight_decay=tr.weight_decay),
+                                         weight_decay=tr.weight_decay, betas=tuple(tr.adam_betas)),
         schedule, max_grad_norm=tr.max_grad_norm)
     checkpointer = Checkpointer(run_dir / "checkpoints", dp.rank, keep_last=cfg.trainer.keep_last)
     start_step, _ = checkpointer.maybe_resume(cfg.trainer.resume, {"model": trainable})

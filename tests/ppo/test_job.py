@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.jobs import run_to_end
+
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED_METRICS = ("step", "reward/score_mean", "reward/total_mean", "kl/mean", "kl/coef", "policy/entropy",
                     "policy/clipfrac", "value/loss", "perf/rollout_s", "perf/train_s", "perf/step_s",
@@ -43,17 +45,7 @@ def torchrun_argv(overrides, config="ppo_sentiment.yaml"):
 
 def run_job(small_job, run_dir, *extra, timeout=420, config="ppo_sentiment.yaml"):
     overrides = small_job["overrides"] + [f"trainer.run_dir={run_dir}", *extra]
-    # Own session, so a timeout kills torchrun *and* its ranks (no orphans left for later tests).
-    proc = subprocess.Popen(torchrun_argv(overrides, config), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the job did not finish within {timeout}s:\n{output[-5000:]}")
-    assert proc.returncode == 0, output[-6000:]
-    return output
+    return run_to_end(torchrun_argv(overrides, config), timeout)
 
 
 def read_metrics(run_dir):

@@ -2,13 +2,12 @@
 the loss-scaling rule (the same losses on one rank as on two)."""
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.jobs import run_to_end
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +30,7 @@ def run_sft(overrides, run_dir, *extra, ranks=2, timeout=300):
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--standalone",
             "-m", "rl_core.train_sft", "--config", "sft_arithmetic.yaml", *overrides,
             f"trainer.run_dir={run_dir}", *extra]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the SFT job did not finish within {timeout}s:\n{output[-5000:]}")
-    assert proc.returncode == 0, output[-6000:]
-    return output
+    return run_to_end(argv, timeout)
 
 
 def metrics(run_dir):
