@@ -7,7 +7,7 @@ from typing import Optional
 
 from rl_core.config import TrainerConfig, choice, require
 from rl_core.optim import OPTIMIZER_NAMES
-from rl_core.reward_model.data import FORMATS
+from rl_core.preferences import FORMATS
 
 LABELER_NAMES = (None, "sentiment", "descriptiveness")
 

@@ -31,7 +31,8 @@ from rl_core.distributed import (DataParallel, device_for_rank, init_distributed
 from rl_core.reward_model.config import RMConfig, check_lengths, validate
 from rl_core.reward_model.sampling import load_queries
 from rl_core.reward_model.training import (Log, build_reward_model, export_reward_model,
-                                           fit_reward_model, load_preference_splits)
+                                           fit_reward_model)
+from rl_core.preferences import load_preference_splits
 from rl_core.run_dir import RunDirLock
 from workers.models import check_model_path, context_length, load_causal_lm, load_tokenizer
 

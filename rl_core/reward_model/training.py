@@ -16,8 +16,7 @@ from rl_core.distributed import DataParallel, rank_seed
 from rl_core.logger import progress_bar
 from rl_core.optim import build_optimizer, linear_anneal_schedule
 from rl_core.rewards.lm_human_preferences import reward_gain_bias
-from rl_core.reward_model.config import NormalizeConfig, RMConfig, RMDataConfig, RMTrainConfig
-from rl_core.reward_model.data import load_preference_dataset, tokenize_preferences
+from rl_core.reward_model.config import NormalizeConfig, RMConfig, RMTrainConfig
 from rl_core.reward_model.losses import preference_accuracy, preference_loss, spearman
 from rl_core.reward_model.sampling import pick_queries, sample_truncated
 from workers.fsdp import TrainableModel, full_state_dict, shard_model
@@ -282,21 +281,3 @@ def export_reward_model(model, tokenizer, out_dir: str | Path, dp: DataParallel)
 
 
 # ----------------------------------------------------------------------------- preference data
-
-
-def load_preference_splits(cfg: RMDataConfig, train_path: str, test_path: str | None, tokenizer,
-                           seed: int) -> tuple[list, list]:
-    """Tokenized train and held-out comparisons; without a test file, a seeded split of train."""
-    def load(path: str) -> list:
-        examples, _ = load_preference_dataset(path, cfg.format, cfg.margin_map, cfg.on_malformed)
-        return tokenize_preferences(examples, tokenizer, cfg.max_length)
-
-    train = load(train_path)
-    if test_path is not None:
-        return train, load(test_path)
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
-    n_test = max(1, round(len(train) * cfg.heldout_fraction))
-    if n_test >= len(train):
-        raise ValueError(f"{train_path} has {len(train)} comparisons, too few to hold out "
-                         f"data.heldout_fraction={cfg.heldout_fraction}; give data.test_path")
-    return [train[i] for i in order[n_test:]], [train[i] for i in order[:n_test]]

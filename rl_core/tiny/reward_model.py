@@ -26,7 +26,8 @@ from rl_core.reward_model.config import LabelerConfig, RMConfig, check_lengths
 from rl_core.reward_model.sampling import load_queries, sample_responses
 from rl_core.distributed import DataParallel
 from rl_core.reward_model.training import (Log, build_reward_model, export_reward_model,
-                                           fit_reward_model, load_preference_splits)
+                                           fit_reward_model)
+from rl_core.preferences import load_preference_splits
 from rl_core.tiny.assets import file_lock, read_build_facts, settings_match, staged_directory, torch_threads
 from rl_core.tiny.labeler import get_labeler
 from workers.models import context_length, load_causal_lm, load_tokenizer, single_token_id

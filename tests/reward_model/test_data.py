@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from rl_core.reward_model.data import (
+from rl_core.preferences import (
     DEFAULT_MARGIN_MAP,
     PreferenceDataError,
     detect_format,

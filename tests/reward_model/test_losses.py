@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from rl_core.reward_model.data import DEFAULT_MARGIN_MAP, load_preference_dataset
+from rl_core.preferences import DEFAULT_MARGIN_MAP, load_preference_dataset
 from rl_core.reward_model.losses import (
     average_ranks,
     best_of_n_loss,

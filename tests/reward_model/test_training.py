@@ -5,7 +5,7 @@ import torch
 
 
 def test_micro_batches_keep_comparisons_whole_and_ranks_even():
-    from rl_core.reward_model.data import TokenizedPreference
+    from rl_core.preferences import TokenizedPreference
     from rl_core.distributed import DataParallel
     from rl_core.reward_model.training import micro_batches_for_rank
 

@@ -1,4 +1,4 @@
-"""Preference data for reward-model training: three file formats, one normalised example.
+"""Preference data for reward-model and DPO training: three file formats, one normalised example.
 
 Formats (columns), read from local jsonl / json / csv / parquet files through `datasets`:
 
@@ -392,3 +392,25 @@ def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
     if not texts:
         return []
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def load_preference_splits(cfg, train_path: str, test_path: str | None, tokenizer,
+                           seed: int) -> tuple[list, list]:
+    """Tokenized train and held-out comparisons; without a test file, a seeded split of train.
+
+    `cfg`: a job's data section (`format`, `margin_map`, `on_malformed`, `max_length`, `heldout_fraction`)."""
+    def load(path: str) -> list:
+        examples, _ = load_preference_dataset(path, cfg.format, cfg.margin_map, cfg.on_malformed)
+        return tokenize_preferences(examples, tokenizer, cfg.max_length)
+
+    import torch
+
+    train = load(train_path)
+    if test_path is not None:
+        return train, load(test_path)
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_test = max(1, round(len(train) * cfg.heldout_fraction))
+    if n_test >= len(train):
+        raise ValueError(f"{train_path} has {len(train)} comparisons, too few to hold out "
+                         f"data.heldout_fraction={cfg.heldout_fraction}; give data.test_path")
+    return [train[i] for i in order[n_test:]], [train[i] for i in order[:n_test]]
