@@ -17,7 +17,7 @@ import torch
 from rl_core.balance import micro_batches_for_rank, with_stand_ins
 from rl_core.distributed import DataParallel
 from rl_core.sft.data import SFTExample
-from workers.models import logprobs_from_logits, make_micro_batch, prepare_inputs
+from workers.models import decode, logprobs_from_logits, make_micro_batch, prepare_inputs
 
 
 def collate(examples: list[SFTExample], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -78,33 +78,6 @@ def heldout_metrics(model, examples: list[SFTExample], dp: DataParallel, max_tok
     return {"eval/loss": nll / count, "eval/token_accuracy": correct / count}
 
 
-@torch.no_grad()
-def greedy_completions(model, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int,
-                       pad_token_id: int, device: torch.device, batch_size: int = 64) -> list[list[int]]:
-    """Greedy decoding with a KV cache, exactly `max_new_tokens` forwards per batch (no early stop),
-    so sharded models on every rank run the same collectives; tokens after EOS are dropped."""
-    completions = []
-    for start in range(0, len(prompts), batch_size):
-        rows = prompts[start:start + batch_size]
-        width = max(len(r) for r in rows)
-        input_ids = torch.tensor([[pad_token_id] * (width - len(r)) + r for r in rows], device=device)
-        attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)  # left padding: GPT-2's positions start at the text
-        out = model(input_ids=input_ids.masked_fill(attention == 0, 0), attention_mask=attention,
-                    position_ids=positions, use_cache=True)
-        generated = []
-        for _ in range(max_new_tokens):
-            next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
-            generated.append(next_ids)
-            attention = torch.cat([attention, torch.ones_like(next_ids)], dim=1)
-            positions = positions[:, -1:] + 1
-            out = model(input_ids=next_ids, attention_mask=attention, position_ids=positions,
-                        past_key_values=out.past_key_values, use_cache=True)
-        for row in torch.cat(generated, dim=1).tolist():
-            completions.append(row[:row.index(eos_token_id)] if eos_token_id in row else row)
-    return completions
-
-
 def generation_accuracy(model, examples: list[SFTExample], reward_fn: Callable, tokenizer, dp: DataParallel,
                         max_new_tokens: int) -> dict[str, float]:
     """Greedy completions of the held-out prompts scored by `reward_fn(completion, row)`: eval/accuracy
@@ -114,8 +87,7 @@ def generation_accuracy(model, examples: list[SFTExample], reward_fn: Callable, 
     padded = share + [examples[0]] * (per_rank - len(share))  # same batches on every rank; not counted
     prompts = [e.input_ids[:e.prompt_length] for e in padded]
     model.eval()
-    completions = greedy_completions(model, prompts, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                                     dp.device)
+    completions = decode(model, prompts, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, dp.device)
     correct = total = 0.0
     for example, ids in zip(share, completions):
         score = reward_fn(tokenizer.decode(ids, skip_special_tokens=True), example.row)

@@ -138,3 +138,29 @@ def resolve_sft_assets(cfg, log: Log):
         cfg.data.train_path = str(data / "train.jsonl") if cfg.data.train_path == ARITHMETIC_SFT else cfg.data.train_path
         cfg.data.eval_path = str(data / "eval.jsonl") if cfg.data.eval_path == ARITHMETIC_SFT else cfg.data.eval_path
     return cfg
+
+
+def resolve_dpo_assets(cfg, log: Log):
+    """A DPO config whose policy, preference and reward-model paths name no offline asset any more:
+    "tiny" is the tiny policy, its sentiment preferences and the tiny sentiment reward model."""
+    _check_given((("model.path", cfg.model.path), ("model.reference_path", cfg.model.reference_path),
+                  ("eval.reward_model_path", cfg.eval.reward_model_path)), ("tiny",))
+    named = (cfg.model.path, cfg.model.tokenizer_path, cfg.model.reference_path, cfg.data.train_path,
+             cfg.data.test_path, cfg.eval.reward_model_path)
+    if "tiny" not in named:
+        return cfg
+    from rl_core.tiny.assets import ensure_tiny_assets
+    from rl_core.tiny.reward_model import ensure_tiny_preferences, ensure_tiny_reward_model, preference_files
+
+    tiny = ensure_tiny_assets(log=log, progress=cfg.trainer.progress)
+    for section, key in (("model", "path"), ("model", "tokenizer_path"), ("model", "reference_path")):
+        if getattr(getattr(cfg, section), key) == "tiny":
+            setattr(getattr(cfg, section), key, str(tiny.model_dir))
+    if "tiny" in (cfg.data.train_path, cfg.data.test_path):
+        ensure_tiny_preferences(tiny, "sentiment", log, progress=cfg.trainer.progress)
+        train, test, _ = preference_files(tiny, "sentiment")
+        cfg.data.train_path = str(train) if cfg.data.train_path == "tiny" else cfg.data.train_path
+        cfg.data.test_path = str(test) if cfg.data.test_path == "tiny" else cfg.data.test_path
+    if cfg.eval.reward_model_path == "tiny":
+        cfg.eval.reward_model_path = str(ensure_tiny_reward_model(tiny, log=log, progress=cfg.trainer.progress))
+    return cfg

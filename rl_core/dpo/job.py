@@ -1,0 +1,142 @@
+"""Direct preference optimisation: `torchrun --nproc_per_node N -m rl_core.train_dpo --config dpo_sentiment.yaml [key=value ...]`.
+
+Reads the preference formats of the reward-model job (pairwise, LLaMA-2, OpenAI best-of-N), trains
+the policy against a frozen reference (the starting policy, or `model.reference_path`) with the
+DPO loss (`dpo.beta`, `dpo.label_smoothing`), on the same FSDP2 worker, config machinery,
+checkpoints, metrics and Hugging Face export as the other jobs. Metrics: the loss, the implicit
+rewards `beta * (log pi - log ref)` of chosen and rejected responses, their margin and how often
+the chosen one wins (reward accuracy), and the response log-likelihoods; on held-out pairs at
+step 0, every `eval.every` steps and at the end. With `eval.reward_model_path`, continuations of
+held-out prompts are sampled and scored by that reward model (eval/rm_score).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rl_core.checkpoint import Checkpointer
+from rl_core.cli import parse_job_config, run_main
+from rl_core.config import save_config, to_dict
+from rl_core.distributed import (DataParallel, device_for_rank, init_distributed, on_every_rank, on_rank0,
+                                 prepare_before_process_group, rank_seed, seed_everything)
+from rl_core.dpo.config import DPOConfig, validate
+from rl_core.dpo.training import PreferencePair, heldout_metrics, to_pairs, train_step
+from rl_core import finetune
+from rl_core.logger import MetricsLogger
+from rl_core.preferences import load_preference_splits
+from rl_core.run_dir import RunDirLock
+from workers import models
+from workers.fsdp import shard_model
+
+
+def main(argv: list[str] | None = None, prepare=None) -> None:
+    run_main(lambda args: _main(args, prepare), argv, stop_hint="trainer.resume=auto continues from the last checkpoint")
+
+
+def _main(argv: list[str] | None, prepare) -> None:
+    cfg = parse_job_config(argv, __doc__, "dpo_sentiment.yaml", DPOConfig, validate)
+    if prepare is not None:
+        cfg = prepare_before_process_group(lambda log: prepare(cfg, log), "prepare the offline assets")
+    rank, world_size = init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
+    lock = None
+    try:
+        lock = on_rank0(lambda: RunDirLock(cfg.trainer.run_dir).acquire())  # one live job per run directory
+        train(cfg, DataParallel(rank, world_size, sharded=True, device=device_for_rank()))
+    finally:
+        dist.destroy_process_group()
+        if lock is not None:
+            lock.release()
+
+
+def train(cfg: DPOConfig, dp: DataParallel) -> None:
+    tr, run_dir, beta, smoothing = cfg.train, Path(cfg.trainer.run_dir), cfg.dpo.beta, cfg.dpo.label_smoothing
+    reference_path = cfg.model.reference_path or cfg.model.path
+    on_every_rank(lambda: [models.check_model_path(path, key) for key, path in
+                           (("model.path", cfg.model.path), ("model.reference_path", reference_path))])
+    tokenizer = models.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    train_examples, test_examples = load_preference_splits(cfg.data, cfg.data.train_path, cfg.data.test_path,
+                                                           tokenizer, cfg.trainer.seed)
+    train_pairs, test_pairs = to_pairs(train_examples), to_pairs(test_examples)[:cfg.data.eval_max_pairs]
+    steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_pairs), "pairs", cfg.data.train_path)
+    seed_everything(cfg.trainer.seed)
+    policy = shard_model(models.load_causal_lm(cfg.model.path).to(dp.device), mixed_precision=cfg.model.mixed_precision)
+    reference = models.load_causal_lm(reference_path).to(dp.device).requires_grad_(False)
+    shard_model(reference, mixed_precision=cfg.model.mixed_precision)
+    trainable = finetune.trainable_model(policy, tr, total_steps)
+    checkpointer = Checkpointer(run_dir / "checkpoints", dp.rank, keep_last=cfg.trainer.keep_last)
+    start_step, _ = checkpointer.maybe_resume(cfg.trainer.resume, {"policy": trainable})
+    scorer = RewardModelEval(cfg, tokenizer, test_pairs, dp) if cfg.eval.reward_model_path else None
+    logger = None
+    if dp.rank == 0:
+        logger = MetricsLogger(run_dir, to_dict(cfg), cfg.trainer.wandb, cfg.trainer.wandb_project,
+                               resume_step=start_step)
+        save_config(cfg, run_dir / "config.yaml")
+        print(f"[dpo] {len(train_pairs)} pairs, {total_steps} steps of {tr.batch_size} on {dp.size} rank(s)", flush=True)
+
+    def evaluate() -> dict[str, float]:
+        metrics = heldout_metrics(policy, reference, test_pairs, dp, tr.max_tokens_per_device,
+                                  tokenizer.pad_token_id, beta, smoothing)
+        return metrics if scorer is None else {**metrics, **scorer(policy)}
+
+    if start_step == 0 and test_pairs:
+        finetune.log_step(logger, 0, total_steps, evaluate(), SHOWN)
+    for step in range(start_step, total_steps):
+        started = time.perf_counter()
+        metrics = train_step(trainable, reference, finetune.step_rows(train_pairs, step, tr.batch_size, cfg.trainer.seed), dp,
+                             tr.max_tokens_per_device, tokenizer.pad_token_id, beta, smoothing)
+        metrics.update({"perf/step_s": time.perf_counter() - started, "epoch": step / steps_per_epoch})
+        if test_pairs and (step + 1 == total_steps or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
+            metrics.update(evaluate())
+        finetune.log_step(logger, step + 1, total_steps, metrics, SHOWN, every=tr.log_every)
+        if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
+            checkpointer.save(step + 1, {"policy": trainable}, {})
+    if cfg.trainer.export_hf:
+        finetune.export(policy, tokenizer, cfg.model.path, run_dir / "final", dp.rank)
+    if logger is not None:
+        logger.close()
+
+
+SHOWN = ("train/loss", "train/reward_accuracy", "train/reward_margin", "eval/loss", "eval/reward_accuracy",
+         "eval/reward_margin", "eval/rm_score", "perf/step_s")
+
+
+class RewardModelEval:
+    """Continuations of held-out prompts sampled from the policy and scored by a reward model (its
+    normalised score, as the PPO job reads it). Every rank samples an equal share and holds its own
+    copy of the reward model; the seed is fixed, so evaluations differ only by the policy."""
+
+    def __init__(self, cfg: DPOConfig, tokenizer, pairs: list[PreferencePair], dp: DataParallel):
+        ev = cfg.eval
+        prompts = list(dict.fromkeys(tuple(p.chosen[:p.prompt_length][-ev.query_length:]) for p in pairs))[:ev.prompts]
+        per_rank = -(-len(prompts) // dp.size)
+        self.mine = [list(p) for p in prompts[dp.rank * per_rank:(dp.rank + 1) * per_rank]]
+        self.padded = self.mine + [list(prompts[0])] * (per_rank - len(self.mine))  # equal collectives
+        self.count = len(prompts)
+        self.cfg, self.tokenizer, self.dp, self.seed = ev, tokenizer, dp, rank_seed(cfg.trainer.seed, dp.rank)
+        self.reward_model = models.load_reward_model(ev.reward_model_path,
+                                                     pad_token_id=tokenizer.pad_token_id).to(dp.device).eval()
+
+    @torch.no_grad()
+    def __call__(self, policy) -> dict[str, float]:
+        policy.eval()
+        generator = torch.Generator().manual_seed(self.seed)
+        responses = models.decode(policy, self.padded, self.cfg.response_length, None, self.tokenizer.pad_token_id,
+                                  self.dp.device, temperature=self.cfg.temperature, generator=generator)
+        rows = [{"input_ids": q + r, "action_mask": [0] * len(q) + [1] * len(r)}
+                for q, r in zip(self.mine, responses)]
+        total = 0.0
+        if rows:
+            batch = models.to_device(models.make_micro_batch(rows, self.tokenizer.pad_token_id), self.dp.device)
+            total = float(models.reward_scores(self.reward_model, batch["input_ids"], batch["attention_mask"],
+                                               batch["position_ids"]).sum())
+        (total,) = self.dp.sum([total])
+        return {"eval/rm_score": total / self.count}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,112 @@
+"""What the jobs that train on fixed data (SFT, DPO) share: the optimisation section of their
+config, the trainable model built from it, the rows of each step, the console line, the export."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from rl_core.config import TrainerConfig, choice, require
+from rl_core.logger import MetricsLogger
+from rl_core.optim import OPTIMIZER_NAMES, build_optimizer, linear_anneal_schedule
+from workers import models
+from workers.fsdp import TrainableModel, full_state_dict
+
+
+@dataclass
+class FinetuneTrainConfig:
+    batch_size: int = 32  # rows (SFT) or pairs (DPO) per optimizer step, over all ranks
+    epochs: int = 1
+    max_steps: Optional[int] = None  # stop earlier than `epochs`
+    lr: float = 1e-5
+    schedule: str = choice("linear", ("linear", "constant"))  # after warmup: annealed to zero, or held
+    warmup_steps: int = 0
+    optimizer: str = choice("adamw", OPTIMIZER_NAMES)
+    weight_decay: float = 0.0
+    adam_eps: float = 1e-8
+    adam_betas: tuple = (0.9, 0.999)
+    max_grad_norm: Optional[float] = 1.0
+    max_tokens_per_device: int = 8192  # real tokens per micro-batch; rows are balanced across ranks by tokens
+    log_every: int = 10
+
+
+@dataclass
+class FinetuneTrainerConfig(TrainerConfig):
+    save_every: int = 0
+    keep_last: int = 2  # newest complete checkpoints kept on disk; 0 keeps all
+    resume: str = "never"  # never | auto | <checkpoint dir>
+    export_hf: bool = True  # <run_dir>/final in Hugging Face format
+
+
+def validate_training(tr: FinetuneTrainConfig, trainer: FinetuneTrainerConfig) -> None:
+    require(trainer.seed >= 0, f"config key 'trainer.seed' must be >= 0, got {trainer.seed}")
+    require(tr.batch_size > 0, f"config key 'train.batch_size' must be > 0, got {tr.batch_size}")
+    require(tr.epochs > 0, f"config key 'train.epochs' must be > 0, got {tr.epochs}")
+    require(tr.max_steps is None or tr.max_steps > 0, f"config key 'train.max_steps' must be > 0 or null, got {tr.max_steps}")
+    require(tr.lr > 0, f"config key 'train.lr' must be > 0, got {tr.lr}")
+    require(len(tr.adam_betas) == 2 and all(0 <= b < 1 for b in tr.adam_betas),
+            f"config key 'train.adam_betas' must be two numbers in [0, 1), got {tr.adam_betas}")
+    require(tr.warmup_steps >= 0, f"config key 'train.warmup_steps' must be >= 0, got {tr.warmup_steps}")
+    require(tr.max_grad_norm is None or tr.max_grad_norm > 0,
+            f"config key 'train.max_grad_norm' must be > 0 or null, got {tr.max_grad_norm}")
+    require(tr.log_every > 0, f"config key 'train.log_every' must be > 0, got {tr.log_every}")
+    require(trainer.save_every >= 0, "config key 'trainer.save_every' must be >= 0")
+    require(trainer.keep_last >= 0, "config key 'trainer.keep_last' must be >= 0 (0 keeps every checkpoint)")
+    require(trainer.collective_timeout_s > 0, "config key 'trainer.collective_timeout_s' must be > 0")
+
+
+def total_steps(tr: FinetuneTrainConfig, rows: int, what: str, source: str) -> tuple[int, int]:
+    """(steps per epoch, steps of the run), or one line when the data holds less than a batch."""
+    per_epoch = rows // tr.batch_size
+    if per_epoch < 1:
+        raise ValueError(f"{source} gives {rows} {what}, fewer than one batch (train.batch_size={tr.batch_size}); "
+                         "lower train.batch_size or add data")
+    return per_epoch, min(tr.max_steps or sys.maxsize, tr.epochs * per_epoch)
+
+
+def trainable_model(model, tr: FinetuneTrainConfig, steps: int) -> TrainableModel:
+    """The sharded model with its optimizer and schedule (warmup, then annealed to zero or held)."""
+    if tr.schedule == "linear":
+        schedule = lambda opt: linear_anneal_schedule(opt, steps, tr.warmup_steps)  # noqa: E731
+    else:
+        schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731
+            opt, lambda step: min(1.0, (step + 1) / max(1, tr.warmup_steps)))
+    return TrainableModel(model, lambda m: build_optimizer(m.parameters(), tr.optimizer, tr.lr, eps=tr.adam_eps,
+                                                           weight_decay=tr.weight_decay, betas=tuple(tr.adam_betas)),
+                          schedule, max_grad_norm=tr.max_grad_norm)
+
+
+def step_rows(rows: list, step: int, batch_size: int, seed: int) -> list:
+    """The rows of global step `step`: epochs are seeded shuffles, so a resumed run sees the same batches."""
+    per_epoch = len(rows) // batch_size
+    epoch, offset = divmod(step, per_epoch)
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return [rows[i] for i in order[offset * batch_size:(offset + 1) * batch_size]]
+
+
+def log_step(logger: MetricsLogger | None, step: int, total: int, metrics: dict, shown: tuple[str, ...],
+             every: int = 1) -> None:
+    """Rank 0: the metrics row, and a console line at evaluations and every `every` steps."""
+    if logger is None:
+        return
+    logger.log(step, metrics)
+    if step == 0 or step == total or step % every == 0 or any(key.startswith("eval/") for key in metrics):
+        print(f"step {step}/{total}  " + "  ".join(f"{k}={metrics[k]:.4g}" for k in shown if k in metrics), flush=True)
+
+
+def export(model, tokenizer, base_path: str, out_dir: Path, rank: int) -> None:
+    """The trained model in Hugging Face format (save_pretrained + tokenizer, its chat template included)."""
+    state = full_state_dict(model)  # collective: every rank gathers
+    if rank != 0:
+        return
+    plain = models.load_causal_lm(base_path)
+    if len(tokenizer) > plain.get_input_embeddings().num_embeddings:
+        plain.resize_token_embeddings(len(tokenizer))
+    plain.load_state_dict(state)
+    plain.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    print(f"final model saved to {out_dir}", flush=True)
