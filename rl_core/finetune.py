@@ -18,6 +18,15 @@ from workers.fsdp import TrainableModel, full_state_dict
 
 
 @dataclass
+class LoraSettings:
+    rank: int = 0  # 0 = train every weight; > 0 = LoRA adapters of this rank (PEFT), the base weights frozen
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: Optional[list] = None  # null = PEFT's default for the architecture (GPT-2: c_attn)
+    export: str = choice("merged", ("merged", "adapter"))  # <run_dir>/final: the merged model, or the adapter
+
+
+@dataclass
 class FinetuneTrainConfig:
     batch_size: int = 32  # rows (SFT) or pairs (DPO) per optimizer step, over all ranks
     epochs: int = 1
@@ -42,7 +51,10 @@ class FinetuneTrainerConfig(TrainerConfig):
     export_hf: bool = True  # <run_dir>/final in Hugging Face format
 
 
-def validate_training(tr: FinetuneTrainConfig, trainer: FinetuneTrainerConfig) -> None:
+def validate_training(tr: FinetuneTrainConfig, trainer: FinetuneTrainerConfig, lora: LoraSettings) -> None:
+    require(lora.rank >= 0, f"config key 'model.lora.rank' must be >= 0 (0 = no LoRA), got {lora.rank}")
+    require(lora.alpha > 0, f"config key 'model.lora.alpha' must be > 0, got {lora.alpha}")
+    require(0.0 <= lora.dropout < 1.0, f"config key 'model.lora.dropout' must be in [0, 1), got {lora.dropout}")
     require(trainer.seed >= 0, f"config key 'trainer.seed' must be >= 0, got {trainer.seed}")
     require(tr.batch_size > 0, f"config key 'train.batch_size' must be > 0, got {tr.batch_size}")
     require(tr.epochs > 0, f"config key 'train.epochs' must be > 0, got {tr.epochs}")
@@ -68,14 +80,37 @@ def total_steps(tr: FinetuneTrainConfig, rows: int, what: str, source: str) -> t
     return per_epoch, min(tr.max_steps or sys.maxsize, tr.epochs * per_epoch)
 
 
+def with_lora(model, lora: LoraSettings, checkpointing: bool = False):
+    """`model` with LoRA adapters on `lora.target_modules` (PEFT) and its other weights frozen, or
+    `model` itself when `lora.rank` is 0."""
+    if not lora.rank:
+        return model
+    from peft import LoraConfig, get_peft_model
+    from transformers.pytorch_utils import Conv1D
+
+    conv1d = any(isinstance(module, Conv1D) for module in model.modules())  # GPT-2 stores weights transposed
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
+                        target_modules=list(lora.target_modules) if lora.target_modules else None,
+                        fan_in_fan_out=conv1d)
+    if checkpointing:
+        model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:  # PEFT knows no default target for this architecture, or a name is wrong
+        raise ValueError(f"model.lora: {err}; set model.lora.target_modules to the names of the linear "
+                         "layers to adapt") from err
+
+
 def trainable_model(model, tr: FinetuneTrainConfig, steps: int) -> TrainableModel:
-    """The sharded model with its optimizer and schedule (warmup, then annealed to zero or held)."""
+    """The sharded model with its optimizer over the trainable weights (all, or the LoRA adapters) and
+    its schedule (warmup, then annealed to zero or held)."""
     if tr.schedule == "linear":
         schedule = lambda opt: linear_anneal_schedule(opt, steps, tr.warmup_steps)  # noqa: E731
     else:
         schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731
             opt, lambda step: min(1.0, (step + 1) / max(1, tr.warmup_steps)))
-    return TrainableModel(model, lambda m: build_optimizer(m.parameters(), tr.optimizer, tr.lr, eps=tr.adam_eps,
+    trained = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
+    return TrainableModel(model, lambda m: build_optimizer(trained(m), tr.optimizer, tr.lr, eps=tr.adam_eps,
                                                            weight_decay=tr.weight_decay, betas=tuple(tr.adam_betas)),
                           schedule, max_grad_norm=tr.max_grad_norm)
 
@@ -98,15 +133,19 @@ def log_step(logger: MetricsLogger | None, step: int, total: int, metrics: dict,
         print(f"step {step}/{total}  " + "  ".join(f"{k}={metrics[k]:.4g}" for k in shown if k in metrics), flush=True)
 
 
-def export(model, tokenizer, base_path: str, out_dir: Path, rank: int) -> None:
-    """The trained model in Hugging Face format (save_pretrained + tokenizer, its chat template included)."""
+def export(model, tokenizer, base_path: str, out_dir: Path, rank: int, lora: LoraSettings) -> None:
+    """The trained model in Hugging Face format with its tokenizer (chat template included); with LoRA
+    the adapters merged into the base weights, or the adapter alone (`model.lora.export`)."""
     state = full_state_dict(model)  # collective: every rank gathers
     if rank != 0:
         return
     plain = models.load_causal_lm(base_path)
     if len(tokenizer) > plain.get_input_embeddings().num_embeddings:
         plain.resize_token_embeddings(len(tokenizer))
+    plain = with_lora(plain, lora)
     plain.load_state_dict(state)
+    if lora.rank and lora.export == "merged":
+        plain = plain.merge_and_unload()
     plain.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     print(f"final model saved to {out_dir}", flush=True)

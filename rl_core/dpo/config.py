@@ -7,7 +7,7 @@ from typing import Optional
 
 from rl_core.config import choice, require
 from rl_core.preferences import FORMATS
-from rl_core.finetune import FinetuneTrainConfig, FinetuneTrainerConfig, validate_training
+from rl_core.finetune import FinetuneTrainConfig, FinetuneTrainerConfig, LoraSettings, validate_training
 
 
 @dataclass
@@ -16,6 +16,7 @@ class DPOModelConfig:
     tokenizer_path: Optional[str] = None  # null = path
     reference_path: Optional[str] = None  # the frozen reference; null = the starting policy
     mixed_precision: Optional[str] = choice(None, (None, "bf16", "fp16"))  # GPU only
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
 
 @dataclass
@@ -67,7 +68,7 @@ class DPOConfig:
 def validate(cfg: DPOConfig) -> None:
     """Cross-field rules of the DPO job; raises ConfigError naming the key and the fix."""
     tr = cfg.train
-    validate_training(tr, cfg.trainer)
+    validate_training(tr, cfg.trainer, cfg.model.lora)
     require(cfg.dpo.beta > 0, f"config key 'dpo.beta' must be > 0, got {cfg.dpo.beta}")
     require(0.0 <= cfg.dpo.label_smoothing < 0.5,
             f"config key 'dpo.label_smoothing' must be in [0, 0.5), got {cfg.dpo.label_smoothing}")

@@ -64,7 +64,8 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
     train_pairs, test_pairs = to_pairs(train_examples), to_pairs(test_examples)[:cfg.data.eval_max_pairs]
     steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_pairs), "pairs", cfg.data.train_path)
     seed_everything(cfg.trainer.seed)
-    policy = shard_model(models.load_causal_lm(cfg.model.path).to(dp.device), mixed_precision=cfg.model.mixed_precision)
+    policy = finetune.with_lora(models.load_causal_lm(cfg.model.path), cfg.model.lora)
+    shard_model(policy.to(dp.device), mixed_precision=cfg.model.mixed_precision)
     reference = models.load_causal_lm(reference_path).to(dp.device).requires_grad_(False)
     shard_model(reference, mixed_precision=cfg.model.mixed_precision)
     trainable = finetune.trainable_model(policy, tr, total_steps)
@@ -96,7 +97,7 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
             checkpointer.save(step + 1, {"policy": trainable}, {})
     if cfg.trainer.export_hf:
-        finetune.export(policy, tokenizer, cfg.model.path, run_dir / "final", dp.rank)
+        finetune.export(policy, tokenizer, cfg.model.path, run_dir / "final", dp.rank, cfg.model.lora)
     if logger is not None:
         logger.close()
 

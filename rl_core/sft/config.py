@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from rl_core.config import choice, require
-from rl_core.finetune import FinetuneTrainConfig, FinetuneTrainerConfig, validate_training
+from rl_core.finetune import FinetuneTrainConfig, FinetuneTrainerConfig, LoraSettings, validate_training
 
 SFT_FORMATS = ("messages", "prompt_response")
 
@@ -16,6 +16,7 @@ class SFTModelConfig:
     path: str = "tiny"  # any Hugging Face causal LM; "tiny" = the offline tiny policy
     tokenizer_path: Optional[str] = None  # null = path; the chat template comes from here
     mixed_precision: Optional[str] = choice(None, (None, "bf16", "fp16"))  # GPU only
+    lora: LoraSettings = field(default_factory=LoraSettings)
     gradient_checkpointing: bool = False
 
 
@@ -62,7 +63,7 @@ class SFTConfig:
 def validate(cfg: SFTConfig) -> None:
     """Cross-field rules of the SFT job; raises ConfigError naming the key and the fix."""
     tr, data = cfg.train, cfg.data
-    validate_training(tr, cfg.trainer)
+    validate_training(tr, cfg.trainer, cfg.model.lora)
     require(data.max_length >= 2, f"config key 'data.max_length' must be >= 2, got {data.max_length}")
     require(tr.max_tokens_per_device >= data.max_length,
             f"train.max_tokens_per_device={tr.max_tokens_per_device} cannot hold one row of data.max_length="

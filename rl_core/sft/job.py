@@ -66,6 +66,7 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
         model.resize_token_embeddings(len(tokenizer))  # a [PAD] the tokenizer gained
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    model = finetune.with_lora(model, cfg.model.lora, cfg.model.gradient_checkpointing)
     shard_model(model.to(dp.device), mixed_precision=cfg.model.mixed_precision)
     trainable = finetune.trainable_model(model, tr, total_steps)
     checkpointer = Checkpointer(run_dir / "checkpoints", dp.rank, keep_last=cfg.trainer.keep_last)
@@ -97,7 +98,7 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
             checkpointer.save(step + 1, {"model": trainable}, {})
     if cfg.trainer.export_hf:
-        finetune.export(model, tokenizer, cfg.model.path, run_dir / "final", dp.rank)
+        finetune.export(model, tokenizer, cfg.model.path, run_dir / "final", dp.rank, cfg.model.lora)
     if logger is not None:
         logger.close()
 

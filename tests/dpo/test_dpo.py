@@ -87,3 +87,13 @@ def test_dpo_starts_at_log_2_learns_and_one_rank_matches_two(dpo_job, tmp_path):
     run_dpo(dpo_job, one, "train.max_steps=8", "eval.every=4", ranks=1)
     two_losses = [r["train/loss"] for r in rows[1:]]
     assert [r["train/loss"] for r in metrics(one)[1:]] == pytest.approx(two_losses, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.timeout(600)
+def test_dpo_with_lora_adapters_learns_against_the_frozen_base(dpo_job, tmp_path):
+    run_dir = tmp_path / "lora"
+    run_dpo(dpo_job, run_dir, "train.max_steps=8", "model.lora.rank=4", "model.lora.alpha=8", "train.lr=1e-2")
+    rows = metrics(run_dir)
+    assert rows[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-5)  # adapters start at zero
+    assert rows[-1]["eval/loss"] < rows[0]["eval/loss"] and rows[-1]["eval/reward_margin"] > 0
+    assert (run_dir / "final" / "model.safetensors").exists()  # merged by default

@@ -81,3 +81,34 @@ def test_one_rank_and_two_ranks_train_the_same_and_a_resumed_run_continues_exact
     rows = metrics(resumed)
     assert [r["step"] for r in rows] == list(range(7))  # each step logged once
     assert [r["train/loss"] for r in rows[1:]] == pytest.approx(two_losses, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.timeout(600)
+def test_lora_trains_only_adapters_and_exports_the_adapter_or_the_merged_model(sft_job, tmp_path):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    base_path = next(o.split("=", 1)[1] for o in sft_job if o.startswith("model.path="))
+    lora = ["model.lora.rank=4", "model.lora.alpha=8", "train.max_steps=6", "train.lr=1e-2"]
+    adapter_dir = tmp_path / "adapter"
+    run_sft(sft_job, adapter_dir, *lora, "model.lora.export=adapter")
+    losses = [r["train/loss"] for r in metrics(adapter_dir) if "train/loss" in r]
+    assert losses[-1] < losses[0]
+    adapter = load_file(adapter_dir / "final" / "adapter_model.safetensors")
+    lora_b = [t for name, t in adapter.items() if "lora_B" in name]
+    assert lora_b and all(t.abs().sum() > 0 for t in lora_b)  # B starts at zero: training moved it
+    assert not (adapter_dir / "final" / "model.safetensors").exists()
+    base = AutoModelForCausalLM.from_pretrained(base_path)
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), adapter_dir / "final")
+
+    merged_dir = tmp_path / "merged"
+    run_sft(sft_job, merged_dir, *lora, "model.lora.export=merged")
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir / "final").eval()
+    base_state, merged_state = base.state_dict(), merged.state_dict()
+    changed = [name for name in base_state if not torch.equal(base_state[name], merged_state[name])]
+    assert changed and all("c_attn" in name for name in changed)  # only the adapted layers (GPT-2 default)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    # The same seed and data: the merged model is the base plus the same adapter.
+    assert torch.allclose(merged(ids).logits, with_adapter.eval()(ids).logits, atol=1e-5)
