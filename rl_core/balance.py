@@ -81,25 +81,31 @@ def rank_shares(seqlens: Sequence[int], dp_size: int) -> list[list[int]]:
     return _karmarkar_karp([int(length) for length in seqlens], dp_size)
 
 
-def length_sorted_micro_batches(indices: Sequence[int], seqlens: Sequence[int], max_tokens: int) -> list[list[int]]:
+def length_sorted_micro_batches(indices: Sequence[int], seqlens: Sequence[int], max_tokens: int,
+                                packed: bool = False) -> list[list[int]]:
     """Cut one share into micro-batches of similar lengths, longest first.
 
     Each micro-batch is padded to its longest sequence, so neighbours in length order go
-    together and the padded size (count x longest) stays within ``max_tokens``.
+    together and the padded size (count x longest) stays within ``max_tokens``; ``packed``
+    micro-batches hold their sequences back to back, so their real tokens count instead.
     """
     batches: list[list[int]] = []
     current: list[int] = []
+    size = 0
     for index in sorted(indices, key=lambda i: (-seqlens[i], i)):
-        if current and (len(current) + 1) * seqlens[current[0]] > max_tokens:
+        grown = size + seqlens[index] if packed else (len(current) + 1) * seqlens[current[0] if current else index]
+        if current and grown > max_tokens:
             batches.append(current)
-            current = []
+            current, size = [], 0
         current.append(index)
+        size += seqlens[index]
     if current:
         batches.append(current)
     return batches
 
 
-def micro_batch_plan(seqlens: Sequence[int], dp_size: int, max_tokens: int) -> list[list[list[int]]]:
+def micro_batch_plan(seqlens: Sequence[int], dp_size: int, max_tokens: int,
+                     packed: bool = False) -> list[list[list[int]]]:
     """Every rank's micro-batches (index lists), the same number on every rank.
 
     Tokens are balanced across ranks first (``rank_shares``); each share is then cut into
@@ -117,7 +123,7 @@ def micro_batch_plan(seqlens: Sequence[int], dp_size: int, max_tokens: int) -> l
     if max(lengths) > max_tokens:
         raise ValueError(f"a sequence of {max(lengths)} tokens exceeds max_tokens={max_tokens} per micro-batch; "
                          f"raise max_tokens to at least {max(lengths)} or shorten the sequences")
-    plan = [length_sorted_micro_batches(share, lengths, max_tokens) for share in rank_shares(lengths, dp_size)]
+    plan = [length_sorted_micro_batches(share, lengths, max_tokens, packed) for share in rank_shares(lengths, dp_size)]
     count = max(len(batches) for batches in plan)
     for batches in plan:
         while len(batches) < count:
@@ -145,12 +151,13 @@ def minibatch_indices(batch_size: int, nminibatches: int, generator: torch.Gener
     return [part.tolist() for part in order.tensor_split(nminibatches)]
 
 
-def micro_batches_for_rank(lengths: Sequence[int], rank: int, dp_size: int, max_tokens: int) -> list[list[int]]:
+def micro_batches_for_rank(lengths: Sequence[int], rank: int, dp_size: int, max_tokens: int,
+                           packed: bool = False) -> list[list[int]]:
     """This rank's micro-batches (index lists): token-balanced across ranks, length-sorted within
     the rank, the same count on every rank (see ``micro_batch_plan``)."""
     if not 0 <= rank < dp_size:
         raise ValueError(f"rank {rank} is outside [0, dp_size={dp_size})")
-    return micro_batch_plan(lengths, dp_size, max_tokens)[rank]
+    return micro_batch_plan(lengths, dp_size, max_tokens, packed)[rank]
 
 
 def with_stand_ins(micro_batches: list[list[int]]) -> list[tuple[list[int], bool]]:

@@ -90,7 +90,7 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
     for step in range(start_step, total_steps):
         started = time.perf_counter()
         metrics = train_step(trainable, finetune.step_rows(train_rows, step, tr.batch_size, cfg.trainer.seed), dp,
-                             tr.max_tokens_per_device, tokenizer.pad_token_id)
+                             tr.max_tokens_per_device, tokenizer.pad_token_id, cfg.data.packing)
         metrics.update({"perf/step_s": time.perf_counter() - started, "epoch": step / steps_per_epoch})
         if eval_rows and (step + 1 == total_steps or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
             metrics.update(evaluate())

@@ -20,14 +20,50 @@ from rl_core.sft.data import SFTExample
 from workers.models import decode, logprobs_from_logits, make_micro_batch, prepare_inputs
 
 
-def collate(examples: list[SFTExample], pad_token_id: int) -> dict[str, torch.Tensor]:
-    rows = [{"input_ids": e.input_ids, "action_mask": e.loss_mask} for e in examples]
-    return make_micro_batch(rows, pad_token_id)
+def collate(examples: list[SFTExample], pad_token_id: int, packed: bool = False) -> dict[str, torch.Tensor]:
+    """Padded rows, or (`packed`) the sequences back to back in as few rows as hold them, each row as
+    long as the longest sequence (first fit, longest first): positions restart at each sequence and
+    `segment_ids` keep attention inside it (see `packed_inputs`). Rows as long as a sequence keep
+    attention's cost that of the padded layout; only the padding goes."""
+    if not packed:
+        rows = [{"input_ids": e.input_ids, "action_mask": e.loss_mask} for e in examples]
+        return make_micro_batch(rows, pad_token_id)
+    width = max(len(e.input_ids) for e in examples)
+    bins: list[list[SFTExample]] = []
+    for example in sorted(examples, key=lambda e: -len(e.input_ids)):
+        fits = next((b for b in bins if sum(len(e.input_ids) for e in b) + len(example.input_ids) <= width), None)
+        bins.append([example]) if fits is None else fits.append(example)
+    used = max(sum(len(e.input_ids) for e in b) for b in bins)
+    batch = {key: torch.full((len(bins), used), fill, dtype=torch.long)
+             for key, fill in (("input_ids", pad_token_id), ("action_mask", 0), ("position_ids", 0), ("segment_ids", -1))}
+    for row, members in enumerate(bins):
+        start = 0
+        for number, e in enumerate(members):
+            span = slice(start, start + len(e.input_ids))
+            batch["input_ids"][row, span] = torch.tensor(e.input_ids)
+            batch["action_mask"][row, span] = torch.tensor([0] + e.loss_mask[1:])  # a first token is never predicted
+            batch["position_ids"][row, span] = torch.arange(len(e.input_ids))
+            batch["segment_ids"][row, span] = number
+            start += len(e.input_ids)
+    return batch
+
+
+def packed_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Model inputs of packed rows: a block-diagonal causal mask (a token sees earlier tokens of its
+    own sequence only; padding sees itself), exact with any attention kernel that takes a 4-D
+    boolean mask (sdpa, eager)."""
+    segments = batch["segment_ids"]
+    length = segments.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
+    same = segments[:, :, None] == segments[:, None, :]
+    mask = causal[None] & same
+    input_ids = batch["input_ids"].masked_fill(segments < 0, 0)  # pad ids never reach the embedding
+    return {"input_ids": input_ids, "attention_mask": mask[:, None], "position_ids": batch["position_ids"]}
 
 
 def token_sums(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(negative log-likelihood summed over trained tokens, how many the argmax got right, how many)."""
-    inputs = prepare_inputs(batch)
+    inputs = packed_inputs(batch) if "segment_ids" in batch else prepare_inputs(batch)
     logits = model(**inputs).logits[:, :-1].float()
     labels = inputs["input_ids"][:, 1:]
     mask = batch["action_mask"][:, 1:].to(logits.device).float()
@@ -36,19 +72,22 @@ def token_sums(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tor
     return nll, correct, mask.sum()
 
 
-def micro_batches(examples: list[SFTExample], dp: DataParallel, max_tokens: int, pad_token_id: int):
+def micro_batches(examples: list[SFTExample], dp: DataParallel, max_tokens: int, pad_token_id: int,
+                  packed: bool = False):
     """This rank's micro-batches of `examples` (the whole step's rows, the same list on every rank):
-    (batch, real) pairs, the same count on every rank (a stand-in with `real` False when a rank has none)."""
+    (batch, real) pairs, the same count on every rank (a stand-in with `real` False when a rank has none).
+    `max_tokens` bounds the padded size, or with `packed` the real tokens."""
     lengths = [len(e.input_ids) for e in examples]
-    mine = micro_batches_for_rank(lengths, dp.rank, dp.size, max_tokens)
-    return [(collate([examples[i] for i in indices], pad_token_id), real) for indices, real in with_stand_ins(mine)]
+    mine = micro_batches_for_rank(lengths, dp.rank, dp.size, max_tokens, packed)
+    return [(collate([examples[i] for i in indices], pad_token_id, packed), real)
+            for indices, real in with_stand_ins(mine)]
 
 
 def train_step(trainable, examples: list[SFTExample], dp: DataParallel, max_tokens: int,
-               pad_token_id: int) -> dict[str, float]:
+               pad_token_id: int, packed: bool = False) -> dict[str, float]:
     """One optimizer step on `examples` (every rank passes the same rows); returns global metrics."""
     global_tokens = sum(sum(e.loss_mask[1:]) for e in examples)
-    batches = micro_batches(examples, dp, max_tokens, pad_token_id)
+    batches = micro_batches(examples, dp, max_tokens, pad_token_id, packed)
 
     def loss_fn(model, item):
         batch, real = item
@@ -60,8 +99,12 @@ def train_step(trainable, examples: list[SFTExample], dp: DataParallel, max_toke
     lr = trainable.current_lr()
     grad_norm = trainable.step()
     nll, correct = dp.sum([sum(metrics["nll"]), sum(metrics["correct"])])
+    grid = sum(batch["input_ids"].numel() for batch, real in batches if real)
+    real_tokens = sum(int((batch["segment_ids"] >= 0).sum()) if "segment_ids" in batch
+                      else int(batch["attention_mask"].sum()) for batch, real in batches if real)
     return {"train/loss": nll / global_tokens, "train/token_accuracy": correct / global_tokens,
-            "train/tokens": global_tokens, "train/grad_norm": grad_norm, "train/lr": lr}
+            "train/tokens": global_tokens, "train/grad_norm": grad_norm, "train/lr": lr,
+            "perf/padding_fraction": 1.0 - real_tokens / max(grid, 1)}  # this rank's
 
 
 @torch.no_grad()
