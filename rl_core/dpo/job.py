@@ -17,40 +17,22 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from rl_core.checkpoint import Checkpointer
-from rl_core.cli import parse_job_config, run_main
 from rl_core.config import save_config, to_dict
-from rl_core.distributed import (DataParallel, device_for_rank, init_distributed, on_every_rank, on_rank0,
-                                 prepare_before_process_group, rank_seed, seed_everything)
+from rl_core.distributed import DataParallel, on_every_rank, rank_seed, seed_everything
 from rl_core.dpo.config import DPOConfig, validate
 from rl_core.dpo.training import PreferencePair, heldout_metrics, to_pairs, train_step
 from rl_core import finetune
 from rl_core.logger import MetricsLogger
 from rl_core.preferences import load_preference_splits
-from rl_core.run_dir import RunDirLock
 from workers import models
 from workers.fsdp import shard_model
 
 
 def main(argv: list[str] | None = None, prepare=None) -> None:
-    run_main(lambda args: _main(args, prepare), argv, stop_hint="trainer.resume=auto continues from the last checkpoint")
-
-
-def _main(argv: list[str] | None, prepare) -> None:
-    cfg = parse_job_config(argv, __doc__, "dpo_sentiment.yaml", DPOConfig, validate)
-    if prepare is not None:
-        cfg = prepare_before_process_group(lambda log: prepare(cfg, log), "prepare the offline assets")
-    rank, world_size = init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
-    lock = None
-    try:
-        lock = on_rank0(lambda: RunDirLock(cfg.trainer.run_dir).acquire())  # one live job per run directory
-        train(cfg, DataParallel(rank, world_size, sharded=True, device=device_for_rank()))
-    finally:
-        dist.destroy_process_group()
-        if lock is not None:
-            lock.release()
+    """`prepare(cfg, log)`: the entry point's offline assets, resolved before any process group exists."""
+    finetune.run_job(argv, __doc__, "dpo_sentiment.yaml", DPOConfig, validate, train, prepare)
 
 
 def train(cfg: DPOConfig, dp: DataParallel) -> None:
