@@ -81,7 +81,8 @@ class JobRuntime:
             pending = asyncio.all_tasks(self._loop)
             for task in pending:
                 task.cancel()
-            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            if pending:  # gather() of nothing would belong to another loop
+                self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             if self.engine is not None:
                 self._loop.run_until_complete(self.engine.close())
         finally:
