@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import time
@@ -48,6 +49,18 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
+
+
+def close_distributed() -> None:
+    """Leave the process group while the interpreter is whole. FSDP's modules hold their groups in
+    reference cycles, so a group freed only at interpreter exit can take the process down with
+    SIGABRT ('terminate called without an active exception', seen on a rank that finished first):
+    collect those cycles, then destroy the groups here."""
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def local_world_size() -> int:

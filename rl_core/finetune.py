@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from rl_core.cli import parse_job_config, run_main
 from rl_core.config import TrainerConfig, choice, require
-from rl_core.distributed import DataParallel, device_for_rank, init_distributed, on_rank0, prepare_before_process_group
+from rl_core.distributed import (DataParallel, close_distributed, device_for_rank, init_distributed, on_rank0,
+                                 prepare_before_process_group)
 from rl_core.logger import MetricsLogger
 from rl_core.optim import OPTIMIZER_NAMES, build_optimizer, linear_anneal_schedule
 from rl_core.run_dir import RunDirLock
@@ -34,7 +34,7 @@ def run_job(argv, description: str, default_config: str, schema: type, validate,
             lock = on_rank0(lambda: RunDirLock(cfg.trainer.run_dir).acquire())  # one live job per run directory
             train(cfg, DataParallel(rank, world_size, sharded=True, device=device_for_rank()))
         finally:
-            dist.destroy_process_group()
+            close_distributed()
             if lock is not None:
                 lock.release()
 

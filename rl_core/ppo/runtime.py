@@ -17,7 +17,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from rl_core.distributed import device_for_rank, init_distributed, local_world_size, on_rank0, rank_seed
+from rl_core.distributed import (close_distributed, device_for_rank, init_distributed, local_world_size, on_rank0,
+                                 rank_seed)
 from rl_core.ppo.config import PPOConfig, engine_dtype
 from rl_core.run_dir import RunDirLock
 from workers.engines.client import EngineError
@@ -89,8 +90,7 @@ class JobRuntime:
             reason = "the job finished" if exc_type is None else f"the job is stopping ({exc_type.__name__})"
             self.procs.stop_all(reason)
             self._loop.close()
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            close_distributed()
             if self.run_dir_lock is not None:
                 self.run_dir_lock.release()
 

@@ -22,12 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch.distributed as dist
 
 from rl_core.cli import parse_job_config, run_main
 from rl_core.config import save_config
-from rl_core.distributed import (DataParallel, device_for_rank, init_distributed, on_every_rank, on_rank0,
-                                 prepare_before_process_group, seed_everything)
+from rl_core.distributed import (DataParallel, close_distributed, device_for_rank, init_distributed, on_every_rank,
+                                 on_rank0, prepare_before_process_group, seed_everything)
 from rl_core.reward_model.config import RMConfig, check_lengths, validate
 from rl_core.reward_model.sampling import load_queries
 from rl_core.reward_model.training import (Log, build_reward_model, export_reward_model,
@@ -103,7 +102,7 @@ def _main(argv: list[str] | None, prepare, get_labeler) -> None:
         if rank == 0:
             print(json.dumps(metrics), flush=True)
     finally:
-        dist.destroy_process_group()
+        close_distributed()
         if lock is not None:
             lock.release()
 
