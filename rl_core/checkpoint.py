@@ -1,6 +1,6 @@
 """Sharded, atomic checkpoints for every job: models + optimizers + LR schedules
 (torch.distributed.checkpoint), the job's own state (a KL controller, a data position: rank 0's
-JSON) and every rank's RNG.
+JSON) and every rank's RNG; and the final export in Hugging Face format.
 
 A checkpoint is written to `step_N.tmp/` and renamed to `step_N/` only after every rank has
 finished, so a run killed mid-save leaves the previous checkpoint as the latest complete one.
@@ -18,6 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from rl_core.config import LoraSettings
+from workers import models
+from workers.fsdp import full_state_dict
+from workers.lora import with_lora
 
 PREFIX = "step_"
 
@@ -97,3 +102,21 @@ class Checkpointer:
         if self.rank == 0:
             print(f"resumed from {path} at step {state['step']}", flush=True)
         return int(state.pop("step")), state
+
+
+def export_hf(model, tokenizer, base_path: str, out_dir: Path, rank: int, lora: LoraSettings) -> None:
+    """The trained model in Hugging Face format with its tokenizer (chat template included); with LoRA
+    the adapters merged into the base weights, or the adapter alone (`model.lora.export`)."""
+    state = full_state_dict(model)  # collective: every rank gathers
+    if rank != 0:
+        return
+    plain = models.load_causal_lm(base_path)
+    if len(tokenizer) > plain.get_input_embeddings().num_embeddings:
+        plain.resize_token_embeddings(len(tokenizer))
+    plain = with_lora(plain, lora)
+    plain.load_state_dict(state)
+    if lora.rank and lora.export == "merged":
+        plain = plain.merge_and_unload()
+    plain.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    print(f"final model saved to {out_dir}", flush=True)

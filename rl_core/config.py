@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -34,6 +34,20 @@ def choice(default: Any, allowed: typing.Iterable[Any]) -> Any:
     if default not in allowed:
         raise ValueError(f"default {default!r} is not one of {allowed}")
     return field(default=default, metadata={"choices": allowed})
+
+
+@dataclass
+class LoraSettings:
+    rank: int = 0  # 0 = train every weight; > 0 = LoRA adapters of this rank (PEFT), the base weights frozen
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: Optional[list] = None  # null = PEFT's default for the architecture (GPT-2: c_attn)
+    export: str = choice("merged", ("merged", "adapter"))  # <run_dir>/final: the merged model, or the adapter
+
+    def validate(self) -> None:
+        require(self.rank >= 0, f"config key 'model.lora.rank' must be >= 0 (0 = no LoRA), got {self.rank}")
+        require(self.alpha > 0, f"config key 'model.lora.alpha' must be > 0, got {self.alpha}")
+        require(0.0 <= self.dropout < 1.0, f"config key 'model.lora.dropout' must be in [0, 1), got {self.dropout}")
 
 
 @dataclass

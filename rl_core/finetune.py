@@ -1,24 +1,22 @@
 """What the jobs that train on fixed data (SFT, DPO) share: the optimisation section of their
-config, the trainable model built from it, the rows of each step, the console line, the export."""
+config, the trainable model built from it, the rows of each step, the console line."""
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
 
 from rl_core.cli import parse_job_config, run_main
-from rl_core.config import TrainerConfig, choice, require
+from rl_core.config import LoraSettings, TrainerConfig, choice, require
 from rl_core.distributed import (DataParallel, close_distributed, device_for_rank, init_distributed, on_rank0,
                                  prepare_before_process_group)
 from rl_core.logger import MetricsLogger
 from rl_core.optim import OPTIMIZER_NAMES, build_optimizer, linear_anneal_schedule
 from rl_core.run_dir import RunDirLock
-from workers import models
-from workers.fsdp import TrainableModel, full_state_dict
+from workers.fsdp import TrainableModel
 
 
 def run_job(argv, description: str, default_config: str, schema: type, validate, train, prepare=None) -> None:
@@ -39,15 +37,6 @@ def run_job(argv, description: str, default_config: str, schema: type, validate,
                 lock.release()
 
     run_main(job, argv, stop_hint="trainer.resume=auto continues from the last checkpoint")
-
-
-@dataclass
-class LoraSettings:
-    rank: int = 0  # 0 = train every weight; > 0 = LoRA adapters of this rank (PEFT), the base weights frozen
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: Optional[list] = None  # null = PEFT's default for the architecture (GPT-2: c_attn)
-    export: str = choice("merged", ("merged", "adapter"))  # <run_dir>/final: the merged model, or the adapter
 
 
 @dataclass
@@ -76,9 +65,7 @@ class FinetuneTrainerConfig(TrainerConfig):
 
 
 def validate_training(tr: FinetuneTrainConfig, trainer: FinetuneTrainerConfig, lora: LoraSettings) -> None:
-    require(lora.rank >= 0, f"config key 'model.lora.rank' must be >= 0 (0 = no LoRA), got {lora.rank}")
-    require(lora.alpha > 0, f"config key 'model.lora.alpha' must be > 0, got {lora.alpha}")
-    require(0.0 <= lora.dropout < 1.0, f"config key 'model.lora.dropout' must be in [0, 1), got {lora.dropout}")
+    lora.validate()
     require(trainer.seed >= 0, f"config key 'trainer.seed' must be >= 0, got {trainer.seed}")
     require(tr.batch_size > 0, f"config key 'train.batch_size' must be > 0, got {tr.batch_size}")
     require(tr.epochs > 0, f"config key 'train.epochs' must be > 0, got {tr.epochs}")
@@ -102,27 +89,6 @@ def total_steps(tr: FinetuneTrainConfig, rows: int, what: str, source: str) -> t
         raise ValueError(f"{source} gives {rows} {what}, fewer than one batch (train.batch_size={tr.batch_size}); "
                          "lower train.batch_size or add data")
     return per_epoch, min(tr.max_steps or sys.maxsize, tr.epochs * per_epoch)
-
-
-def with_lora(model, lora: LoraSettings, checkpointing: bool = False):
-    """`model` with LoRA adapters on `lora.target_modules` (PEFT) and its other weights frozen, or
-    `model` itself when `lora.rank` is 0."""
-    if not lora.rank:
-        return model
-    from peft import LoraConfig, get_peft_model
-    from transformers.pytorch_utils import Conv1D
-
-    conv1d = any(isinstance(module, Conv1D) for module in model.modules())  # GPT-2 stores weights transposed
-    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
-                        target_modules=list(lora.target_modules) if lora.target_modules else None,
-                        fan_in_fan_out=conv1d)
-    if checkpointing:
-        model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
-    try:
-        return get_peft_model(model, config)
-    except ValueError as err:  # PEFT knows no default target for this architecture, or a name is wrong
-        raise ValueError(f"model.lora: {err}; set model.lora.target_modules to the names of the linear "
-                         "layers to adapt") from err
 
 
 def trainable_model(model, tr: FinetuneTrainConfig, steps: int) -> TrainableModel:
@@ -155,21 +121,3 @@ def log_step(logger: MetricsLogger | None, step: int, total: int, metrics: dict,
     logger.log(step, metrics)
     if step == 0 or step == total or step % every == 0 or any(key.startswith("eval/") for key in metrics):
         print(f"step {step}/{total}  " + "  ".join(f"{k}={metrics[k]:.4g}" for k in shown if k in metrics), flush=True)
-
-
-def export(model, tokenizer, base_path: str, out_dir: Path, rank: int, lora: LoraSettings) -> None:
-    """The trained model in Hugging Face format with its tokenizer (chat template included); with LoRA
-    the adapters merged into the base weights, or the adapter alone (`model.lora.export`)."""
-    state = full_state_dict(model)  # collective: every rank gathers
-    if rank != 0:
-        return
-    plain = models.load_causal_lm(base_path)
-    if len(tokenizer) > plain.get_input_embeddings().num_embeddings:
-        plain.resize_token_embeddings(len(tokenizer))
-    plain = with_lora(plain, lora)
-    plain.load_state_dict(state)
-    if lora.rank and lora.export == "merged":
-        plain = plain.merge_and_unload()
-    plain.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    print(f"final model saved to {out_dir}", flush=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from rl_core.checkpoint import Checkpointer
+from rl_core.checkpoint import Checkpointer, export_hf
 from rl_core.config import save_config, to_dict
 from rl_core.distributed import DataParallel, on_every_rank, rank_seed, seed_everything
 from rl_core.dpo.config import DPOConfig, validate
@@ -28,6 +28,7 @@ from rl_core.logger import MetricsLogger
 from rl_core.preferences import load_preference_splits
 from workers import models
 from workers.fsdp import shard_model
+from workers.lora import with_lora
 
 
 def main(argv: list[str] | None = None, prepare=None) -> None:
@@ -46,7 +47,7 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
     train_pairs, test_pairs = to_pairs(train_examples), to_pairs(test_examples)[:cfg.data.eval_max_pairs]
     steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_pairs), "pairs", cfg.data.train_path)
     seed_everything(cfg.trainer.seed)
-    policy = finetune.with_lora(models.load_causal_lm(cfg.model.path), cfg.model.lora)
+    policy = with_lora(models.load_causal_lm(cfg.model.path), cfg.model.lora)
     shard_model(policy.to(dp.device), mixed_precision=cfg.model.mixed_precision)
     reference = models.load_causal_lm(reference_path).to(dp.device).requires_grad_(False)
     shard_model(reference, mixed_precision=cfg.model.mixed_precision)
@@ -79,7 +80,7 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
             checkpointer.save(step + 1, {"policy": trainable}, {})
     if cfg.trainer.export_hf:
-        finetune.export(policy, tokenizer, cfg.model.path, run_dir / "final", dp.rank, cfg.model.lora)
+        export_hf(policy, tokenizer, cfg.model.path, run_dir / "final", dp.rank, cfg.model.lora)
     if logger is not None:
         logger.close()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rl_core.config import TrainerConfig, choice, require
+from rl_core.config import LoraSettings, TrainerConfig, choice, require
 from rl_core.data import LONG_PROMPT_POLICIES
 from rl_core.ppo.algorithms import GROUP_KINDS, KL_KINDS, LOSS_AGG_MODES, ROLLOUT_CORRECTIONS
 from rl_core.rollout.rollout import RolloutSettings
@@ -28,6 +28,9 @@ class ModelConfig:
     mixed_precision: Optional[str] = choice(None, (None, "bf16", "fp16"))  # GPU only
     cpu_offload: bool = False  # FSDP2 parameter/optimizer offload (GPU only)
     gradient_checkpointing: bool = False  # actor and critic recompute activations in backward (less memory)
+    # LoRA for the actor (the critic trains every weight): the engines get the merged weights on each
+    # push, the reference is the actor with its adapters off, export writes the merged model or the adapter.
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
 
 @dataclass
@@ -254,6 +257,7 @@ def validate(cfg: PPOConfig) -> None:
     """Cross-field rules: everything that would otherwise fail minutes into a run."""
     algo, ro, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
     require(trainer.seed >= 0, f"config key 'trainer.seed' must be >= 0, got {trainer.seed}")
+    cfg.model.lora.validate()
     require(algo.batch_size > 0, f"config key 'algorithm.batch_size' must be > 0, got {algo.batch_size}")
     require(algo.nminibatches > 0 and algo.batch_size % algo.nminibatches == 0,
             f"algorithm.batch_size={algo.batch_size} is not divisible into algorithm.nminibatches="

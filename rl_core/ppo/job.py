@@ -16,7 +16,7 @@ from typing import Callable
 from transformers import AutoConfig
 
 from envs.base import load_env_class
-from rl_core.checkpoint import Checkpointer
+from rl_core.checkpoint import Checkpointer, export_hf
 from rl_core.cli import parse_job_config, run_main
 from rl_core.config import save_config, to_dict
 from rl_core.distributed import (broadcast_object, on_every_rank, on_rank0, prepare_before_process_group,
@@ -92,7 +92,8 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
             save_checkpoint(job, step + 1, rt.rank)
     rt.stop_node_watch()  # other nodes may finish first and stop their engines
     if cfg.trainer.export_hf:
-        export_policy(trainer, job.tokenizer, cfg.model.path, Path(cfg.trainer.run_dir) / "final", rt.rank)
+        export_hf(trainer.actor.model, job.tokenizer, cfg.model.path, Path(cfg.trainer.run_dir) / "final", rt.rank,
+                  cfg.model.lora)
     if logger is not None:
         logger.close()
 
@@ -245,20 +246,6 @@ def sample_rows(tokenizer, exp, scores, n: int) -> list[dict]:
                      "response": tokenizer.decode(response, skip_special_tokens=True),
                      "score": float(scores[t])})
     return rows
-
-
-def export_policy(trainer: PPOTrainer, tokenizer, policy_path: str, out_dir: Path, rank: int) -> None:
-    """The final policy in Hugging Face format (save_pretrained + tokenizer), loadable by SGLang."""
-    from workers.fsdp import full_state_dict
-
-    state = full_state_dict(trainer.actor.model)  # collective: every rank gathers
-    if rank != 0:
-        return
-    model = models.load_causal_lm(policy_path)
-    model.load_state_dict(state)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    print(f"final policy saved to {out_dir}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from rl_core.ppo.experience import Experience, Targets, reward_model_inputs
 from rl_core.rollout.trajectory import Trajectory
 from workers import models
 from workers.fsdp import TrainableModel, iter_full_tensors, shard_model
+from workers.lora import has_lora, merged_weights, with_lora
 
 
 class PPOTrainer:
@@ -39,15 +40,18 @@ class PPOTrainer:
         optimizer_steps = total_steps * algo.noptepochs * algo.nminibatches
         schedule = (lambda opt: linear_anneal_schedule(opt, optimizer_steps)) if algo.anneal_lr else None
 
-        def optimizer_for(lr: float) -> Callable:
-            return lambda m: build_optimizer(m.parameters(), algo.optimizer, lr=lr, eps=algo.adam_eps,
-                                             weight_decay=algo.weight_decay)
+        def optimizer_for(lr: float) -> Callable:  # over the trained weights: all, or the LoRA adapters
+            return lambda m: build_optimizer([p for p in m.parameters() if p.requires_grad], algo.optimizer, lr=lr,
+                                             eps=algo.adam_eps, weight_decay=algo.weight_decay)
 
         actor = models.load_causal_lm(policy_path, dtype)
         if model_cfg.gradient_checkpointing:
             enable_gradient_checkpointing(actor)
+        actor = with_lora(actor, model_cfg.lora, model_cfg.gradient_checkpointing)
         self.actor = TrainableModel(shard(actor), optimizer_for(algo.lr), schedule, algo.max_grad_norm)
-        self.reference = shard(models.load_causal_lm(policy_path, dtype)).requires_grad_(False)
+        self.lora = has_lora(actor)
+        # With LoRA the reference is the actor with its adapters off: the same frozen base, held once.
+        self.reference = None if self.lora else shard(models.load_causal_lm(policy_path, dtype)).requires_grad_(False)
         self.critic = None
         if algo.advantage_estimator == "gae":
             critic = models.ValueModel.from_pretrained(policy_path, dtype)
@@ -114,7 +118,7 @@ class PPOTrainer:
 
         def forward(batch):
             old = models.token_logprobs(self.actor.model, batch, temperature)
-            ref = models.token_logprobs(self.reference, batch, temperature)
+            ref = self._reference_logprobs(batch, temperature)
             values = (models.token_values(self.critic.model, batch) if self.critic is not None
                       else torch.zeros_like(old))
             return old, ref, values
@@ -125,6 +129,12 @@ class PPOTrainer:
                                                           for out in outputs)
         exp.scores, exp.rejected = self.reward_model_scores(trajectories)
         return exp
+
+    def _reference_logprobs(self, batch, temperature: float) -> torch.Tensor:
+        if self.reference is not None:
+            return models.token_logprobs(self.reference, batch, temperature)
+        with self.actor.model.disable_adapter():
+            return models.token_logprobs(self.actor.model, batch, temperature)
 
     def reward_model_scores(self, trajectories: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
         """Reward-model score of each trajectory (0 without a reward model) and whether it gets the
@@ -233,8 +243,10 @@ class PPOTrainer:
     # ------------------------------------------------------------------ weights for the engines
 
     def actor_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The actor's full weights, one tensor at a time (collective: every rank consumes it)."""
-        return iter_full_tensors(self.actor.model)
+        """The actor's full weights, one tensor at a time (collective: every rank consumes it); with LoRA
+        the adapters merged in, so the engines serve plain weights under the base model's names."""
+        weights = iter_full_tensors(self.actor.model)
+        return merged_weights(self.actor.model, weights) if self.lora else weights
 
     def probe_logprobs(self, probe_ids: list[int]) -> list[float]:
         """The actor's logprob of each probe token after the first, from raw logits (as SGLang reports them)."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rl_core.config import choice, require
-from rl_core.finetune import FinetuneTrainConfig, FinetuneTrainerConfig, LoraSettings, validate_training
+from rl_core.config import LoraSettings, choice, require
+from rl_core.finetune import FinetuneTrainConfig, FinetuneTrainerConfig, validate_training
 
 SFT_FORMATS = ("messages", "prompt_response")
 

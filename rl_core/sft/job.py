@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 
-from rl_core.checkpoint import Checkpointer
+from rl_core.checkpoint import Checkpointer, export_hf
 from rl_core.config import save_config, to_dict
 from rl_core.distributed import DataParallel, on_every_rank, seed_everything
 from rl_core import finetune
@@ -26,6 +26,7 @@ from rl_core.sft.data import encode_rows, load_rows
 from rl_core.sft.training import generation_accuracy, heldout_metrics, train_step
 from workers import models
 from workers.fsdp import shard_model
+from workers.lora import with_lora
 
 
 def main(argv: list[str] | None = None, prepare=None) -> None:
@@ -46,7 +47,7 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
         model.resize_token_embeddings(len(tokenizer))  # a [PAD] the tokenizer gained
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    model = finetune.with_lora(model, cfg.model.lora, cfg.model.gradient_checkpointing)
+    model = with_lora(model, cfg.model.lora, cfg.model.gradient_checkpointing)
     shard_model(model.to(dp.device), mixed_precision=cfg.model.mixed_precision)
     trainable = finetune.trainable_model(model, tr, total_steps)
     checkpointer = Checkpointer(run_dir / "checkpoints", dp.rank, keep_last=cfg.trainer.keep_last)
@@ -78,7 +79,7 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
             checkpointer.save(step + 1, {"model": trainable}, {})
     if cfg.trainer.export_hf:
-        finetune.export(model, tokenizer, cfg.model.path, run_dir / "final", dp.rank, cfg.model.lora)
+        export_hf(model, tokenizer, cfg.model.path, run_dir / "final", dp.rank, cfg.model.lora)
     if logger is not None:
         logger.close()
 
