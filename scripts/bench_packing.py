@@ -4,7 +4,7 @@
 
 Rows of lognormal length (a median of ~30 words, a long tail cut at the tiny policy's 128 tokens: the shape of chat data)
 are cut from the tiny corpus into prompt/response pairs; the SFT job trains the tiny policy on
-them through torchrun twice, `data.packing=false` then `true`, with the same seed, batch and
+them through torchrun twice, `train.packing=false` then `true`, with the same seed, batch and
 `train.max_tokens_per_device`. Reported per mode: the median step time after `--warmup`, the
 padding share of the micro-batch grid, the micro-batches per step, and the first losses (the
 two modes must agree). The last line is one JSON object with `packed_speedup`.
@@ -44,7 +44,7 @@ def run(mode_packed: bool, args, rows: Path, model: Path, workdir: Path) -> dict
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
             "-m", "rl_core.train_sft", f"model.path={model}", "model.tokenizer_path=null",
             f"data.train_path={rows}", "data.eval_path=null", "data.max_length=128", "data.on_long=truncate", "eval.every=0",
-            f"data.packing={str(mode_packed).lower()}", "train.batch_size=64", f"train.max_steps={args.steps}",
+            f"train.packing={str(mode_packed).lower()}", "train.batch_size=64", f"train.max_steps={args.steps}",
             "train.lr=1e-3", "train.schedule=constant", "train.max_tokens_per_device=2048", "eval.reward_fn=null",
             "trainer.export_hf=false", "trainer.progress=false", f"trainer.run_dir={run_dir}"]
     done = subprocess.run(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

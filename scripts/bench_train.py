@@ -1,19 +1,22 @@
 """Step time of the PPO job against its bare-update floor, measured in one run; sync and async.
 
-    python scripts/bench_train.py [--setting cpu|gpu86m] [--engine embedded|sglang] [--nproc 1]
-                                  [--steps 12] [--warmup 2] [--modes sync,async]
+    python scripts/bench_train.py [--setting cpu|sentiment|gpu86m] [--engine embedded|sglang] [--nproc 1]
+                                  [--steps 12] [--warmup 2] [--modes sync,async,sync+packed]
 
 Settings:
 - `cpu` (default): a ~0.6M-parameter GPT-2 policy (2 layers, width 128) with a critic and a
   random-init reward model, 32 episodes per step, 8-token queries, 16-token responses, 4 PPO
   epochs, float32.
+- `sentiment`: the default sentiment recipe's shapes on the `cpu` policy: 64 episodes of
+  left-padded 64-token queries (the prompts are 12 to 71 tokens) and 24-token responses, GAE, 4 epochs.
 - `gpu86m`: the 86M GPT-2 (12 layers, width 768, the tiny tokenizer) with the tiny sentiment
   reward model, 32 prompts x 8 samples = 256 episodes, 64-token prompts, 48 sampled tokens at
   T=0.7, GRPO with one epoch and a KL reference, bf16 mixed precision. Meant for one GPU with
   `--engine sglang` (SGLang flags for this model via `--sglang-args`, defaults from the GPU
   check of SGLang 0.5.17).
 
-The job runs for real (`torchrun -m rl_core.train`) in each mode; figures are averages over the
+The job runs for real (`torchrun -m rl_core.train`) in each mode (`sync+packed`: sync with
+padding-free micro-batches, `algorithm.packing=true`, next to the padded `sync`); figures are averages over the
 steps after `--warmup`. The floor is the bare update in plain PyTorch on the same shapes
 (`update_floor_s`), measured in this process with the job's thread count, before and after the
 jobs. `episodes_per_s` is the sync job's, `floor_episodes_per_s` = episodes / floor seconds;
@@ -61,6 +64,8 @@ SETTINGS = {
     "cpu": Setting(2, 128, 4, episodes=32, group_size=1, query_length=8, response_length=16, epochs=4,
                    estimator="gae", mixed_precision=None, reward_model="random",
                    overrides=("reward.truncate_after=4",)),
+    "sentiment": Setting(2, 128, 4, episodes=64, group_size=1, query_length=64, response_length=24, epochs=4,
+                         estimator="gae", mixed_precision=None, reward_model="random"),
     "gpu86m": Setting(12, 768, 12, episodes=256, group_size=8, query_length=64, response_length=48, epochs=1,
                       estimator="grpo", mixed_precision="bf16", reward_model="tiny",
                       overrides=("rollout.temperature=0.7",)),
@@ -93,13 +98,15 @@ def build_models(setting: Setting, workdir: Path) -> tuple[Path, str, Path]:
 def run_mode(mode: str, args, setting: Setting, policy: Path, rm: str, prompts: Path, workdir: Path) -> dict:
     run_dir = workdir / mode
     episodes = setting.episodes * (args.steps + args.warmup)
+    mode, _, packed = mode.partition("+")
     overrides = [f"model.path={policy}", f"reward.model_path={rm}", f"data.train_path={prompts}",
                  f"trainer.run_dir={run_dir}", f"trainer.total_episodes={episodes}", f"trainer.mode={mode}",
                  f"algorithm.batch_size={setting.episodes}", f"algorithm.noptepochs={setting.epochs}",
                  f"algorithm.advantage_estimator={setting.estimator}", f"algorithm.group_size={setting.group_size}",
                  f"data.max_prompt_length={setting.query_length}", f"rollout.response_length={setting.response_length}",
                  f"rollout.engine={args.engine}", "trainer.progress=false", "trainer.export_hf=false",
-                 "trainer.log_samples_every=0", *setting.overrides]
+                 "trainer.log_samples_every=0", f"algorithm.packing={str(packed == 'packed').lower()}",
+                 *setting.overrides]
     if setting.mixed_precision:
         overrides.append(f"model.mixed_precision={setting.mixed_precision}")
     if args.engine == "sglang":
@@ -178,7 +185,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1, help="ranks (each with its own engine)")
     parser.add_argument("--steps", type=int, default=12, help="measured steps per mode")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the averages")
-    parser.add_argument("--modes", default="sync,async")
+    parser.add_argument("--modes", default="sync,async,sync+packed")
     parser.add_argument("--cpus", default=None,
                         help="run the job and the floor on these cores only (taskset list, e.g. 0): on a "
                              "machine shared with other work, one core each side is steadier than two")
@@ -203,9 +210,9 @@ def main() -> None:
         results = {mode: run_mode(mode, args, setting, policy, rm, prompts, workdir) for mode in modes}
         floor += update_floor_s(policy, setting, device)
     floor_s = statistics.median(floor)
-    print(f"\n{'':>22} " + " ".join(f"{mode:>10}" for mode in modes))
+    print(f"\n{'':>22} " + " ".join(f"{mode:>12}" for mode in modes))
     for key in SPLIT + ("perf/episodes_per_s", "perf/tokens_per_s", "perf/padding_fraction"):
-        print(f"{key:>22} " + " ".join(f"{results[m].get(key, float('nan')):>10.3f}" for m in modes))
+        print(f"{key:>22} " + " ".join(f"{results[m].get(key, float('nan')):>12.3f}" for m in modes))
     main_mode = "sync" if "sync" in results else modes[0]
     episodes_per_s = results[main_mode]["perf/episodes_per_s"]
     floor_eps = setting.episodes / floor_s
@@ -221,9 +228,17 @@ def main() -> None:
         "vs_floor": round(episodes_per_s / floor_eps, 3), "update_floor_s": round(floor_s, 4),
         "train_vs_floor": round(results[main_mode]["perf/train_s"] / floor_s, 3),
         "padding_fraction": round(results[main_mode]["perf/padding_fraction"], 4),
-        **{f"{mode}_{k.split('/')[1]}": round(results[mode][k], 4) for mode in modes for k in SPLIT},
+        **{f"{mode.replace('+', '_')}_{k.split('/')[1]}": round(results[mode][k], 4) for mode in modes for k in SPLIT},
         "load_average": round(os.getloadavg()[0], 2),
     }
+    if {"sync", "sync+packed"} <= set(results):
+        padded, packed = results["sync"], results["sync+packed"]
+        print(f"padding-free micro-batches: padding {padded['perf/padding_fraction']:.1%} -> "
+              f"{packed['perf/padding_fraction']:.1%} of the training grid, train phase "
+              f"{padded['perf/train_s'] / packed['perf/train_s']:.2f}x, inference phase "
+              f"{padded['perf/inference_s'] / packed['perf/inference_s']:.2f}x faster")
+        summary["packed_padding_fraction"] = round(packed["perf/padding_fraction"], 4)
+        summary["packed_train_speedup"] = round(padded["perf/train_s"] / packed["perf/train_s"], 3)
     if "async" in results:
         summary["async_episodes_per_s"] = round(results["async"]["perf/episodes_per_s"], 2)
     print(json.dumps(summary))

@@ -240,9 +240,81 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, eos_token_id: i
 
 
 def padding_fraction(batch: dict[str, torch.Tensor]) -> float:
-    """Share of the ``[b, T]`` grid that is padding (wasted compute)."""
-    mask = batch["attention_mask"]
-    return 1.0 - mask.sum().item() / mask.numel()
+    """Share of the grid the model runs on (the packed rows when packed) that is padding (wasted compute)."""
+    grid = batch["packed_input_ids"] if "packed_index" in batch else batch["attention_mask"]
+    return 1.0 - batch["attention_mask"].sum().item() / grid.numel()
+
+
+# --------------------------------------------------------------------------- padding-free micro-batches
+
+
+def pack(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`batch` (from `make_micro_batch`) plus the layout the model then runs on: each row's real tokens
+    back to back in as few rows as hold them (first fit, longest first, each row as long as the
+    longest sequence, so attention costs what it did padded and only the padding goes).
+
+    Adds `packed_input_ids`, `packed_position_ids` (restarting at each sequence, so the same as the
+    padded rows' `exclusive_cumsum`), `packed_segment_ids` (-1 for padding) and `packed_index` (where
+    each padded position went, as a flat index into the packed rows; -1 for padding). The loss side
+    keeps the padded `[b, T]` rows: `to_rows` brings the model's outputs back to them.
+    """
+    real = batch["attention_mask"].bool()
+    lengths = real.sum(dim=1).tolist()
+    longest = max(lengths)
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for row in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fits = next((b for b, load in enumerate(loads) if load + lengths[row] <= longest), None)
+        if fits is None:
+            bins.append([row])
+            loads.append(lengths[row])
+        else:
+            bins[fits].append(row)
+            loads[fits] += lengths[row]
+    width = max(loads)
+    ids = torch.zeros(len(bins), width, dtype=torch.long)  # id 0 under padding (OpenAI detail, prepare_inputs)
+    positions = torch.zeros(len(bins), width, dtype=torch.long)
+    segments = torch.full((len(bins), width), -1, dtype=torch.long)
+    index = torch.full(real.shape, -1, dtype=torch.long)
+    for packed_row, members in enumerate(bins):
+        start = 0
+        for segment, row in enumerate(members):
+            columns = real[row].nonzero().squeeze(1)
+            span = torch.arange(start, start + len(columns))
+            ids[packed_row, span] = batch["input_ids"][row, columns]
+            positions[packed_row, span] = torch.arange(len(columns))
+            segments[packed_row, span] = segment
+            index[row, columns] = packed_row * width + span
+            start += len(columns)
+    return {**batch, "packed_input_ids": ids, "packed_position_ids": positions, "packed_segment_ids": segments,
+            "packed_index": index}
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the model runs on: the padded rows (`prepare_inputs`), or the packed ones with a
+    block-diagonal causal mask (a token sees the earlier tokens of its own sequence only; padding
+    sees itself), exact with any attention kernel that takes a 4-D boolean mask (sdpa, eager)."""
+    if "packed_index" not in batch:
+        return prepare_inputs(batch)
+    segments = batch["packed_segment_ids"]
+    length = segments.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
+    mask = causal[None] & (segments[:, :, None] == segments[:, None, :])
+    return {"input_ids": batch["packed_input_ids"], "attention_mask": mask[:, None],
+            "position_ids": batch["packed_position_ids"]}
+
+
+def to_rows(batch: dict[str, torch.Tensor], next_token_values: torch.Tensor) -> torch.Tensor:
+    """Per-token model outputs about the *next* token (`[n, L-1]` in the `model_inputs` layout) as
+    `[b, T]` about each token of the micro-batch's rows: 0 at t=0, and when packed also at each
+    sequence's first real token (nothing of its own predicts it) and at padding."""
+    values = _prepend_zero(next_token_values)
+    if "packed_index" not in batch:
+        return values
+    starts = batch["packed_position_ids"].to(values.device) == 0
+    index = batch["packed_index"].to(values.device)
+    flat = values.masked_fill(starts, 0.0).flatten()
+    return flat[index.clamp(min=0)].masked_fill(index < 0, 0.0)
 
 
 def _prepend_zero(next_token_values: torch.Tensor) -> torch.Tensor:
@@ -287,9 +359,9 @@ def _scaled_next_token_logits(model: nn.Module, inputs: dict[str, torch.Tensor],
 
 def token_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
     """``[b, T]``: ``log p(input_ids[:, t] | < t)`` at temperature; 0 at t=0."""
-    inputs = prepare_inputs(batch)
+    inputs = model_inputs(batch)
     logits = _scaled_next_token_logits(model, inputs, temperature)
-    return _prepend_zero(logprobs_from_logits(logits, inputs["input_ids"][:, 1:]))
+    return to_rows(batch, logprobs_from_logits(logits, inputs["input_ids"][:, 1:]))
 
 
 def token_logprobs_and_entropy(
@@ -300,11 +372,11 @@ def token_logprobs_and_entropy(
     ``entropy_grad=False`` (no entropy bonus: the entropy is only logged) keeps the vocabulary-wide
     entropy out of the backward pass.
     """
-    inputs = prepare_inputs(batch)
+    inputs = model_inputs(batch)
     logits = _scaled_next_token_logits(model, inputs, temperature)
     logprobs = logprobs_from_logits(logits, inputs["input_ids"][:, 1:])
     entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-    return _prepend_zero(logprobs), _prepend_zero(entropy)
+    return to_rows(batch, logprobs), to_rows(batch, entropy)
 
 
 # --------------------------------------------------------------------------- critic
@@ -355,7 +427,7 @@ class ValueModel(nn.Module):
 
 def token_values(value_model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """``[b, T]``: ``values[:, t]`` is the critic output at t-1 (value before action token t)."""
-    return _prepend_zero(value_model(**prepare_inputs(batch))[:, :-1])
+    return to_rows(batch, value_model(**model_inputs(batch))[:, :-1])
 
 
 # --------------------------------------------------------------------------- reward model
@@ -426,10 +498,9 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return last
 
 
-def raw_reward_scores(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
-) -> torch.Tensor:
-    """``[b]`` head output at each row's last real token, before gain/bias.
+def raw_reward_scores(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[b]`` head output at each row's last real token, before gain/bias (`batch` from
+    `make_micro_batch`, packed or not).
 
     OpenAI detail: the reward is the score of the last token of query+response. The index comes
     from ``attention_mask`` (not HF's pad-id search), so any pad id and padding side work. The
@@ -439,23 +510,23 @@ def raw_reward_scores(
     if model.config.pad_token_id is None:
         raise ValueError("reward model config has no pad_token_id (HF's seq-cls forward needs one for "
                          "batches); pass pad_token_id=tokenizer.pad_token_id to init/load_reward_model")
-    inputs = prepare_inputs({"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids})
     captured: list[torch.Tensor] = []
     handle = _score_head(model).register_forward_hook(lambda module, args, output: captured.append(output))
     try:
-        model(**inputs)
+        model(**model_inputs(batch))
     finally:
         handle.remove()
     per_position = captured[0].squeeze(-1)
-    rows = torch.arange(per_position.shape[0], device=per_position.device)
-    return per_position[rows, last_token_index(attention_mask).to(per_position.device)]
+    last = last_token_index(batch["attention_mask"]).to(per_position.device)
+    rows = torch.arange(len(last), device=per_position.device)
+    if "packed_index" in batch:  # where each row's last token went in the packed rows
+        return per_position.flatten()[batch["packed_index"].to(per_position.device)[rows, last]]
+    return per_position[rows, last]
 
 
-def reward_scores(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
-) -> torch.Tensor:
+def reward_scores(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """``[b]`` last-token scores, affinely normalised: ``raw * reward_gain + reward_bias``."""
-    raw = raw_reward_scores(model, input_ids, attention_mask, position_ids)
+    raw = raw_reward_scores(model, batch)
     gain = getattr(model.config, "reward_gain", 1.0)
     bias = getattr(model.config, "reward_bias", 0.0)
     return raw * gain + bias

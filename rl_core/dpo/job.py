@@ -64,7 +64,7 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
 
     def evaluate() -> dict[str, float]:
         metrics = heldout_metrics(policy, reference, test_pairs, dp, tr.max_tokens_per_device,
-                                  tokenizer.pad_token_id, beta, smoothing)
+                                  tokenizer.pad_token_id, beta, smoothing, tr.packing)
         return metrics if scorer is None else {**metrics, **scorer(policy)}
 
     if start_step == 0 and test_pairs:
@@ -72,7 +72,7 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
     for step in range(start_step, total_steps):
         started = time.perf_counter()
         metrics = train_step(trainable, reference, finetune.step_rows(train_pairs, step, tr.batch_size, cfg.trainer.seed), dp,
-                             tr.max_tokens_per_device, tokenizer.pad_token_id, beta, smoothing)
+                             tr.max_tokens_per_device, tokenizer.pad_token_id, beta, smoothing, tr.packing)
         metrics.update({"perf/step_s": time.perf_counter() - started, "epoch": step / steps_per_epoch})
         if test_pairs and (step + 1 == total_steps or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
             metrics.update(evaluate())
@@ -116,8 +116,7 @@ class RewardModelEval:
         total = 0.0
         if rows:
             batch = models.to_device(models.make_micro_batch(rows, self.tokenizer.pad_token_id), self.dp.device)
-            total = float(models.reward_scores(self.reward_model, batch["input_ids"], batch["attention_mask"],
-                                               batch["position_ids"]).sum())
+            total = float(models.reward_scores(self.reward_model, batch).sum())
         (total,) = self.dp.sum([total])
         return {"eval/rm_score": total / self.count}
 

@@ -150,7 +150,10 @@ class AlgorithmConfig:
     batch_size: int = 64  # episodes per step
     nminibatches: int = 1
     noptepochs: int = 4
-    max_tokens_per_device: int = 8192
+    max_tokens_per_device: int = 8192  # per micro-batch: its padded size, or with packing its real tokens
+    # Padding-free micro-batches (workers.models.pack): the model runs on the sequences' real tokens
+    # back to back, attention kept inside each; the same losses and gradients as padded rows.
+    packing: bool = False
     lr: float = 1.41e-5
     critic_lr: Optional[float] = None
     optimizer: str = choice("adam", OPTIMIZER_NAMES)

@@ -72,15 +72,19 @@ class PPOTrainer:
     # ------------------------------------------------------------------ micro-batches
 
     def _micro_batches(self, rows: list[dict]) -> list[tuple[list[int], bool]]:
-        lengths = [len(r["input_ids"]) for r in rows]
-        mine = micro_batches_for_rank(lengths, self.rank, self.world_size, self.cfg.algorithm.max_tokens_per_device)
+        algo = self.cfg.algorithm
+        # Packed, a micro-batch's budget is its real tokens (a left-padded query's [PAD]s are not run).
+        lengths = [sum(r["attention_mask"]) if algo.packing and "attention_mask" in r else len(r["input_ids"])
+                   for r in rows]
+        mine = micro_batches_for_rank(lengths, self.rank, self.world_size, algo.max_tokens_per_device, algo.packing)
         return with_stand_ins(mine)
 
     def _collate(self, rows: list[dict], indices: list[int], real: bool) -> dict[str, torch.Tensor]:
         chosen = [rows[i] for i in indices]
         if not real:  # a stand-in: same shapes, nothing to learn from
             chosen = [{**chosen[0], "action_mask": [0] * len(chosen[0]["action_mask"])}]
-        return models.to_device(models.make_micro_batch(chosen, self.tokenizer.pad_token_id), self.device)
+        batch = models.make_micro_batch(chosen, self.tokenizer.pad_token_id)
+        return models.to_device(models.pack(batch) if self.cfg.algorithm.packing else batch, self.device)
 
     def _distributed_map(self, rows: list[dict], fn: Callable) -> list[torch.Tensor]:
         """Run `fn(micro_batch)` over this rank's balanced share; every rank gets every row's outputs.
@@ -146,8 +150,7 @@ class PPOTrainer:
         rm_ids, rejected = reward_model_inputs(trajectories, self.truncate_id, self.cfg.reward.truncate_after)
 
         def rm_forward(batch):
-            return (models.reward_scores(self.reward_model, batch["input_ids"], batch["attention_mask"],
-                                         batch["position_ids"]),)
+            return (models.reward_scores(self.reward_model, batch),)
 
         rm_rows = [{"input_ids": ids, "action_mask": [0] * len(ids)} for ids in rm_ids]
         return self._distributed_map(rm_rows, rm_forward)[0], rejected

@@ -20,7 +20,7 @@ from rl_core.reward_model.config import NormalizeConfig, RMConfig, RMTrainConfig
 from rl_core.reward_model.losses import preference_accuracy, preference_loss, spearman
 from rl_core.reward_model.sampling import pick_queries, sample_truncated
 from workers.fsdp import TrainableModel, full_state_dict, shard_model
-from workers.models import (init_reward_model, load_reward_model, make_micro_batch, raw_reward_scores,
+from workers.models import (init_reward_model, load_reward_model, make_micro_batch, pack, raw_reward_scores,
                             reward_scores, set_reward_gain_bias, to_device)
 
 Log = Callable[[str], None]
@@ -59,7 +59,7 @@ def score_sequences(model, sequences: list[list[int]], pad_id: int, device: torc
     for start in range(0, len(sequences), chunk):
         rows = [{"input_ids": ids, "action_mask": [1] * len(ids)} for ids in sequences[start:start + chunk]]
         batch = to_device(make_micro_batch(rows, pad_id), device)
-        out.append(score(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"]).float().cpu())
+        out.append(score(model, batch).float().cpu())
     return torch.cat(out)
 
 
@@ -68,22 +68,26 @@ def example_tokens(example) -> int:
     return sum(len(ids) for ids in example.input_ids)
 
 
-def collate_examples(examples: list, pad_id: int, weight: float = 1.0) -> dict[str, torch.Tensor]:
-    """One micro-batch: every response row of every example, plus best index, margin and weight."""
+def collate_examples(examples: list, pad_id: int, weight: float = 1.0, packed: bool = False) -> dict[str, torch.Tensor]:
+    """One micro-batch: every response row of every example, plus best index, margin and weight;
+    `packed`: the model runs on the rows without their padding (`models.pack`)."""
     sizes = {len(example.input_ids) for example in examples}
     if len(sizes) != 1:
         raise ValueError(f"examples with different numbers of responses {sorted(sizes)} in one batch; "
                          "use one preference format per file")
     rows = [{"input_ids": ids, "action_mask": [1] * len(ids)} for example in examples for ids in example.input_ids]
     batch = make_micro_batch(rows, pad_id)
+    if packed:
+        batch = pack(batch)
     batch["best"] = torch.tensor([example.best for example in examples], dtype=torch.long)
     batch["margin"] = torch.tensor([example.margin for example in examples], dtype=torch.float32)
     batch["weight"] = torch.tensor(weight, dtype=torch.float32)
     return batch
 
 
-def micro_batches_for_rank(examples: list, dp: DataParallel, max_tokens: int, pad_id: int) -> list[dict]:
-    """This rank's token-balanced micro-batches of whole comparisons.
+def micro_batches_for_rank(examples: list, dp: DataParallel, max_tokens: int, pad_id: int,
+                           packed: bool = False) -> list[dict]:
+    """This rank's token-balanced micro-batches of whole comparisons (at most `max_tokens` real tokens).
 
     An empty partition still runs a zero-weight forward/backward on a stand-in example:
     FSDP's collectives need every rank to do the same number of passes.
@@ -93,13 +97,13 @@ def micro_batches_for_rank(examples: list, dp: DataParallel, max_tokens: int, pa
         raise ValueError(f"a comparison has {max(weights)} tokens (all its responses together) but "
                          f"train.max_tokens_per_device={max_tokens}; raise it or lower data.max_length")
     parts = balanced_micro_batches(weights, dp.rank, dp.size, max_tokens)
-    return [to_device(collate_examples([examples[i] for i in indices], pad_id, float(real)), dp.device)
+    return [to_device(collate_examples([examples[i] for i in indices], pad_id, float(real), packed), dp.device)
             for indices, real in with_stand_ins(parts)]
 
 
 def comparison_scores(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """``[examples, responses]`` normalised rewards (the gain scales the loss, OpenAI-style)."""
-    scores = reward_scores(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+    scores = reward_scores(model, batch)
     return scores.view(batch["best"].shape[0], -1)
 
 
@@ -131,11 +135,12 @@ def preference_loss_fn(global_count: int, dp_size: int):
 
 
 @torch.no_grad()
-def heldout_metrics(model, examples: list, dp: DataParallel, max_tokens: int, pad_id: int) -> dict[str, float]:
+def heldout_metrics(model, examples: list, dp: DataParallel, max_tokens: int, pad_id: int,
+                    packed: bool = False) -> dict[str, float]:
     """Pairwise (best-of-N) accuracy and mean loss over ``examples``, summed over ranks."""
     model.eval()
     correct = loss_sum = 0.0
-    for batch in micro_batches_for_rank(examples, dp, max_tokens, pad_id):
+    for batch in micro_batches_for_rank(examples, dp, max_tokens, pad_id, packed):
         scores = comparison_scores(model, batch)
         weight = float(batch["weight"])
         loss_sum += float(preference_loss(scores, batch["best"], _margin(batch)).sum()) * weight
@@ -156,7 +161,7 @@ def train_one_epoch(trainable, examples: list, cfg: RMTrainConfig, dp: DataParal
     for step in progress_bar(range(steps), desc="[train_rm] training the reward model", unit="step",
                              enabled=progress):
         minibatch = [examples[i] for i in order[step * cfg.batch_size:(step + 1) * cfg.batch_size]]
-        micro_batches = micro_batches_for_rank(minibatch, dp, cfg.max_tokens_per_device, pad_id)
+        micro_batches = micro_batches_for_rank(minibatch, dp, cfg.max_tokens_per_device, pad_id, cfg.packing)
         metrics = trainable.forward_backward(micro_batches, preference_loss_fn(len(minibatch), dp.size))
         lr = trainable.current_lr()
         grad_norm = trainable.step()
@@ -249,11 +254,11 @@ def fit_reward_model(model, policy, tokenizer, train_examples: list, test_exampl
     # OpenAI: normalise before training too, so the loss sees rewards at unit scale from step one.
     gain_before, _ = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed, dp,
                                       bar("sampling to normalise before training"))
-    before = heldout_metrics(model, test_examples, dp, max_tokens, pad_id)
+    before = heldout_metrics(model, test_examples, dp, max_tokens, pad_id, cfg.train.packing)
     log(f"[train_rm] {len(train_examples)} train / {len(test_examples)} held-out comparisons, {steps} steps "
         f"on {dp.size} rank(s); held-out accuracy before training {before['accuracy']:.3f}")
     stats = train_one_epoch(trainable, train_examples, cfg.train, dp, pad_id, cfg.trainer.seed, log, show)
-    after = heldout_metrics(model, test_examples, dp, max_tokens, pad_id)
+    after = heldout_metrics(model, test_examples, dp, max_tokens, pad_id, cfg.train.packing)
     gain, bias = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed + 1, dp,
                                   bar("sampling to normalise after training"))
     check = fresh_sample_check(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed + 2, dp, labeler,

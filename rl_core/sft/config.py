@@ -34,9 +34,6 @@ class SFTDataConfig:
     max_length: int = 512  # tokens per row
     on_long: str = choice("drop", ("drop", "truncate"))  # a longer row is left out, or cut at max_length
     eval_max_rows: Optional[int] = None
-    # Rows back to back in one sequence per micro-batch (no padding; attention kept inside each row;
-    # the micro-batch budget counts real tokens). Exact on CPU (sdpa/eager with a block mask).
-    packing: bool = False
 
 
 @dataclass

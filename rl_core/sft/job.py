@@ -60,7 +60,7 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
         print(f"[sft] {len(train_rows)} rows, {total_steps} steps of {tr.batch_size} on {dp.size} rank(s)", flush=True)
 
     def evaluate() -> dict[str, float]:
-        metrics = heldout_metrics(model, eval_rows, dp, tr.max_tokens_per_device, tokenizer.pad_token_id)
+        metrics = heldout_metrics(model, eval_rows, dp, tr.max_tokens_per_device, tokenizer.pad_token_id, tr.packing)
         if reward_fn is not None:
             metrics.update(generation_accuracy(model, eval_rows[:cfg.eval.generate_rows], reward_fn, tokenizer, dp,
                                                cfg.eval.max_new_tokens))
@@ -71,7 +71,7 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
     for step in range(start_step, total_steps):
         started = time.perf_counter()
         metrics = train_step(trainable, finetune.step_rows(train_rows, step, tr.batch_size, cfg.trainer.seed), dp,
-                             tr.max_tokens_per_device, tokenizer.pad_token_id, cfg.data.packing)
+                             tr.max_tokens_per_device, tokenizer.pad_token_id, tr.packing)
         metrics.update({"perf/step_s": time.perf_counter() - started, "epoch": step / steps_per_epoch})
         if eval_rows and (step + 1 == total_steps or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
             metrics.update(evaluate())

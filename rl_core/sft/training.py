@@ -17,59 +17,25 @@ import torch
 from rl_core.balance import micro_batches_for_rank, with_stand_ins
 from rl_core.distributed import DataParallel
 from rl_core.sft.data import SFTExample
-from workers.models import decode, logprobs_from_logits, make_micro_batch, prepare_inputs
+from workers.models import decode, logprobs_from_logits, make_micro_batch, model_inputs, pack, to_rows
 
 
 def collate(examples: list[SFTExample], pad_token_id: int, packed: bool = False) -> dict[str, torch.Tensor]:
-    """Padded rows, or (`packed`) the sequences back to back in as few rows as hold them, each row as
-    long as the longest sequence (first fit, longest first): positions restart at each sequence and
-    `segment_ids` keep attention inside it (see `packed_inputs`). Rows as long as a sequence keep
-    attention's cost that of the padded layout; only the padding goes."""
-    if not packed:
-        rows = [{"input_ids": e.input_ids, "action_mask": e.loss_mask} for e in examples]
-        return make_micro_batch(rows, pad_token_id)
-    width = max(len(e.input_ids) for e in examples)
-    bins: list[list[SFTExample]] = []
-    for example in sorted(examples, key=lambda e: -len(e.input_ids)):
-        fits = next((b for b in bins if sum(len(e.input_ids) for e in b) + len(example.input_ids) <= width), None)
-        bins.append([example]) if fits is None else fits.append(example)
-    used = max(sum(len(e.input_ids) for e in b) for b in bins)
-    batch = {key: torch.full((len(bins), used), fill, dtype=torch.long)
-             for key, fill in (("input_ids", pad_token_id), ("action_mask", 0), ("position_ids", 0), ("segment_ids", -1))}
-    for row, members in enumerate(bins):
-        start = 0
-        for number, e in enumerate(members):
-            span = slice(start, start + len(e.input_ids))
-            batch["input_ids"][row, span] = torch.tensor(e.input_ids)
-            batch["action_mask"][row, span] = torch.tensor([0] + e.loss_mask[1:])  # a first token is never predicted
-            batch["position_ids"][row, span] = torch.arange(len(e.input_ids))
-            batch["segment_ids"][row, span] = number
-            start += len(e.input_ids)
-    return batch
-
-
-def packed_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Model inputs of packed rows: a block-diagonal causal mask (a token sees earlier tokens of its
-    own sequence only; padding sees itself), exact with any attention kernel that takes a 4-D
-    boolean mask (sdpa, eager)."""
-    segments = batch["segment_ids"]
-    length = segments.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
-    same = segments[:, :, None] == segments[:, None, :]
-    mask = causal[None] & same
-    input_ids = batch["input_ids"].masked_fill(segments < 0, 0)  # pad ids never reach the embedding
-    return {"input_ids": input_ids, "attention_mask": mask[:, None], "position_ids": batch["position_ids"]}
+    """Padded rows, or with `packed` the model runs on them without their padding (`models.pack`)."""
+    rows = [{"input_ids": e.input_ids, "action_mask": e.loss_mask} for e in examples]
+    batch = make_micro_batch(rows, pad_token_id)
+    return pack(batch) if packed else batch
 
 
 def token_sums(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(negative log-likelihood summed over trained tokens, how many the argmax got right, how many)."""
-    inputs = packed_inputs(batch) if "segment_ids" in batch else prepare_inputs(batch)
+    inputs = model_inputs(batch)
     logits = model(**inputs).logits[:, :-1].float()
     labels = inputs["input_ids"][:, 1:]
-    mask = batch["action_mask"][:, 1:].to(logits.device).float()
-    nll = -(logprobs_from_logits(logits, labels) * mask).sum()
-    correct = ((logits.argmax(-1) == labels).float() * mask).sum().detach()
-    return nll, correct, mask.sum()
+    logprobs = to_rows(batch, logprobs_from_logits(logits, labels))[:, 1:]
+    hits = to_rows(batch, (logits.argmax(-1) == labels).float())[:, 1:]
+    mask = batch["action_mask"][:, 1:].to(logits.device).float()  # a first token is never predicted
+    return -(logprobs * mask).sum(), (hits * mask).sum().detach(), mask.sum()
 
 
 def micro_batches(examples: list[SFTExample], dp: DataParallel, max_tokens: int, pad_token_id: int,
@@ -99,9 +65,9 @@ def train_step(trainable, examples: list[SFTExample], dp: DataParallel, max_toke
     lr = trainable.current_lr()
     grad_norm = trainable.step()
     nll, correct = dp.sum([sum(metrics["nll"]), sum(metrics["correct"])])
-    grid = sum(batch["input_ids"].numel() for batch, real in batches if real)
-    real_tokens = sum(int((batch["segment_ids"] >= 0).sum()) if "segment_ids" in batch
-                      else int(batch["attention_mask"].sum()) for batch, real in batches if real)
+    mine = [batch for batch, real in batches if real]
+    grid = sum((batch["packed_input_ids"] if "packed_index" in batch else batch["input_ids"]).numel() for batch in mine)
+    real_tokens = sum(int(batch["attention_mask"].sum()) for batch in mine)
     return {"train/loss": nll / global_tokens, "train/token_accuracy": correct / global_tokens,
             "train/tokens": global_tokens, "train/grad_norm": grad_norm, "train/lr": lr,
             "perf/padding_fraction": 1.0 - real_tokens / max(grid, 1)}  # this rank's
@@ -109,11 +75,11 @@ def train_step(trainable, examples: list[SFTExample], dp: DataParallel, max_toke
 
 @torch.no_grad()
 def heldout_metrics(model, examples: list[SFTExample], dp: DataParallel, max_tokens: int,
-                    pad_token_id: int) -> dict[str, float]:
+                    pad_token_id: int, packed: bool = False) -> dict[str, float]:
     """Loss and token accuracy over held-out rows, every rank scoring its share."""
     model.eval()
     nll = correct = count = 0.0
-    for batch, real in micro_batches(examples, dp, max_tokens, pad_token_id):
+    for batch, real in micro_batches(examples, dp, max_tokens, pad_token_id, packed):
         n, c, k = token_sums(model, {key: v.to(dp.device) for key, v in batch.items()})
         if real:
             nll, correct, count = nll + float(n), correct + float(c), count + float(k)

@@ -105,9 +105,10 @@ def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir):
         nll, correct, count = token_sums(model, batch)
         nll.backward()
         grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-        results.append((float(nll), float(correct), float(count), grads, batch["input_ids"].numel()))
+        grid = batch["packed_input_ids" if packed else "input_ids"].numel()
+        results.append((float(nll.detach()), float(correct), float(count), grads, grid))
     (padded_nll, padded_correct, padded_count, padded_grads, padded_grid), (nll, correct, count, grads, grid) = results
-    assert grid < padded_grid and int((batch["segment_ids"] >= 0).sum()) == sum(len(e.input_ids) for e in examples)
+    assert grid < padded_grid and int((batch["packed_segment_ids"] >= 0).sum()) == sum(len(e.input_ids) for e in examples)
     assert count == padded_count and correct == padded_correct
     assert nll == pytest.approx(padded_nll, rel=1e-5)
     for name, grad in grads.items():

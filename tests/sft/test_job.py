@@ -118,7 +118,7 @@ def test_lora_trains_only_adapters_and_exports_the_adapter_or_the_merged_model(s
 def test_packed_training_follows_the_padded_losses(sft_job, tmp_path):
     padded, packed = tmp_path / "padded", tmp_path / "packed"
     run_sft(sft_job, padded, "train.max_steps=4")
-    run_sft(sft_job, packed, "train.max_steps=4", "data.packing=true")
+    run_sft(sft_job, packed, "train.max_steps=4", "train.packing=true")
     padded_rows, packed_rows = metrics(padded)[1:], metrics(packed)[1:]
     assert [r["train/loss"] for r in packed_rows] == pytest.approx([r["train/loss"] for r in padded_rows], rel=1e-4)
     for packed_row, padded_row in zip(packed_rows, padded_rows):

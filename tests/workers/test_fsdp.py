@@ -76,7 +76,7 @@ def _scorer_outputs(tokenizer, model_dir: str, shard: bool) -> dict:
     (batch,) = _micro_batches(tokenizer, [[0, 1, 2, 3, 4]])
     inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
     with torch.no_grad():
-        return {"values": token_values(critic, batch), "rewards": raw_reward_scores(reward_model, **inputs)}
+        return {"values": token_values(critic, batch), "rewards": raw_reward_scores(reward_model, inputs)}
 
 
 def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:

@@ -130,18 +130,18 @@ def test_reward_reads_last_attended_token(tiny_model_dir, tokenizer):
     rm = init_reward_model(tiny_model_dir, pad_token_id=tokenizer.pad_token_id, seed=0)
     batch = _batch(tokenizer, ["the old man walked to the market and felt happy.", "she smiled at"])
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    scores = raw_reward_scores(rm, **inputs)
+    scores = raw_reward_scores(rm, inputs)
     assert scores.shape == (2,)
 
     last = batch["attention_mask"][1].sum().item() - 1
     assert last + 1 < batch["input_ids"].shape[1], "row 1 must be padded for this test"
     changed_pad = {**inputs, "input_ids": inputs["input_ids"].clone()}
     changed_pad["input_ids"][1, last + 1:] = 7
-    torch.testing.assert_close(raw_reward_scores(rm, **changed_pad), scores)
+    torch.testing.assert_close(raw_reward_scores(rm, changed_pad), scores)
 
     changed_last = {**inputs, "input_ids": inputs["input_ids"].clone()}
     changed_last["input_ids"][1, last] = (changed_last["input_ids"][1, last] + 1) % len(tokenizer)
-    new_scores = raw_reward_scores(rm, **changed_last)
+    new_scores = raw_reward_scores(rm, changed_last)
     assert new_scores[0] == scores[0] and new_scores[1] != scores[1]
 
 
@@ -149,14 +149,14 @@ def test_gain_bias_applied_and_saved(tiny_model_dir, tokenizer, tmp_path):
     rm = init_reward_model(tiny_model_dir, pad_token_id=tokenizer.pad_token_id, seed=0)
     batch = _batch(tokenizer, ["the dark room was cold", "we found a house"])
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    raw = raw_reward_scores(rm, **inputs)
+    raw = raw_reward_scores(rm, inputs)
     set_reward_gain_bias(rm, 2.5, -0.75)
-    torch.testing.assert_close(reward_scores(rm, **inputs), raw * 2.5 - 0.75)
+    torch.testing.assert_close(reward_scores(rm, inputs), raw * 2.5 - 0.75)
 
     rm.save_pretrained(tmp_path)
     reloaded = load_reward_model(str(tmp_path))
     assert (reloaded.config.reward_gain, reloaded.config.reward_bias) == (2.5, -0.75)
-    torch.testing.assert_close(reward_scores(reloaded, **inputs), raw * 2.5 - 0.75)
+    torch.testing.assert_close(reward_scores(reloaded, inputs), raw * 2.5 - 0.75)
 
 
 def test_plain_hf_sequence_classifier_loads(tmp_path, tokenizer):
@@ -167,7 +167,7 @@ def test_plain_hf_sequence_classifier_loads(tmp_path, tokenizer):
     assert isinstance(rm, GPT2ForSequenceClassification)
     batch = _batch(tokenizer, ["she smiled", "a terrible storm broke"])
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    torch.testing.assert_close(reward_scores(rm, **inputs), raw_reward_scores(rm, **inputs))
+    torch.testing.assert_close(reward_scores(rm, inputs), raw_reward_scores(rm, inputs))
 
 
 def test_reward_model_with_several_labels_is_rejected(tmp_path, tokenizer):

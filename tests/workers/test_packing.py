@@ -1,0 +1,87 @@
+"""Padding-free micro-batches (models.pack): the model runs on the rows' real tokens back to back, and
+every per-token quantity the jobs train on comes back to the padded rows equal to the padded path's."""
+
+import pytest
+import torch
+
+from workers.models import (ValueModel, load_causal_lm, make_micro_batch, pack, padding_fraction, token_logprobs,
+                            token_logprobs_and_entropy, token_values)
+
+
+def ppo_rows(seed: int = 0) -> list[dict]:
+    """Rows as the PPO job builds them: a query left-padded inside the row (attention 0 there, OpenAI's
+    fixed query length), a response of varying length, per-token training inputs."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for query, pads, response in ((4, 2, 9), (6, 0, 1), (3, 3, 14), (5, 1, 5), (2, 4, 3)):
+        length = pads + query + response
+        rows.append({"input_ids": [0] * pads + torch.randint(3, 250, (query + response,), generator=generator).tolist(),
+                     "attention_mask": [0] * pads + [1] * (query + response),
+                     "action_mask": [0] * (pads + query) + [1] * response,
+                     "advantages": torch.randn(length, generator=generator).tolist()})
+    return rows
+
+
+def test_pack_keeps_every_real_token_once_and_drops_the_padding():
+    batch = make_micro_batch(ppo_rows(), pad_token_id=0)
+    packed = pack(batch)
+    real = int(batch["attention_mask"].sum())
+    index = packed["packed_index"]
+    assert sorted(index[index >= 0].tolist()) == sorted(set(index[index >= 0].tolist()))  # one place each
+    assert int((index >= 0).sum()) == real == int((packed["packed_segment_ids"] >= 0).sum())
+    flat_ids = packed["packed_input_ids"].flatten()
+    assert torch.equal(flat_ids[index[index >= 0]], batch["input_ids"][index >= 0])
+    assert packed["packed_input_ids"].numel() < batch["input_ids"].numel()
+    assert padding_fraction(packed) < padding_fraction(batch)
+    # positions restart at every sequence and equal the padded rows' (pads do not shift positions)
+    assert torch.equal(packed["packed_position_ids"].flatten()[index[index >= 0]], batch["position_ids"][index >= 0])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_packed_logprobs_entropy_values_and_gradients_equal_the_padded_ones(tiny_model_dir, temperature):
+    torch.manual_seed(0)
+    policy = load_causal_lm(tiny_model_dir)
+    critic = ValueModel.from_pretrained(tiny_model_dir, torch.float32)
+    with torch.no_grad():
+        critic.head.weight.normal_()  # OpenAI's zero-initialised head would hide a misplaced value
+    padded = make_micro_batch(ppo_rows(), pad_token_id=0)
+    results = []
+    for batch in (padded, pack(padded)):
+        policy.zero_grad()
+        critic.zero_grad()
+        mask = batch["action_mask"].float()
+        logprobs, entropy = token_logprobs_and_entropy(policy, batch, temperature)
+        values = token_values(critic, batch)
+        loss = -(logprobs * batch["advantages"] * mask).sum() + ((values - 1.0) ** 2 * mask).sum()
+        loss.backward()
+        grads = {name: p.grad.clone() for name, p in [*policy.named_parameters(), *critic.named_parameters()]}
+        with torch.no_grad():
+            alone = token_logprobs(policy, batch, temperature)
+        results.append(([t * mask for t in (logprobs, entropy, values, alone)], loss.detach(), grads))
+    (padded_out, padded_loss, padded_grads), (packed_out, packed_loss, packed_grads) = results
+    for name, a, b in zip(("logprobs", "entropy", "values", "token_logprobs"), padded_out, packed_out):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)
+    assert packed_loss.item() == pytest.approx(padded_loss.item(), rel=1e-5)
+    for name, grad in padded_grads.items():
+        # to 1e-5 of the tensor's scale: a different summation order moves the largest entries' last bits
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(),
+                                   msg=lambda message: f"{name}: {message}")
+
+
+def test_packed_reward_scores_and_gradients_equal_the_padded_ones(tiny_model_dir):
+    from workers.models import init_reward_model, raw_reward_scores
+
+    reward_model = init_reward_model(tiny_model_dir, pad_token_id=0, seed=0)
+    padded = make_micro_batch([{k: r[k] for k in ("input_ids", "attention_mask", "action_mask")} for r in ppo_rows(1)],
+                              pad_token_id=0)
+    results = []
+    for batch in (padded, pack(padded)):
+        reward_model.zero_grad()
+        scores = raw_reward_scores(reward_model, batch)
+        (scores * torch.arange(1.0, len(scores) + 1)).sum().backward()  # each row's score with its own weight
+        results.append((scores.detach(), {n: p.grad.clone() for n, p in reward_model.named_parameters()}))
+    (padded_scores, padded_grads), (packed_scores, packed_grads) = results
+    torch.testing.assert_close(packed_scores, padded_scores, rtol=1e-5, atol=1e-5)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(),
+                                   msg=lambda message: f"{name}: {message}")
