@@ -261,6 +261,8 @@ def validate(cfg: PPOConfig) -> None:
     algo, ro, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
     require(trainer.seed >= 0, f"config key 'trainer.seed' must be >= 0, got {trainer.seed}")
     cfg.model.lora.validate()
+    require(cfg.model.lora.dropout == 0.0, f"config key 'model.lora.dropout' must be 0 in the PPO job, got "
+            f"{cfg.model.lora.dropout} (OpenAI detail: no dropout; old logprobs and the weight probe must be exact)")
     require(algo.batch_size > 0, f"config key 'algorithm.batch_size' must be > 0, got {algo.batch_size}")
     require(algo.nminibatches > 0 and algo.batch_size % algo.nminibatches == 0,
             f"algorithm.batch_size={algo.batch_size} is not divisible into algorithm.nminibatches="

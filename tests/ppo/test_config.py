@@ -21,6 +21,10 @@ def test_impossible_combinations():
         ppo("rollout.sglang_args.attention_backend=triton")
     with pytest.raises(ConfigError, match=r"max_tokens_per_device=32; raise it"):
         ppo("algorithm.max_tokens_per_device=32")
+    with pytest.raises(ConfigError, match=r"'model.lora.dropout' must be 0 in the PPO job"):
+        ppo("model.lora.rank=8", "model.lora.dropout=0.1")
+    with pytest.raises(ConfigError, match=r"'model.lora.rank' must be >= 0"):
+        ppo("model.lora.rank=-1")
 
 
 def test_engine_dtype_follows_the_training_compute_dtype_unless_set():
