@@ -35,20 +35,20 @@ def per_token_and_per_row(batch):
     return ids * batch["attention_mask"], ids[:, 0]
 
 
-def scorer(rank: int) -> PPOTrainer:
+def scorer(rank: int, packing: bool) -> PPOTrainer:
     """The trainer's map without models: only what `_distributed_map` reads."""
     trainer = object.__new__(PPOTrainer)
-    trainer.cfg = types.SimpleNamespace(algorithm=types.SimpleNamespace(max_tokens_per_device=24))
+    trainer.cfg = types.SimpleNamespace(algorithm=types.SimpleNamespace(max_tokens_per_device=24, packing=packing))
     trainer.tokenizer = types.SimpleNamespace(pad_token_id=0)
     trainer.device, trainer.rank, trainer.world_size = torch.device("cpu"), rank, WORLD_SIZE
     return trainer
 
 
-def worker(rank: int, port: int, out_dir: str) -> None:
+def worker(rank: int, port: int, out_dir: str, packing: bool) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
                            timeout=datetime.timedelta(seconds=60))
     try:
-        trainer = scorer(rank)
+        trainer = scorer(rank, packing)
         mine = [i for indices, real in trainer._micro_batches(rows()) if real for i in indices]
         torch.save({"outputs": trainer._distributed_map(rows(), per_token_and_per_row), "mine": mine},
                    f"{out_dir}/rank{rank}.pt")
@@ -57,8 +57,9 @@ def worker(rank: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_every_rank_gets_every_rows_outputs(tmp_path):
-    mp.spawn(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
+@pytest.mark.parametrize("packing", [False, True])  # packed micro-batches still hand `fn` the padded rows
+def test_every_rank_gets_every_rows_outputs(tmp_path, packing):
+    mp.spawn(worker, args=(free_port(), str(tmp_path), packing), nprocs=WORLD_SIZE, join=True)
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
     assert all(r["mine"] for r in results) and sorted(results[0]["mine"] + results[1]["mine"]) == list(range(len(LENGTHS)))
     for result in results:
