@@ -35,12 +35,6 @@ def with_lora(model: nn.Module, lora, checkpointing: bool = False) -> nn.Module:
                          "layers to adapt") from err
 
 
-def has_lora(model: nn.Module) -> bool:
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
-
-
 def merged_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """The full tensors of a LoRA model (`model`'s own, e.g. gathered one at a time from its shards)

@@ -22,7 +22,7 @@ from rl_core.ppo.experience import Experience, Targets, reward_model_inputs
 from rl_core.rollout.trajectory import Trajectory
 from workers import models
 from workers.fsdp import TrainableModel, iter_full_tensors, shard_model
-from workers.lora import has_lora, merged_weights, with_lora
+from workers.lora import merged_weights, with_lora
 
 
 class PPOTrainer:
@@ -49,7 +49,7 @@ class PPOTrainer:
             enable_gradient_checkpointing(actor)
         actor = with_lora(actor, model_cfg.lora, model_cfg.gradient_checkpointing)
         self.actor = TrainableModel(shard(actor), optimizer_for(algo.lr), schedule, algo.max_grad_norm)
-        self.lora = has_lora(actor)
+        self.lora = model_cfg.lora.rank > 0
         # With LoRA the reference is the actor with its adapters off: the same frozen base, held once.
         self.reference = None if self.lora else shard(models.load_causal_lm(policy_path, dtype)).requires_grad_(False)
         self.critic = None
