@@ -4,8 +4,9 @@ config, the trainable model built from it, the rows of each step, the console li
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -114,6 +115,22 @@ def step_rows(rows: list, step: int, batch_size: int, seed: int) -> list:
     epoch, offset = divmod(step, per_epoch)
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
     return [rows[i] for i in order[offset * batch_size:(offset + 1) * batch_size]]
+
+
+def run_steps(start_step: int, total_steps: int, steps_per_epoch: int, one_step: Callable[[int], dict],
+              evaluate: Callable[[], dict] | None, save: Callable[[int], None], logger: MetricsLogger | None,
+              shown: tuple[str, ...], tr: FinetuneTrainConfig, trainer: FinetuneTrainerConfig, eval_every: int) -> None:
+    """The step loop both jobs share: `one_step(step)`'s metrics with the step time, an evaluation
+    every `eval_every` steps and at the end (when `evaluate` is given), the log line, the checkpoint."""
+    for step in range(start_step, total_steps):
+        started = time.perf_counter()
+        metrics = one_step(step)
+        metrics.update({"perf/step_s": time.perf_counter() - started, "epoch": step / steps_per_epoch})
+        if evaluate is not None and (step + 1 == total_steps or (eval_every and (step + 1) % eval_every == 0)):
+            metrics.update(evaluate())
+        log_step(logger, step + 1, total_steps, metrics, shown, every=tr.log_every)
+        if trainer.save_every and (step + 1) % trainer.save_every == 0:
+            save(step + 1)
 
 
 def log_step(logger: MetricsLogger | None, step: int, total: int, metrics: dict, shown: tuple[str, ...],

@@ -13,7 +13,6 @@ held-out prompts are sampled and scored by that reward model (eval/rm_score).
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -69,16 +68,13 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
 
     if start_step == 0 and test_pairs:
         finetune.log_step(logger, 0, total_steps, evaluate(), SHOWN)
-    for step in range(start_step, total_steps):
-        started = time.perf_counter()
-        metrics = train_step(trainable, reference, finetune.step_rows(train_pairs, step, tr.batch_size, cfg.trainer.seed), dp,
-                             tr.max_tokens_per_device, tokenizer.pad_token_id, beta, smoothing, tr.packing)
-        metrics.update({"perf/step_s": time.perf_counter() - started, "epoch": step / steps_per_epoch})
-        if test_pairs and (step + 1 == total_steps or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
-            metrics.update(evaluate())
-        finetune.log_step(logger, step + 1, total_steps, metrics, SHOWN, every=tr.log_every)
-        if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
-            checkpointer.save(step + 1, {"policy": trainable}, {})
+    finetune.run_steps(
+        start_step, total_steps, steps_per_epoch,
+        lambda step: train_step(trainable, reference, finetune.step_rows(train_pairs, step, tr.batch_size,
+                                                                         cfg.trainer.seed),
+                                dp, tr.max_tokens_per_device, tokenizer.pad_token_id, beta, smoothing, tr.packing),
+        evaluate if test_pairs else None, lambda step: checkpointer.save(step, {"policy": trainable}, {}),
+        logger, SHOWN, tr, cfg.trainer, cfg.eval.every)
     if cfg.trainer.export_hf:
         export_hf(policy, tokenizer, cfg.model.path, run_dir / "final", dp.rank, cfg.model.lora)
     if logger is not None:

@@ -11,7 +11,6 @@ Evaluation (step 0, every `eval.every` steps, the end): held-out loss and token 
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 
@@ -68,16 +67,12 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
 
     if eval_rows and start_step == 0:
         finetune.log_step(logger, 0, total_steps, evaluate(), SHOWN)
-    for step in range(start_step, total_steps):
-        started = time.perf_counter()
-        metrics = train_step(trainable, finetune.step_rows(train_rows, step, tr.batch_size, cfg.trainer.seed), dp,
-                             tr.max_tokens_per_device, tokenizer.pad_token_id, tr.packing)
-        metrics.update({"perf/step_s": time.perf_counter() - started, "epoch": step / steps_per_epoch})
-        if eval_rows and (step + 1 == total_steps or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
-            metrics.update(evaluate())
-        finetune.log_step(logger, step + 1, total_steps, metrics, SHOWN, every=tr.log_every)
-        if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
-            checkpointer.save(step + 1, {"model": trainable}, {})
+    finetune.run_steps(
+        start_step, total_steps, steps_per_epoch,
+        lambda step: train_step(trainable, finetune.step_rows(train_rows, step, tr.batch_size, cfg.trainer.seed), dp,
+                                tr.max_tokens_per_device, tokenizer.pad_token_id, tr.packing),
+        evaluate if eval_rows else None, lambda step: checkpointer.save(step, {"model": trainable}, {}),
+        logger, SHOWN, tr, cfg.trainer, cfg.eval.every)
     if cfg.trainer.export_hf:
         export_hf(model, tokenizer, cfg.model.path, run_dir / "final", dp.rank, cfg.model.lora)
     if logger is not None:
