@@ -87,6 +87,15 @@ def broadcast_object(obj, src: int = 0):
     return holder[0]
 
 
+def max_over_ranks(value: float) -> float:
+    """The largest of every rank's `value` (collective); the value itself without a process group."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device_for_rank())  # nccl needs it on the GPU
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()
+
+
 def on_rank0(fn: Callable[[], T]) -> T | None:
     """Run `fn` on rank 0 only; if it fails, every rank fails at once.
 

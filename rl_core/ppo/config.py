@@ -179,6 +179,11 @@ class AlgorithmConfig:
     # Tokens are sampled by the engine (pi_behaviour) but the loss is taken against the trainer's pi_old:
     # stale engines (async) and different kernels or precision (sync too) make them differ. See the README.
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # pi_old: "trainer" recomputes it (a forward pass over the batch); "engine" takes the engine's sampling
+    # logprobs; "auto" takes the engine's in sync mode when the last push's probe gap (max over ranks) is at
+    # most old_logprobs_max_gap, so the recomputation would only reproduce them, else recomputes.
+    old_logprobs: str = choice("auto", ("auto", "trainer", "engine"))
+    old_logprobs_max_gap: float = 1e-3  # nats: a ratio error of 0.1%, far inside the clip range
     kl: KLConfig = field(default_factory=KLConfig)
 
 
@@ -277,6 +282,7 @@ def validate(cfg: PPOConfig) -> None:
     require(0.0 <= algo.gamma <= 1.0 and 0.0 <= algo.lam <= 1.0, "algorithm.gamma and algorithm.lam must be in [0, 1]")
     require(algo.lr > 0, f"config key 'algorithm.lr' must be > 0, got {algo.lr}")
     require(algo.kl.horizon > 0, "config key 'algorithm.kl.horizon' must be > 0")
+    require(algo.old_logprobs_max_gap >= 0, "config key 'algorithm.old_logprobs_max_gap' must be >= 0")
     rc = algo.rollout_correction
     require(rc.is_cap >= 1.0, "config key 'algorithm.rollout_correction.is_cap' must be >= 1")
     require(0.0 < rc.mask_low <= 1.0 <= rc.mask_high,

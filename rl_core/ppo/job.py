@@ -13,14 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch.distributed as dist
 from transformers import AutoConfig
 
 from envs.base import load_env_class
 from rl_core.checkpoint import Checkpointer, export_hf
 from rl_core.cli import parse_job_config, run_main
 from rl_core.config import save_config, to_dict
-from rl_core.distributed import (broadcast_object, on_every_rank, on_rank0, prepare_before_process_group,
-                                 rank_seed, seed_everything)
+from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank, on_rank0,
+                                 prepare_before_process_group, rank_seed, seed_everything)
 from rl_core.errors import JobError
 from rl_core.logger import MetricsLogger, StepTimer, print_step
 from rl_core.ppo.collect import AsyncCollector, SyncCollector, make_collector
@@ -66,8 +67,11 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
         with timer("inference"):
             if collector.engines_idle_while_training:
                 rt.release_engine_memory()  # 2. sync mode: engines free their KV cache and weights
-            exp = trainer.score(trajectories)  # 3. old/ref logprobs, values, reward-model scores
-            metrics.update(score_metrics(exp))
+            # 3. old/ref logprobs, values, reward-model scores; pi_old is the engine's own logprobs when
+            #    they are the trainer's (sync, probe gap within algorithm.old_logprobs_max_gap): no recompute
+            old_from_engine = old_logprobs_from_engine(cfg, job.probe_gap)
+            exp = trainer.score(trajectories, old_from_engine)
+            metrics.update(score_metrics(exp), **{"perf/old_logprobs_from_engine": float(old_from_engine)})
         with timer("train"):
             # 4. scores: reward model (OpenAI rejection penalty: no period after token 16 -> fixed score)
             #    + reward functions, truncation penalty, overlong shaping
@@ -90,6 +94,8 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
         # and logs this step again (the resumed logger drops the extra row), so no step goes missing.
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
             save_checkpoint(job, step + 1, rt.rank)
+    # Rank 0's last evaluation runs on every rank's engine: no rank may stop its engine before it ends.
+    dist.barrier()
     rt.stop_node_watch()  # other nodes may finish first and stop their engines
     if cfg.trainer.export_hf:
         export_hf(trainer.actor.model, job.tokenizer, cfg.model.path, Path(cfg.trainer.run_dir) / "final", rt.rank,
@@ -113,6 +119,7 @@ class Job:
     held_out: tuple | None = None
     logger: MetricsLogger | None = None
     service: RolloutService | None = None
+    probe_gap: float = float("inf")  # the last push's, max over ranks (see old_logprobs_from_engine)
 
     def eval_due(self, step: int) -> bool:
         every = self.cfg.trainer.eval_every
@@ -166,8 +173,21 @@ def push_weights(rt: JobRuntime, job: Job, version: int) -> dict[str, float]:
     """Every rank's engine gets the trainer's weights as `version`, checked by the probe's logprobs."""
     trainer, collector = job.trainer, job.collector
     with collector.weight_push():
-        return rt.sync_weights(trainer.actor_weights(), version, job.probe, trainer.probe_logprobs(job.probe),
-                               collector.pauses_in_place)
+        stats = rt.sync_weights(trainer.actor_weights(), version, job.probe, trainer.probe_logprobs(job.probe),
+                                collector.pauses_in_place)
+    job.probe_gap = max_over_ranks(stats["weight_sync/probe_gap"])  # every rank decides the same
+    return stats
+
+
+def old_logprobs_from_engine(cfg: PPOConfig, probe_gap: float) -> bool:
+    """`algorithm.old_logprobs`: whether this step's pi_old is the engine's sampling logprobs. In sync mode
+    the batch was sampled by the weights just pushed, so when the probe shows engine and trainer agree,
+    recomputing pi_old is a forward pass that reproduces the engine's numbers; otherwise (async: stale
+    engines; a gap from precision or kernels) the trainer recomputes and rollout_correction weighs the gap."""
+    algo = cfg.algorithm
+    if algo.old_logprobs == "auto":
+        return cfg.trainer.mode == "sync" and probe_gap <= algo.old_logprobs_max_gap
+    return algo.old_logprobs == "engine"
 
 
 def save_checkpoint(job: Job, step: int, rank: int) -> None:

@@ -50,8 +50,12 @@ class PPOTrainer:
         actor = with_lora(actor, model_cfg.lora, model_cfg.gradient_checkpointing)
         self.actor = TrainableModel(shard(actor), optimizer_for(algo.lr), schedule, algo.max_grad_norm)
         self.lora = model_cfg.lora.rank > 0
+        # No KL at all (coefficient 0, not adaptive): no reference to load or run; its logprobs are pi_old's.
+        self.uses_reference = algo.kl.adaptive or algo.kl.init_coef != 0
         # With LoRA the reference is the actor with its adapters off: the same frozen base, held once.
-        self.reference = None if self.lora else shard(models.load_causal_lm(policy_path, dtype)).requires_grad_(False)
+        self.reference = None
+        if self.uses_reference and not self.lora:
+            self.reference = shard(models.load_causal_lm(policy_path, dtype)).requires_grad_(False)
         self.critic = None
         if algo.advantage_estimator == "gae":
             critic = models.ValueModel.from_pretrained(policy_path, dtype)
@@ -115,30 +119,42 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ scoring (forward only)
 
-    def score(self, trajectories: list[Trajectory]) -> Experience:
-        """Old and reference logprobs, values, and reward-model scores (query + truncated response)."""
+    def score(self, trajectories: list[Trajectory], old_from_engine: bool = False) -> Experience:
+        """Old and reference logprobs, values, and reward-model scores (query + truncated response).
+
+        `old_from_engine`: pi_old is the engine's sampling logprobs (the caller checked that engine and
+        trainer agree), so only the reference and the critic run here, and nothing when neither exists."""
         exp = Experience.from_trajectories(trajectories)
         temperature = self.cfg.rollout.temperature
+        wanted = {"old": not old_from_engine, "ref": self.uses_reference, "values": self.critic is not None}
 
         def forward(batch):
-            old = models.token_logprobs(self.actor.model, batch, temperature)
-            ref = self._reference_logprobs(batch, temperature)
-            values = (models.token_values(self.critic.model, batch) if self.critic is not None
-                      else torch.zeros_like(old))
-            return old, ref, values
+            outputs = []
+            if wanted["old"]:
+                outputs.append(models.token_logprobs(self.actor.model, batch, temperature, actions_only=True))
+            if wanted["ref"]:
+                outputs.append(self._reference_logprobs(batch, temperature))
+            if wanted["values"]:
+                outputs.append(models.token_values(self.critic.model, batch))
+            return tuple(outputs)
 
-        outputs = self._distributed_map([exp.seq_row(i) for i in range(len(exp.sequences))], forward)
         lengths = [len(seq) for seq in exp.sequences]
-        exp.old_logprobs, exp.ref_logprobs, exp.values = ([out[i, :n] for i, n in enumerate(lengths)]
-                                                          for out in outputs)
+        computed = {}
+        if any(wanted.values()):
+            outputs = self._distributed_map([exp.seq_row(i) for i in range(len(exp.sequences))], forward)
+            names = [name for name, needed in wanted.items() if needed]
+            computed = {name: [out[i, :n] for i, n in enumerate(lengths)] for name, out in zip(names, outputs)}
+        exp.old_logprobs = computed.get("old") or [torch.tensor(s.behaviour_logprobs) for s in exp.sequences]
+        exp.ref_logprobs = computed.get("ref") or [old.clone() for old in exp.old_logprobs]  # no KL: KL 0
+        exp.values = computed.get("values") or [torch.zeros(n) for n in lengths]
         exp.scores, exp.rejected = self.reward_model_scores(trajectories)
         return exp
 
     def _reference_logprobs(self, batch, temperature: float) -> torch.Tensor:
         if self.reference is not None:
-            return models.token_logprobs(self.reference, batch, temperature)
+            return models.token_logprobs(self.reference, batch, temperature, actions_only=True)
         with self.actor.model.disable_adapter():
-            return models.token_logprobs(self.actor.model, batch, temperature)
+            return models.token_logprobs(self.actor.model, batch, temperature, actions_only=True)
 
     def reward_model_scores(self, trajectories: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
         """Reward-model score of each trajectory (0 without a reward model) and whether it gets the
@@ -177,6 +193,7 @@ class PPOTrainer:
         out.update(targets.stats)
         out["kl/coef"] = kl_coef
         out["policy/lr"] = self.actor.current_lr()
+        out["policy/optimizer_steps"] = len(history["policy/loss"])
         return out
 
     def _train_minibatch(self, exp: Experience, targets: Targets, traj_ids: list[int]) -> dict[str, float]:
@@ -207,7 +224,7 @@ class PPOTrainer:
         weighted for the engine-trainer mismatch (algorithm.rollout_correction), sync and async alike."""
         algo = self.cfg.algorithm
         logprobs, entropy = models.token_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
-                                                              entropy_grad=bool(algo.entropy_coef))
+                                                              entropy_grad=bool(algo.entropy_coef), actions_only=True)
         mask = batch["action_mask"]
         rc = algo.rollout_correction  # the engine sampled (pi_behaviour); the ratio is against the trainer's pi_old
         weights, correction = alg.rollout_correction_weights(batch["old_logprobs"], batch["behaviour_logprobs"], mask,

@@ -112,6 +112,8 @@ def test_sync_steps_follow_the_gpu_engine_protocol_and_write_outputs(small_job, 
         assert re.fullmatch(rf"{STEP.pattern}( {STEP.pattern}){{2}}", steps), calls
         assert set(re.findall(r"first call of \w+ (/\S+)", log)) <= SGLANG_PATHS, log
     assert all(0 <= m["weight_sync/probe_gap"] < 1e-3 for m in metrics)
+    # Sync, and the probe says engine and trainer agree: pi_old is the engine's logprobs, not recomputed.
+    assert all(m["perf/old_logprobs_from_engine"] == 1.0 for m in metrics)
     assert (run_dir / "config.yaml").is_file() and (run_dir / "tensorboard").is_dir()
     # trainer.keep_last=2 (the default): only the newest two checkpoints stay on disk.
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_0000000{i}" for i in (2, 3)]
@@ -133,12 +135,42 @@ def test_async_mode_respects_staleness_bound(small_job, tmp_path, partial):
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert all(m["async/staleness_max"] <= 1 for m in metrics)
+    assert all(m["perf/old_logprobs_from_engine"] == 0.0 for m in metrics)  # stale engines: pi_old recomputed
     # The resume point is after the batches the trainer took, not the producer's (which runs
     # ahead with queued batches): a resumed run regenerates what was never trained on.
     for m in metrics:
         state = json.loads((run_dir / "checkpoints" / f"step_{m['step']:08d}" / "trainer_state.json").read_text())
         assert state["prompts"]["served"] == 8 * m["async/batches_taken"], (m, state)
     assert wait_gone(str(small_job["root"])) == []
+
+
+@pytest.mark.timeout(600)
+def test_recomputed_old_logprobs_are_the_engines_in_sync_mode(small_job, tmp_path):
+    """What makes `algorithm.old_logprobs=auto` safe here: recomputed, pi_old equals the engine's
+    sampling logprobs on every generated token (the CPU engines and the trainer agree exactly)."""
+    run_dir = tmp_path / "recomputed"
+    run_job(small_job, run_dir, "trainer.total_episodes=16", "algorithm.old_logprobs=trainer")
+    metrics = read_metrics(run_dir)
+    assert [m["perf/old_logprobs_from_engine"] for m in metrics] == [0.0, 0.0]
+    assert all(m["rollout/behaviour_logprob_gap"] < 1e-5 for m in metrics), metrics
+    assert all(m["weight_sync/probe_gap"] <= 1e-5 for m in metrics)
+
+
+def test_old_logprobs_come_from_the_engine_only_when_they_are_the_trainers():
+    from rl_core.ppo.config import PPOConfig
+    from rl_core.ppo.job import old_logprobs_from_engine
+
+    cfg = PPOConfig()
+    assert cfg.algorithm.old_logprobs == "auto" and cfg.trainer.mode == "sync"
+    assert old_logprobs_from_engine(cfg, probe_gap=0.0)
+    assert not old_logprobs_from_engine(cfg, probe_gap=0.05)  # bf16 engine vs fp32 trainer: recompute
+    assert not old_logprobs_from_engine(cfg, probe_gap=float("inf"))  # no push measured yet
+    cfg.trainer.mode = "async"
+    assert not old_logprobs_from_engine(cfg, probe_gap=0.0)  # stale engines sampled the batch
+    cfg.algorithm.old_logprobs = "engine"
+    assert old_logprobs_from_engine(cfg, probe_gap=0.05)  # the user's choice, even then
+    cfg.trainer.mode, cfg.algorithm.old_logprobs = "sync", "trainer"
+    assert not old_logprobs_from_engine(cfg, probe_gap=0.0)
 
 
 @pytest.mark.timeout(900)
