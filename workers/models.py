@@ -349,34 +349,64 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits.float(), dim=-1) - (probs * logits.float()).sum(dim=-1)
 
 
-def _scaled_next_token_logits(model: nn.Module, inputs: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+def _scaled_next_token_logits(model: nn.Module, inputs: dict[str, torch.Tensor], temperature: float,
+                              first: int = 1) -> torch.Tensor:
+    """Logits about tokens `first`..T-1 (`first` >= 1): the LM head runs on those positions only."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}; use the sampling temperature")
-    logits = model(**inputs).logits[:, :-1]
+    keep = {"logits_to_keep": inputs["input_ids"].shape[1] - first + 1} if first > 1 else {}
+    logits = model(**inputs, **keep).logits[:, :-1]
     # OpenAI detail: logprobs come from logits / sampling temperature, matching the sampler.
     return logits / temperature
 
 
-def token_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
-    """``[b, T]``: ``log p(input_ids[:, t] | < t)`` at temperature; 0 at t=0."""
+def _first_needed(batch: dict[str, torch.Tensor], actions_only: bool) -> int:
+    """The first token whose logprob is wanted: 1, or with `actions_only` on padded rows the leftmost
+    action column (the prompt's logits are never used, and the LM head over a large vocabulary is a good
+    share of a small model's compute; TRL and veRL skip it the same way). Packed rows mix prompts and
+    responses in every column, so they keep every position."""
+    length = batch["input_ids"].shape[1]
+    if not actions_only or "packed_index" in batch or length < 3:
+        return 1
+    columns = batch["action_mask"].any(dim=0).nonzero()
+    first = int(columns[0]) if len(columns) else length - 1  # a stand-in: one position keeps the graph whole
+    return min(max(first, 1), length - 1)
+
+
+def _next_token_rows(batch: dict[str, torch.Tensor], values: torch.Tensor, first: int,
+                     actions_only: bool) -> torch.Tensor:
+    """Values about tokens `first`..T-1 as `[b, T]` rows (`to_rows`); with `actions_only`, 0 off the actions."""
+    rows = to_rows(batch, torch.nn.functional.pad(values, (first - 1, 0)))
+    return rows * batch["action_mask"].to(rows.device, rows.dtype) if actions_only else rows
+
+
+def token_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0,
+                   actions_only: bool = False) -> torch.Tensor:
+    """``[b, T]``: ``log p(input_ids[:, t] | < t)`` at temperature; 0 at t=0, and with `actions_only`
+    0 on every token that is not an action (computed for the actions only)."""
     inputs = model_inputs(batch)
-    logits = _scaled_next_token_logits(model, inputs, temperature)
-    return to_rows(batch, logprobs_from_logits(logits, inputs["input_ids"][:, 1:]))
+    first = _first_needed(batch, actions_only)
+    logits = _scaled_next_token_logits(model, inputs, temperature, first)
+    return _next_token_rows(batch, logprobs_from_logits(logits, inputs["input_ids"][:, first:]), first, actions_only)
 
 
 def token_logprobs_and_entropy(
-    model: nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0, entropy_grad: bool = True
+    model: nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0, entropy_grad: bool = True,
+    actions_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[b, T]`` logprobs and entropies of the distribution each token was drawn from.
+    """``[b, T]`` logprobs and entropies of the distribution each token was drawn from (`actions_only`:
+    see `token_logprobs`).
 
     ``entropy_grad=False`` (no entropy bonus: the entropy is only logged) keeps the vocabulary-wide
     entropy out of the backward pass.
     """
     inputs = model_inputs(batch)
-    logits = _scaled_next_token_logits(model, inputs, temperature)
-    logprobs = logprobs_from_logits(logits, inputs["input_ids"][:, 1:])
+    first = _first_needed(batch, actions_only)
+    logits = _scaled_next_token_logits(model, inputs, temperature, first)
+    logprobs = logprobs_from_logits(logits, inputs["input_ids"][:, first:])
     entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-    return to_rows(batch, logprobs), to_rows(batch, entropy)
+    return (_next_token_rows(batch, logprobs, first, actions_only),
+            _next_token_rows(batch, entropy, first, actions_only))
 
 
 # --------------------------------------------------------------------------- critic

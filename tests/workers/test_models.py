@@ -64,6 +64,31 @@ def test_token_logprobs_match_manual_gather_with_temperature(policy, tokenizer):
     torch.testing.assert_close(entropy[:, 1:][mask], manual_entropy[mask], atol=1e-4, rtol=1e-4)
 
 
+def test_action_only_logprobs_and_gradients_equal_the_full_ones_on_the_actions(policy, tokenizer):
+    """`actions_only` runs the LM head from the leftmost action column on: the same numbers and the same
+    gradients on the action tokens as the full pass, 0 elsewhere."""
+    batch = _batch(tokenizer, ["the old man walked to the market today", "she smiled", "a cat sat on it"],
+                   n_actions=2)
+    batch["action_mask"][1] = 0  # a row with no action at all
+    mask = batch["action_mask"].float()
+    grads = []
+    for actions_only in (False, True):
+        policy.zero_grad()
+        logprobs, entropy = token_logprobs_and_entropy(policy, batch, 0.7, actions_only=actions_only)
+        if actions_only:
+            assert torch.all(logprobs[mask == 0] == 0) and torch.all(entropy[mask == 0] == 0)
+            torch.testing.assert_close(token_logprobs(policy, batch, 0.7, actions_only=True), logprobs)
+        ((logprobs * mask).sum() + (entropy * mask).sum()).backward()
+        grads.append([p.grad.clone() for p in policy.parameters()])
+        if not actions_only:
+            full = (logprobs * mask, entropy * mask)
+    torch.testing.assert_close(logprobs, full[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(entropy, full[1], atol=1e-6, rtol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    policy.zero_grad()
+
+
 def test_left_padded_query_inside_row_matches_unpadded(policy, tokenizer):
     """OpenAI detail: exclusive-cumsum position ids make padding inside a row invisible."""
     query = tokenizer("the dark room")["input_ids"]
