@@ -73,13 +73,14 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """Optimizer by config name: ``adam``/``adamw`` are PyTorch's, ``tf_adam`` is :class:`TFAdam`.
 
-    ``foreach=True``: PyTorch only picks the multi-tensor path by itself on CUDA; on CPU with
-    FSDP2's DTensor parameters the per-parameter loop costs about twice as much per step.
+    ``fused=True`` (CPU and CUDA since torch 2.4): one kernel per parameter group instead of a
+    dozen multi-tensor ops, each of which pays FSDP2's DTensor dispatch; on CPU the default
+    per-parameter loop costs about six times as much per step, ``foreach`` three times.
     """
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr, eps=eps, weight_decay=weight_decay, betas=betas, foreach=True)
+        return torch.optim.Adam(params, lr=lr, eps=eps, weight_decay=weight_decay, betas=betas, fused=True)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, eps=eps, weight_decay=weight_decay, betas=betas, foreach=True)
+        return torch.optim.AdamW(params, lr=lr, eps=eps, weight_decay=weight_decay, betas=betas, fused=True)
     if name == "tf_adam":
         return TFAdam(params, lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
     raise ValueError(f"unknown optimizer name={name!r}; choose one of {OPTIMIZER_NAMES}")
