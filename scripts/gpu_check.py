@@ -70,7 +70,9 @@ def run_case(name: str, overrides: list[str], run_dir: Path, timeout_s: float) -
     timed = rows[1:] or rows  # the first step includes warm-up (compilation, allocator)
     for key in SPLIT:
         result[key.split("/")[1]] = round(statistics.median(r[key] for r in timed), 3)
-    result["behaviour_logprob_gap"] = statistics.median(r["rollout/behaviour_logprob_gap"] for r in rows)
+    # Logged only on steps that recomputed old logprobs (algorithm.old_logprobs=auto skips agreeing engines).
+    gaps = [r["rollout/behaviour_logprob_gap"] for r in rows if "rollout/behaviour_logprob_gap" in r]
+    result["behaviour_logprob_gap"] = statistics.median(gaps) if gaps else 0.0
     result["weight_probe_gap"] = max(r["weight_sync/probe_gap"] for r in rows)
     result["score_first"], result["score_last"] = rows[0]["reward/score_mean"], rows[-1]["reward/score_mean"]
     print(f"ok {name}: step {result['step_s']}s = rollout {result['rollout_s']} + inference {result['inference_s']}"

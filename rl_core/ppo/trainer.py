@@ -294,14 +294,17 @@ def enable_gradient_checkpointing(model) -> None:
     model.config.use_cache = False
 
 
-def score_metrics(exp: Experience) -> dict[str, float]:
-    """Reward and behaviour-policy statistics of a scored batch."""
+def score_metrics(exp: Experience, old_from_engine: bool = False) -> dict[str, float]:
+    """Reward and behaviour-policy statistics of a scored batch (the gap between recomputed old
+    logprobs and the engine's only when they were recomputed: it is 0 by construction otherwise)."""
     n_traj = len(exp.trajectories)
-    gaps = [(old - torch.tensor(seq.behaviour_logprobs)).abs()[torch.tensor(seq.action_mask, dtype=torch.bool)]
-            for old, seq in zip(exp.old_logprobs, exp.sequences)]
-    gap = torch.cat(gaps) if gaps else torch.zeros(0)
-    return {"reward/score_mean": exp.scores.mean().item(),
-            "reward/score_std": exp.scores.std().item() if n_traj > 1 else 0.0,
-            "reward/rejected_frac": exp.rejected.float().mean().item(),
-            "reward/env_mean": sum(t.env_reward for t in exp.trajectories) / max(n_traj, 1),
-            "rollout/behaviour_logprob_gap": gap.mean().item() if gap.numel() else 0.0}
+    metrics = {"reward/score_mean": exp.scores.mean().item(),
+               "reward/score_std": exp.scores.std().item() if n_traj > 1 else 0.0,
+               "reward/rejected_frac": exp.rejected.float().mean().item(),
+               "reward/env_mean": sum(t.env_reward for t in exp.trajectories) / max(n_traj, 1)}
+    if not old_from_engine:
+        gaps = [(old - torch.tensor(seq.behaviour_logprobs)).abs()[torch.tensor(seq.action_mask, dtype=torch.bool)]
+                for old, seq in zip(exp.old_logprobs, exp.sequences)]
+        gap = torch.cat(gaps) if gaps else torch.zeros(0)
+        metrics["rollout/behaviour_logprob_gap"] = gap.mean().item() if gap.numel() else 0.0
+    return metrics
