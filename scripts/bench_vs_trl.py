@@ -1,7 +1,7 @@
 """The arithmetic GRPO recipe side by side with Hugging Face TRL's GRPOTrainer, in one run.
 
     python scripts/bench_vs_trl.py [--batches 60] [--eval-every 10] [--trl-position-ids off,on]
-                                   [--nproc 2] [--project-overrides key=value ...]
+                                   [--nproc 1] [--project-overrides key=value ...]
 
 Both sides train the same tiny chat policy (`tiny-arithmetic`) on the same prompts, with the
 same reward functions (`rl_core.rewards.math`: exact answer 1.0 + `#### N` format 0.1) and the
@@ -334,7 +334,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=60)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--trl-position-ids", default="off,on", help="TRL runs: off (as shipped), on (patched)")
-    parser.add_argument("--nproc", type=int, default=2, help="the project's ranks")
+    # One rank by default: on 2 cores one trainer and one engine with 2 threads each do the same work as two
+    # of each with 1 thread (sync mode runs them in turn), and the tree holds one torch process pair fewer.
+    parser.add_argument("--nproc", type=int, default=1, help="the project's ranks (torchrun --nproc_per_node)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="TRL's torch threads")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--trl-venv", default=str(REPO / ".venv-trl"))
