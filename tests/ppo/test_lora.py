@@ -44,8 +44,9 @@ def test_lora_actor_pushes_merged_weights_and_exports_its_adapter(small_job, tmp
     assert [r["step"] for r in rows] == [1, 2, 3]
     # The engines' logprobs after each push match the LoRA actor's: the merge is the trained model.
     assert all(r["weight_sync/probe_gap"] < 1e-4 for r in rows), [r["weight_sync/probe_gap"] for r in rows]
-    # Step 1 samples from the initial actor, whose adapters are zero: the reference (adapters off) agrees exactly.
-    assert rows[0]["kl/mean"] == 0.0
+    # Step 1 samples from the initial actor, whose adapters are zero: the reference (adapters off) is the same
+    # model, so the KL is float rounding only (pi_old is the engine's cached decode, the reference a full pass).
+    assert abs(rows[0]["kl/mean"]) < 1e-5
     assert rows[-1]["kl/mean"] != 0.0  # trained adapters move the actor away from the reference
     final = run_dir / "final"
     config = json.loads((final / "adapter_config.json").read_text())
