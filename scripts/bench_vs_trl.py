@@ -286,7 +286,7 @@ def trl_run(args, python: Path, paths, workdir: Path, position_ids: str) -> dict
 
 # ---------------------------------------------------------------------------------------------- report
 
-def time_to_accuracy(result: dict, eval_every: int) -> float | None:
+def time_to_accuracy(result: dict) -> float | None:
     """Training seconds until the first evaluation at or above TARGET_ACCURACY (None: never)."""
     for batch, accuracy in result["evals"]:
         if accuracy >= TARGET_ACCURACY:
@@ -294,10 +294,10 @@ def time_to_accuracy(result: dict, eval_every: int) -> float | None:
     return None
 
 
-def summary(result: dict, eval_every: int) -> dict:
+def summary(result: dict) -> dict:
     return {"median_batch_s": statistics.median(result["batch_s"]), "wall_s": result["wall_s"],
             "accuracy": {str(b): a for b, a in result["evals"]},
-            "time_to_0.95_s": time_to_accuracy(result, eval_every), "peak_pss_gb": result["peak_pss_gb"],
+            "time_to_0.95_s": time_to_accuracy(result), "peak_pss_gb": result["peak_pss_gb"],
             "peak_rss_gb": result["peak_rss_gb"], "processes": result["processes"],
             "work": {k: result[k] for k in ("prompts", "completions", "tokens", "optimizer_steps")}}
 
@@ -366,11 +366,10 @@ def main() -> None:
     batch_size = args.prompts * args.group_size
     sides, project = {}, None
     for flag in [f for f in args.trl_position_ids.split(",") if f]:
-        sides[f"TRL {TRL_VERSION} position ids {flag}"] = summary(trl_run(args, python, paths, workdir, flag),
-                                                                  args.eval_every)
+        sides[f"TRL {TRL_VERSION} position ids {flag}"] = summary(trl_run(args, python, paths, workdir, flag))
     if not args.skip_project:
         project = project_side(args, paths, workdir)
-        sides = {"this project": summary(project, args.eval_every), **sides}
+        sides = {"this project": summary(project), **sides}
     check_same_work(sides, args.batches, batch_size)
     print_table(sides)
     if project is not None:

@@ -71,7 +71,8 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
             #    they are the trainer's (sync, probe gap within algorithm.old_logprobs_max_gap): no recompute
             old_from_engine = old_logprobs_from_engine(cfg, job.probe_gap)
             exp = trainer.score(trajectories, old_from_engine)
-            metrics.update(score_metrics(exp, old_from_engine), **{"perf/old_logprobs_from_engine": float(old_from_engine)})
+            metrics.update(score_metrics(exp, old_from_engine))
+            metrics["perf/old_logprobs_from_engine"] = float(old_from_engine)
         with timer("train"):
             # 4. scores: reward model (OpenAI rejection penalty: no period after token 16 -> fixed score)
             #    + reward functions, truncation penalty, overlong shaping
