@@ -98,6 +98,25 @@ def test_rows_joining_and_leaving_at_any_step_match_a_plain_forward(runner, hf_m
 
 
 @pytest.mark.timeout(120)
+def test_requests_with_one_prompt_are_prefilled_once_and_decode_as_if_alone(runner, hf_model):
+    group = [40, 41, 42, 43, 44, 45]
+    params = {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True}
+    staged = ([(0, group, {**params, "sampling_seed": seed}) for seed in range(4)]  # a GRPO group of 4
+              + [(0, [7, 8], params)]
+              + [(3, group, {**params, "sampling_seed": 10 + seed}) for seed in range(3)])  # the same prompt, later
+    prefilled = runner.stats["prompts_prefilled"]
+    results = decode(runner, staged)
+    assert runner.stats["prompts_prefilled"] - prefilled == 3  # two distinct prompts at step 0, one at step 3
+    for (_, prompt, _), (request, _) in zip(staged, results):
+        logprobs, _ = plain_logprobs(hf_model, prompt, request.output_ids, 1.0)
+        expected = logprobs.gather(-1, torch.tensor(request.output_ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(request.logprobs), expected, atol=1e-4, rtol=0)
+    alone = decode(runner, [(0, group, {**params, "sampling_seed": 2})])[0][0]
+    assert results[2][0].output_ids == alone.output_ids  # seeded: the same tokens with or without its group
+    assert len({tuple(request.output_ids) for request, _ in results[:4]}) > 1
+
+
+@pytest.mark.timeout(120)
 def test_stop_tokens_end_rows_mid_batch_and_others_continue(runner, hf_model):
     free = {"max_new_tokens": 60, "temperature": 1.5, "ignore_eos": False}
     first = decode(runner, [(0, [20], {**free, "sampling_seed": 3})])[0][0]

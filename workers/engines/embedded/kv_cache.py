@@ -86,9 +86,11 @@ class SlotCache(Cache):
 
     # -- joining rows
 
-    def begin_join(self, new_rows: int, prompt_mask: torch.Tensor, max_new_tokens: int) -> None:
+    def begin_join(self, new_rows: int, prompt_mask: torch.Tensor, max_new_tokens: int,
+                   computed_rows: int | None = None) -> None:
         """Make room for `new_rows` left-padded prompts ending at column `end`; the next forward
-        (their prefill) writes rows `rows .. rows+new_rows-1`, columns `end-width .. end-1`."""
+        (their prefill) writes rows `rows .. rows+computed_rows-1` (default all new rows), columns
+        `end-width .. end-1`."""
         width = prompt_mask.shape[1]
         if self.rows == 0:  # nothing to keep: the prompts start at column 0
             self.start = self.end = self.reserved_end = width
@@ -107,11 +109,18 @@ class SlotCache(Cache):
         first = self.end - width
         self.mask[self.rows:self.rows + new_rows] = False
         self.mask[self.rows:self.rows + new_rows, first:self.end] = prompt_mask.to(self.device, torch.bool)
-        self.rows_from, self.rows_to = self.rows, self.rows + new_rows
+        self.rows_from, self.rows_to = self.rows, self.rows + (computed_rows or new_rows)
         self.write_at = self.read_from = first
 
-    def end_join(self, new_rows: int) -> None:
-        """The joined rows are running; the window now also covers their prompts."""
+    def end_join(self, new_rows: int, source: torch.Tensor | None = None) -> None:
+        """The joined rows are running; the window now also covers their prompts. With `source`, only
+        distinct prompts were computed: joining row i takes the keys and values of computed row source[i]."""
+        if source is not None:
+            rows, computed = slice(self.rows, self.rows + new_rows), source.to(self.device) + self.rows
+            for layer in self.layers:
+                for name in layer.buffers():
+                    buffer = getattr(layer, name)
+                    buffer[rows, :, self.write_at:self.end] = buffer[computed, :, self.write_at:self.end]
         self.rows += new_rows
         self.start = min(self.start, self.write_at)
 

@@ -96,7 +96,8 @@ class ModelRunner:
         self.released_shapes: dict[str, torch.Size] | None = None
         self.adopted: dict[str, int] = {}  # parameter -> weight-update session whose buffer holds it
         self.stats = {"batches_run": 0, "forward_steps": 0, "max_batch_seen": 0, "rows_run": 0,
-                      "requests_finished": 0, "tokens_generated": 0, "kv_relayouts": 0}
+                      "requests_finished": 0, "tokens_generated": 0, "kv_relayouts": 0,
+                      "prompts_prefilled": 0}
 
     def _eos_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -232,11 +233,17 @@ class ModelRunner:
         self.stats["batches_run"] += 1
         self.stats["rows_run"] += len(requests)
         params = [r.params for r in requests]
-        input_ids, mask, positions = self._left_padded(requests)
+        # A prompt shared by several joining requests (a GRPO group's responses) is computed once and its
+        # keys and values copied to the other rows, as SGLang's radix cache computes a shared prefix once.
+        distinct, source = _distinct_prompts(requests)
+        self.stats["prompts_prefilled"] += len(distinct)
+        input_ids, distinct_mask, positions = self._left_padded(distinct)
+        mask = distinct_mask[source]
         wants_input = [r.logprob_start_len >= 0 for r in requests]
-        batch.cache.begin_join(len(requests), mask, max(p.max_new_tokens for p in params))
-        logits = self._forward(input_ids, mask, positions, batch.cache, last_only=not any(wants_input))
-        batch.cache.end_join(len(requests))
+        batch.cache.begin_join(len(requests), mask, max(p.max_new_tokens for p in params), computed_rows=len(distinct))
+        logits = self._forward(input_ids, distinct_mask, positions, batch.cache, last_only=not any(wants_input))
+        batch.cache.end_join(len(requests), source if len(distinct) < len(requests) else None)
+        logits = logits[source] if len(distinct) < len(requests) else logits
         for row, request in enumerate(requests):
             if wants_input[row]:
                 request.input_logprobs = self._input_logprobs(logits[row], request)
@@ -390,6 +397,19 @@ class DecodeBatch:
         self.sampling = self.sampling.select(index)
         if not self.requests:
             self.can_stop = False
+
+
+def _distinct_prompts(requests: list[GenRequest]) -> tuple[list[GenRequest], torch.Tensor]:
+    """The first request of each distinct prompt, and for every request the index of its prompt's."""
+    index_of: dict[tuple[int, ...], int] = {}
+    distinct, source = [], []
+    for request in requests:
+        key = tuple(request.prompt_ids)
+        if key not in index_of:
+            index_of[key] = len(distinct)
+            distinct.append(request)
+        source.append(index_of[key])
+    return distinct, torch.tensor(source, dtype=torch.long)
 
 
 def _adoptable(tensor: torch.Tensor, param: torch.Tensor) -> bool:
