@@ -239,67 +239,121 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, eos_token_id: i
     return completions
 
 
+def grid_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Token positions the model runs on for this micro-batch: the padded or the packed rows' size."""
+    return (batch["packed_input_ids"] if "packed_index" in batch else batch["input_ids"]).numel()
+
+
 def padding_fraction(batch: dict[str, torch.Tensor]) -> float:
     """Share of the grid the model runs on (the packed rows when packed) that is padding (wasted compute)."""
-    grid = batch["packed_input_ids"] if "packed_index" in batch else batch["attention_mask"]
-    return 1.0 - batch["attention_mask"].sum().item() / grid.numel()
+    if "packed_index" in batch:  # a shared prompt is one run of tokens however many sequences read it
+        return 1.0 - (batch["packed_segment_ids"] >= 0).sum().item() / batch["packed_segment_ids"].numel()
+    return 1.0 - batch["attention_mask"].sum().item() / batch["attention_mask"].numel()
 
 
 # --------------------------------------------------------------------------- padding-free micro-batches
 
 
-def pack(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False) -> dict[str, torch.Tensor]:
     """`batch` (from `make_micro_batch`) plus the layout the model then runs on: each row's real tokens
     back to back in as few rows as hold them (first fit, longest first, each row as long as the
-    longest sequence, so attention costs what it did padded and only the padding goes).
+    longest unit, so attention costs about what it did padded and only the padding goes).
 
-    Adds `packed_input_ids`, `packed_position_ids` (restarting at each sequence, so the same as the
-    padded rows' `exclusive_cumsum`), `packed_segment_ids` (-1 for padding) and `packed_index` (where
-    each padded position went, as a flat index into the packed rows; -1 for padding). The loss side
-    keeps the padded `[b, T]` rows: `to_rows` brings the model's outputs back to them.
+    A unit is one sequence, or with `share_prompts` every sequence of the micro-batch with the same
+    prompt (its real tokens before the first action): the prompt once, then each sequence's rest,
+    which attends to the shared prompt and to itself (a GRPO group's responses are computed on one
+    copy of their prompt; exact, as the rest of a sequence only ever reads the prompt's keys and values).
+
+    Adds `packed_input_ids`, `packed_position_ids` (each sequence's own positions, the same as the
+    padded rows' `exclusive_cumsum`), `packed_segment_ids` (-1 for padding), `packed_context_ids` (the
+    segment a position may read besides its own: the shared prompt's, else its own) and `packed_index`
+    (where each padded position went, as a flat index into the packed rows; -1 for padding; a shared
+    prompt's tokens are one place for all its sequences). The loss side keeps the padded `[b, T]`
+    rows: `rows_about_tokens` (and `to_rows` without shared prompts) brings outputs back to them.
     """
     real = batch["attention_mask"].bool()
-    lengths = real.sum(dim=1).tolist()
-    longest = max(lengths)
+    columns = [real[row].nonzero().squeeze(1) for row in range(real.shape[0])]
+    units = _packing_units(batch, columns, share_prompts)  # (shared prompt length, rows)
+    sizes = [prompt + sum(len(columns[row]) - prompt for row in rows) for prompt, rows in units]
+    longest = max(sizes)
     bins: list[list[int]] = []
     loads: list[int] = []
-    for row in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        fits = next((b for b, load in enumerate(loads) if load + lengths[row] <= longest), None)
+    for unit in sorted(range(len(units)), key=lambda u: -sizes[u]):
+        fits = next((b for b, load in enumerate(loads) if load + sizes[unit] <= longest), None)
         if fits is None:
-            bins.append([row])
-            loads.append(lengths[row])
+            bins.append([unit])
+            loads.append(sizes[unit])
         else:
-            bins[fits].append(row)
-            loads[fits] += lengths[row]
+            bins[fits].append(unit)
+            loads[fits] += sizes[unit]
     width = max(loads)
     ids = torch.zeros(len(bins), width, dtype=torch.long)  # id 0 under padding (OpenAI detail, prepare_inputs)
     positions = torch.zeros(len(bins), width, dtype=torch.long)
     segments = torch.full((len(bins), width), -1, dtype=torch.long)
+    contexts = torch.full((len(bins), width), -1, dtype=torch.long)
     index = torch.full(real.shape, -1, dtype=torch.long)
+    segment = 0
     for packed_row, members in enumerate(bins):
         start = 0
-        for segment, row in enumerate(members):
-            columns = real[row].nonzero().squeeze(1)
-            span = torch.arange(start, start + len(columns))
-            ids[packed_row, span] = batch["input_ids"][row, columns]
-            positions[packed_row, span] = torch.arange(len(columns))
-            segments[packed_row, span] = segment
-            index[row, columns] = packed_row * width + span
-            start += len(columns)
-    return {**batch, "packed_input_ids": ids, "packed_position_ids": positions, "packed_segment_ids": segments,
-            "packed_index": index}
+        for unit in members:
+            prompt, rows = units[unit]
+            prompt_segment = segment
+            if prompt:  # the shared prompt, once
+                span = torch.arange(start, start + prompt)
+                first = rows[0]
+                ids[packed_row, span] = batch["input_ids"][first, columns[first][:prompt]]
+                positions[packed_row, span] = torch.arange(prompt)
+                segments[packed_row, span] = contexts[packed_row, span] = segment
+                for row in rows:
+                    index[row, columns[row][:prompt]] = packed_row * width + span
+                start, segment = start + prompt, segment + 1
+            for row in rows:  # each sequence's own tokens (all of them when nothing is shared)
+                own = columns[row][prompt:]
+                span = torch.arange(start, start + len(own))
+                ids[packed_row, span] = batch["input_ids"][row, own]
+                positions[packed_row, span] = torch.arange(prompt, prompt + len(own))
+                segments[packed_row, span] = segment
+                contexts[packed_row, span] = prompt_segment if prompt else segment
+                index[row, own] = packed_row * width + span
+                start, segment = start + len(own), segment + 1
+    out = {**batch, "packed_input_ids": ids, "packed_position_ids": positions, "packed_segment_ids": segments,
+           "packed_context_ids": contexts, "packed_index": index}
+    if any(prompt for prompt, _ in units):
+        out["packed_shared_prompts"] = torch.tensor(1)  # marker: `to_rows`' shift does not hold
+    return out
+
+
+def _packing_units(batch: dict[str, torch.Tensor], columns: list[torch.Tensor],
+                   share_prompts: bool) -> list[tuple[int, list[int]]]:
+    """`(prompt length, rows)`: rows whose first `prompt length` real tokens are packed once (0: none)."""
+    if not share_prompts:
+        return [(0, [row]) for row in range(len(columns))]
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    units: list[tuple[int, list[int]]] = []
+    for row, real_columns in enumerate(columns):
+        actions = batch["action_mask"][row, real_columns].nonzero()
+        if len(actions) == 0 or int(actions[0]) == 0:  # nothing before an action to share
+            units.append((0, [row]))
+            continue
+        prompt = batch["input_ids"][row, real_columns[:int(actions[0])]]
+        by_prompt.setdefault(tuple(prompt.tolist()), []).append(row)
+    for prompt, rows in by_prompt.items():
+        units.append((len(prompt) if len(rows) > 1 else 0, rows))
+    return units
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What the model runs on: the padded rows (`prepare_inputs`), or the packed ones with a
-    block-diagonal causal mask (a token sees the earlier tokens of its own sequence only; padding
-    sees itself), exact with any attention kernel that takes a 4-D boolean mask (sdpa, eager)."""
+    block-diagonal causal mask (a token sees the earlier tokens of its own sequence, and of its shared
+    prompt; padding sees itself), exact with any attention kernel that takes a 4-D boolean mask (sdpa, eager)."""
     if "packed_index" not in batch:
         return prepare_inputs(batch)
     segments = batch["packed_segment_ids"]
+    contexts = batch.get("packed_context_ids", segments)
     length = segments.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
-    mask = causal[None] & (segments[:, :, None] == segments[:, None, :])
+    same = (segments[:, :, None] == segments[:, None, :]) | (contexts[:, :, None] == segments[:, None, :])
+    mask = causal[None] & same
     return {"input_ids": batch["packed_input_ids"], "attention_mask": mask[:, None],
             "position_ids": batch["packed_position_ids"]}
 
@@ -311,6 +365,8 @@ def to_rows(batch: dict[str, torch.Tensor], next_token_values: torch.Tensor) -> 
     values = _prepend_zero(next_token_values)
     if "packed_index" not in batch:
         return values
+    if "packed_shared_prompts" in batch:
+        raise ValueError("to_rows shifts by one packed position, which a shared prompt breaks; use rows_about_tokens")
     starts = batch["packed_position_ids"].to(values.device) == 0
     index = batch["packed_index"].to(values.device)
     flat = values.masked_fill(starts, 0.0).flatten()
@@ -349,45 +405,74 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits.float(), dim=-1) - (probs * logits.float()).sum(dim=-1)
 
 
-def _scaled_next_token_logits(model: nn.Module, inputs: dict[str, torch.Tensor], temperature: float,
-                              first: int = 1) -> torch.Tensor:
-    """Logits about tokens `first`..T-1 (`first` >= 1): the LM head runs on those positions only."""
+def rows_about_tokens(batch: dict[str, torch.Tensor], per_position: torch.Tensor, first: int = 1) -> torch.Tensor:
+    """The model's outputs (`[n, L, ...]` in the `model_inputs` layout) at the position just before
+    each token `first`..T-1 of the padded rows: `[b, T-first, ...]`, what the model said about that
+    token. Packed, it is gathered through `packed_index` (a shared prompt's last position is the one
+    before every first response token of its group); rows whose previous token is padding get row 0's
+    output: mask them (they are never actions)."""
+    if "packed_index" not in batch:
+        return per_position[:, first - 1:-1]
+    previous = batch["packed_index"][:, first - 1:-1].to(per_position.device)
+    return per_position.flatten(0, 1)[previous.clamp(min=0)]
+
+
+def _token_logits(model: nn.Module, batch: dict[str, torch.Tensor], temperature: float, first: int) -> torch.Tensor:
+    """`[b, T-first, V]` logits about tokens `first`..T-1 (`first` >= 1) of the padded rows; padded rows
+    run the LM head on those positions only."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}; use the sampling temperature")
-    keep = {"logits_to_keep": inputs["input_ids"].shape[1] - first + 1} if first > 1 else {}
-    logits = model(**inputs, **keep).logits[:, :-1]
+    packed = "packed_index" in batch
+    keep = {"logits_to_keep": batch["input_ids"].shape[1] - first + 1} if first > 1 and not packed else {}
+    logits = model(**model_inputs(batch), **keep).logits
+    logits = rows_about_tokens(batch, logits, first) if packed else logits[:, :-1]
     # OpenAI detail: logprobs come from logits / sampling temperature, matching the sampler.
     return logits / temperature
 
 
 def _first_needed(batch: dict[str, torch.Tensor], actions_only: bool) -> int:
-    """The first token whose logprob is wanted: 1, or with `actions_only` on padded rows the leftmost
-    action column (the prompt's logits are never used, and the LM head over a large vocabulary is a good
-    share of a small model's compute; TRL and veRL skip it the same way). Packed rows mix prompts and
-    responses in every column, so they keep every position."""
+    """The first token whose logprob is wanted: 1, or with `actions_only` the leftmost action column (the
+    prompt's logits are never used, and the LM head over a large vocabulary is a good share of a small
+    model's compute; TRL and veRL skip it the same way)."""
     length = batch["input_ids"].shape[1]
-    if not actions_only or "packed_index" in batch or length < 3:
+    if not actions_only or length < 3:
         return 1
     columns = batch["action_mask"].any(dim=0).nonzero()
     first = int(columns[0]) if len(columns) else length - 1  # a stand-in: one position keeps the graph whole
     return min(max(first, 1), length - 1)
 
 
-def _next_token_rows(batch: dict[str, torch.Tensor], values: torch.Tensor, first: int,
-                     actions_only: bool) -> torch.Tensor:
-    """Values about tokens `first`..T-1 as `[b, T]` rows (`to_rows`); with `actions_only`, 0 off the actions."""
-    rows = to_rows(batch, torch.nn.functional.pad(values, (first - 1, 0)))
-    return rows * batch["action_mask"].to(rows.device, rows.dtype) if actions_only else rows
+def _labels(batch: dict[str, torch.Tensor], first: int, device: torch.device) -> torch.Tensor:
+    """Tokens `first`..T-1 of the padded rows, id 0 under padding (a pad id may lie outside the vocabulary)."""
+    ids = batch["input_ids"][:, first:].masked_fill(batch["attention_mask"][:, first:] == 0, 0)
+    return ids.to(device)
+
+
+def _as_rows(batch: dict[str, torch.Tensor], values: torch.Tensor, first: int, actions_only: bool) -> torch.Tensor:
+    """Values about tokens `first`..T-1 as `[b, T]` rows: 0 before `first`, at each sequence's first real
+    token (nothing of its own predicts it) and, with `actions_only`, off the actions."""
+    rows = torch.nn.functional.pad(values, (first, 0))
+    keep = batch["action_mask"] if actions_only else _has_previous_token(batch)
+    return rows * keep.to(rows.device, rows.dtype)
+
+
+def _has_previous_token(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`[b, T]` 1 where a token and the one before it are real: every real token but the first (padded
+    rows keep every column but 0, as they always did; the losses mask padding)."""
+    if "packed_index" not in batch:
+        return torch.ones_like(batch["attention_mask"]).index_fill_(1, torch.tensor([0]), 0)
+    index = batch["packed_index"]
+    previous = torch.nn.functional.pad(index[:, :-1], (1, 0), value=-1)
+    return ((previous >= 0) & (index >= 0)).long()
 
 
 def token_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0,
                    actions_only: bool = False) -> torch.Tensor:
     """``[b, T]``: ``log p(input_ids[:, t] | < t)`` at temperature; 0 at t=0, and with `actions_only`
     0 on every token that is not an action (computed for the actions only)."""
-    inputs = model_inputs(batch)
     first = _first_needed(batch, actions_only)
-    logits = _scaled_next_token_logits(model, inputs, temperature, first)
-    return _next_token_rows(batch, logprobs_from_logits(logits, inputs["input_ids"][:, first:]), first, actions_only)
+    logits = _token_logits(model, batch, temperature, first)
+    return _as_rows(batch, logprobs_from_logits(logits, _labels(batch, first, logits.device)), first, actions_only)
 
 
 def token_logprobs_and_entropy(
@@ -400,13 +485,11 @@ def token_logprobs_and_entropy(
     ``entropy_grad=False`` (no entropy bonus: the entropy is only logged) keeps the vocabulary-wide
     entropy out of the backward pass.
     """
-    inputs = model_inputs(batch)
     first = _first_needed(batch, actions_only)
-    logits = _scaled_next_token_logits(model, inputs, temperature, first)
-    logprobs = logprobs_from_logits(logits, inputs["input_ids"][:, first:])
+    logits = _token_logits(model, batch, temperature, first)
+    logprobs = logprobs_from_logits(logits, _labels(batch, first, logits.device))
     entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-    return (_next_token_rows(batch, logprobs, first, actions_only),
-            _next_token_rows(batch, entropy, first, actions_only))
+    return _as_rows(batch, logprobs, first, actions_only), _as_rows(batch, entropy, first, actions_only)
 
 
 # --------------------------------------------------------------------------- critic
@@ -457,7 +540,7 @@ class ValueModel(nn.Module):
 
 def token_values(value_model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """``[b, T]``: ``values[:, t]`` is the critic output at t-1 (value before action token t)."""
-    return to_rows(batch, value_model(**model_inputs(batch))[:, :-1])
+    return _as_rows(batch, rows_about_tokens(batch, value_model(**model_inputs(batch))), 1, actions_only=False)
 
 
 # --------------------------------------------------------------------------- reward model

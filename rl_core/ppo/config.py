@@ -154,6 +154,11 @@ class AlgorithmConfig:
     # Padding-free micro-batches (workers.models.pack): the model runs on the sequences' real tokens
     # back to back, attention kept inside each; the same losses and gradients as padded rows.
     packing: bool = False
+    # With packing: the sequences of a micro-batch with the same prompt (a GRPO group) hold it once and
+    # attend to that copy, so the prompt is computed once, not group_size times; the same losses and
+    # gradients. Each group becomes one packed row as long as its prompt and all its responses, so
+    # attention (quadratic in a row's length) grows with long responses: best for short ones.
+    share_prompts: bool = False
     lr: float = 1.41e-5
     critic_lr: Optional[float] = None
     optimizer: str = choice("adam", OPTIMIZER_NAMES)
@@ -279,6 +284,8 @@ def validate(cfg: PPOConfig) -> None:
             "(several responses per prompt to form a baseline)")
     require(algo.noptepochs >= 1, f"config key 'algorithm.noptepochs' must be >= 1, got {algo.noptepochs}")
     require(algo.max_tokens_per_device > 0, "config key 'algorithm.max_tokens_per_device' must be > 0")
+    require(algo.packing or not algo.share_prompts,
+            "algorithm.share_prompts=true packs a group's prompt once, so it needs algorithm.packing=true; set both")
     require(0.0 <= algo.gamma <= 1.0 and 0.0 <= algo.lam <= 1.0, "algorithm.gamma and algorithm.lam must be in [0, 1]")
     require(algo.lr > 0, f"config key 'algorithm.lr' must be > 0, got {algo.lr}")
     require(algo.kl.horizon > 0, "config key 'algorithm.kl.horizon' must be > 0")

@@ -88,7 +88,9 @@ class PPOTrainer:
         if not real:  # a stand-in: same shapes, nothing to learn from
             chosen = [{**chosen[0], "action_mask": [0] * len(chosen[0]["action_mask"])}]
         batch = models.make_micro_batch(chosen, self.tokenizer.pad_token_id)
-        return models.to_device(models.pack(batch) if self.cfg.algorithm.packing else batch, self.device)
+        algo = self.cfg.algorithm
+        packed = models.pack(batch, share_prompts=algo.share_prompts) if algo.packing else batch
+        return models.to_device(packed, self.device)
 
     def _distributed_map(self, rows: list[dict], fn: Callable) -> list[torch.Tensor]:
         """Run `fn(micro_batch)` over this rank's balanced share; every rank gets every row's outputs.
@@ -211,6 +213,7 @@ class PPOTrainer:
         metrics = self.actor.forward_backward(micro, functools.partial(self._policy_loss, denominator=denominator))
         out = {k: reduce_metric(k, v) for k, v in metrics.items() if k != "loss"}
         out["perf/padding_fraction"] = sum(models.padding_fraction(b) for b in micro) / len(micro)
+        out["perf/train_grid_tokens"] = sum(models.grid_tokens(b) for b in micro)  # positions this rank ran per minibatch
         out["policy/loss"] = sum(metrics["loss"])
         out["policy/grad_norm"] = self.actor.step()
         if self.critic is not None:

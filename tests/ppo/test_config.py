@@ -25,6 +25,8 @@ def test_impossible_combinations():
         ppo("model.lora.rank=8", "model.lora.dropout=0.1")
     with pytest.raises(ConfigError, match=r"'model.lora.rank' must be >= 0"):
         ppo("model.lora.rank=-1")
+    with pytest.raises(ConfigError, match=r"share_prompts=true packs a group's prompt once, so it needs algorithm.packing=true"):
+        ppo("algorithm.share_prompts=true")
 
 
 def test_engine_dtype_follows_the_training_compute_dtype_unless_set():

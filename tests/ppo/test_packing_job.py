@@ -1,4 +1,4 @@
-"""The PPO job with padding-free micro-batches (algorithm.packing): the same step as padded rows."""
+"""The PPO job with padding-free micro-batches (algorithm.packing, share_prompts): the same step as padded rows."""
 
 import pytest
 
@@ -8,22 +8,26 @@ SAME = ("policy/loss", "value/loss", "policy/approx_kl", "policy/clipfrac", "kl/
         "policy/entropy", "value/vf_clipfrac", "policy/grad_norm", "value/grad_norm")
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_packed_ppo_step_equals_the_padded_one_with_less_padding(small_job, tmp_path):  # noqa: F811
     steps = {}
-    for packing in ("false", "true"):
-        run_dir = tmp_path / packing
+    layouts = {"padded": ["algorithm.packing=false"], "packed": ["algorithm.packing=true"],
+               "shared": ["algorithm.packing=true", "algorithm.share_prompts=true"]}
+    for name, keys in layouts.items():
+        run_dir = tmp_path / name
         # Prompts of 12 to 54 tokens and responses that stop at EOS: rows of unequal length, so padding,
-        # and short rows that two can share a packed row.
-        run_job(small_job, run_dir, "trainer.total_episodes=32", "algorithm.batch_size=32",
-                "data.max_prompt_length=54", "rollout.ignore_eos=false", "rollout.response_length=10",
-                f"algorithm.packing={packing}")
-        steps[packing] = read_metrics(run_dir)[-1]
-    padded, packed = steps["false"], steps["true"]
-    assert padded["step"] == packed["step"] == 1
+        # and short rows that two can share a packed row; 4 responses per prompt for shared prompts.
+        run_job(small_job, run_dir, "trainer.total_episodes=32", "algorithm.batch_size=32", "algorithm.group_size=4",
+                "data.max_prompt_length=54", "rollout.ignore_eos=false", "rollout.response_length=10", *keys)
+        steps[name] = read_metrics(run_dir)[-1]
+    padded = steps["padded"]
+    assert padded["step"] == steps["packed"]["step"] == steps["shared"]["step"] == 1
     # The same initial weights and seeds sample the same batch; scoring and the update then see the
     # same tokens, so only the summation order differs.
-    for key in SAME:
-        assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), key
-    assert packed["perf/padding_fraction"] < padded["perf/padding_fraction"], (packed["perf/padding_fraction"],
-                                                                               padded["perf/padding_fraction"])
+    for name in ("packed", "shared"):
+        for key in SAME:
+            assert steps[name][key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), (name, key)
+    assert steps["packed"]["perf/padding_fraction"] < padded["perf/padding_fraction"]
+    # a group's prompt once instead of 4 times: fewer positions run than packing alone
+    grid = {name: step["perf/train_grid_tokens"] for name, step in steps.items()}
+    assert grid["shared"] < grid["packed"] < grid["padded"], grid

@@ -4,8 +4,8 @@ every per-token quantity the jobs train on comes back to the padded rows equal t
 import pytest
 import torch
 
-from workers.models import (ValueModel, load_causal_lm, make_micro_batch, pack, padding_fraction, token_logprobs,
-                            token_logprobs_and_entropy, token_values)
+from workers.models import (ValueModel, load_causal_lm, make_micro_batch, pack, padding_fraction, to_rows,
+                            token_logprobs, token_logprobs_and_entropy, token_values)
 
 
 def ppo_rows(seed: int = 0) -> list[dict]:
@@ -20,6 +20,39 @@ def ppo_rows(seed: int = 0) -> list[dict]:
                      "action_mask": [0] * (pads + query) + [1] * response,
                      "advantages": torch.randn(length, generator=generator).tolist()})
     return rows
+
+
+def grouped_ppo_rows(seed: int = 0) -> list[dict]:
+    """`ppo_rows` plus two GRPO-like groups: responses to one prompt, left-padded differently."""
+    generator = torch.Generator().manual_seed(seed + 100)
+    rows = ppo_rows(seed)
+    for query, members in ((5, ((1, 7), (1, 2), (3, 11))), (3, ((0, 4), (2, 1)))):
+        prompt = torch.randint(3, 250, (query,), generator=generator).tolist()
+        for pads, response in members:
+            length = pads + query + response
+            rows.append({"input_ids": [0] * pads + prompt + torch.randint(3, 250, (response,), generator=generator).tolist(),
+                         "attention_mask": [0] * pads + [1] * (query + response),
+                         "action_mask": [0] * (pads + query) + [1] * response,
+                         "advantages": torch.randn(length, generator=generator).tolist()})
+    return rows
+
+
+def test_shared_prompts_are_packed_once_per_group():
+    batch = make_micro_batch(grouped_ppo_rows(), pad_token_id=0)
+    plain, shared = pack(batch), pack(batch, share_prompts=True)
+    # the two groups' prompts (5 tokens x 3 responses, 3 x 2) are held once each
+    assert int((shared["packed_segment_ids"] >= 0).sum()) == int(batch["attention_mask"].sum()) - (5 * 2 + 3 * 1)
+    assert int((plain["packed_segment_ids"] >= 0).sum()) == int(batch["attention_mask"].sum())
+    index = shared["packed_index"]
+    flat_ids = shared["packed_input_ids"].flatten()
+    assert torch.equal(flat_ids[index[index >= 0]], batch["input_ids"][index >= 0])
+    assert torch.equal(shared["packed_position_ids"].flatten()[index[index >= 0]], batch["position_ids"][index >= 0])
+    # the group's rows point at the same prompt positions
+    prompt = (batch["attention_mask"] == 1) & (batch["action_mask"] == 0)
+    assert index[5][prompt[5]].tolist() == index[6][prompt[6]].tolist() == index[7][prompt[7]].tolist()
+    assert index[8][prompt[8]].tolist() == index[9][prompt[9]].tolist() != index[5][prompt[5]][:3].tolist()
+    with pytest.raises(ValueError, match="rows_about_tokens"):
+        to_rows(shared, torch.zeros(shared["packed_input_ids"].shape[0], shared["packed_input_ids"].shape[1] - 1))
 
 
 def test_pack_keeps_every_real_token_once_and_drops_the_padding():
@@ -37,16 +70,16 @@ def test_pack_keeps_every_real_token_once_and_drops_the_padding():
     assert torch.equal(packed["packed_position_ids"].flatten()[index[index >= 0]], batch["position_ids"][index >= 0])
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_packed_logprobs_entropy_values_and_gradients_equal_the_padded_ones(tiny_model_dir, temperature):
+@pytest.mark.parametrize("temperature, share_prompts", [(1.0, False), (0.7, False), (1.0, True), (0.7, True)])
+def test_packed_logprobs_entropy_values_and_gradients_equal_the_padded_ones(tiny_model_dir, temperature, share_prompts):
     torch.manual_seed(0)
     policy = load_causal_lm(tiny_model_dir)
     critic = ValueModel.from_pretrained(tiny_model_dir, torch.float32)
     with torch.no_grad():
         critic.head.weight.normal_()  # OpenAI's zero-initialised head would hide a misplaced value
-    padded = make_micro_batch(ppo_rows(), pad_token_id=0)
+    padded = make_micro_batch(grouped_ppo_rows(), pad_token_id=0)
     results = []
-    for batch in (padded, pack(padded)):
+    for batch in (padded, pack(padded, share_prompts=share_prompts)):
         policy.zero_grad()
         critic.zero_grad()
         mask = batch["action_mask"].float()
@@ -57,9 +90,11 @@ def test_packed_logprobs_entropy_values_and_gradients_equal_the_padded_ones(tiny
         grads = {name: p.grad.clone() for name, p in [*policy.named_parameters(), *critic.named_parameters()]}
         with torch.no_grad():
             alone = token_logprobs(policy, batch, temperature)
-        results.append(([t * mask for t in (logprobs, entropy, values, alone)], loss.detach(), grads))
+            actions = token_logprobs(policy, batch, temperature, actions_only=True)
+        results.append(([t * mask for t in (logprobs, entropy, values, alone)] + [actions], loss.detach(), grads))
     (padded_out, padded_loss, padded_grads), (packed_out, packed_loss, packed_grads) = results
-    for name, a, b in zip(("logprobs", "entropy", "values", "token_logprobs"), padded_out, packed_out):
+    names = ("logprobs", "entropy", "values", "token_logprobs", "actions_only")
+    for name, a, b in zip(names, padded_out, packed_out):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)
     assert packed_loss.item() == pytest.approx(padded_loss.item(), rel=1e-5)
     for name, grad in padded_grads.items():
