@@ -77,6 +77,11 @@ class PPOTrainer:
 
     def _micro_batches(self, rows: list[dict]) -> list[tuple[list[int], bool]]:
         algo = self.cfg.algorithm
+        if algo.share_prompts:  # a group's rows stay together (one rank, one micro-batch) to share their prompt
+            units = prompt_units(rows, algo.max_tokens_per_device)
+            lengths = [tokens for _, tokens in units]
+            mine = micro_batches_for_rank(lengths, self.rank, self.world_size, algo.max_tokens_per_device, True)
+            return with_stand_ins([[row for unit in batch for row in units[unit][0]] for batch in mine])
         # Packed, a micro-batch's budget is its real tokens (a left-padded query's [PAD]s are not run).
         lengths = [sum(r["attention_mask"]) if algo.packing and "attention_mask" in r else len(r["input_ids"])
                    for r in rows]
@@ -276,6 +281,31 @@ class PPOTrainer:
         batch = self._collate([{"input_ids": probe_ids, "action_mask": [1] * len(probe_ids)}], [0], real=True)
         with torch.no_grad():
             return models.token_logprobs(self.actor.model, batch, temperature=1.0)[0, 1:].float().cpu().tolist()
+
+
+def prompt_units(rows: list[dict], max_tokens: int) -> list[tuple[list[int], int]]:
+    """`(row indices, tokens run)` per unit of balancing with shared prompts: the rows with the same
+    prompt (real tokens before the first action), packed as the prompt once plus each row's rest,
+    cut into consecutive chunks of at most `max_tokens`; a row without actions is a unit alone."""
+    groups: dict[tuple, list[int]] = {}
+    for index, row in enumerate(rows):
+        kept = row.get("attention_mask") or [1] * len(row["input_ids"])
+        real = [token for token, keep in zip(row["input_ids"], kept) if keep]
+        actions = [action for action, keep in zip(row["action_mask"], kept) if keep]
+        first = actions.index(1) if 1 in actions else None
+        groups.setdefault(("row", index) if not first else tuple(real[:first]), []).append((index, len(real)))
+    units: list[tuple[list[int], int]] = []
+    for key, members in groups.items():
+        prompt = 0 if key[0] == "row" else len(key)
+        chunk, tokens = [], prompt
+        for index, length in members:
+            if chunk and tokens + length - prompt > max_tokens:
+                units.append((chunk, tokens))
+                chunk, tokens = [], prompt
+            chunk.append(index)
+            tokens += length - prompt
+        units.append((chunk, tokens))
+    return units
 
 
 def reduce_metric(key: str, values: list[float]) -> float:
