@@ -87,7 +87,9 @@ class RolloutConfig:
     concurrency: int = 256
     router_policy: str = choice("cache_aware", POLICIES)
     engine_timeout_s: float = 300.0
-    engine_max_batch_size: int = 64
+    # The embedded engine decodes at most this many requests together (SGLang sizes its own batches from
+    # GPU memory): a batch's requests beyond it wait for a whole second wave of decode steps.
+    engine_max_batch_size: int = 256
     dtype: Optional[str] = choice(None, (None, *DTYPES))  # engine weights; null = the training compute dtype
     # Sync mode frees the engine's KV cache and weights while the trainer runs (GPU colocation);
     # false keeps them resident when memory allows (faster, no resume).
