@@ -10,7 +10,9 @@ recipe's hyper-parameters: 16 prompts x 8 completions per batch, 20 new tokens a
 gradient clipping, clip 0.2, k3 KL to the reference in the loss with coefficient 0.01, the
 "seq-mean-token-mean" loss (TRL's `loss_type="grpo"`), group-normalised advantages. Each
 evaluates greedy accuracy on the 200 held-out problems every `--eval-every` batches (not in the
-batch times).
+batch times). The project runs the recipe as shipped: packed micro-batches holding each group's
+prompt once (`algorithm.share_prompts`, exact; `--project-overrides algorithm.packing=false
+algorithm.share_prompts=false` trains on padded rows as TRL does).
 
 TRL runs from its own environment (`.venv-trl`, built by this script when absent: torch 2.13.0,
 trl 1.16.0, and the transformers this project runs, so both use the same model code).
