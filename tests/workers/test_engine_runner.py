@@ -117,6 +117,21 @@ def test_requests_with_one_prompt_are_prefilled_once_and_decode_as_if_alone(runn
 
 
 @pytest.mark.timeout(120)
+def test_a_finished_batch_frees_its_kv_cache_without_the_cycle_collector(runner):
+    import gc
+
+    from workers.engines.embedded.kv_cache import SlotCache
+
+    gc.collect()
+    gc.disable()  # what is left now lives on until the cyclic collector happens to run
+    try:
+        decode(runner, [(0, [40 + i, 41], {"max_new_tokens": 6, "ignore_eos": True}) for i in range(8)])
+        assert not [o for o in gc.get_objects() if isinstance(o, SlotCache)]
+    finally:
+        gc.enable()
+
+
+@pytest.mark.timeout(120)
 def test_stop_tokens_end_rows_mid_batch_and_others_continue(runner, hf_model):
     free = {"max_new_tokens": 60, "temperature": 1.5, "ignore_eos": False}
     first = decode(runner, [(0, [20], {**free, "sampling_seed": 3})])[0][0]

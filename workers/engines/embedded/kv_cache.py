@@ -19,6 +19,8 @@ columns set by `begin_join` (prefill of joining rows) or `begin_decode` (one ste
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -30,7 +32,9 @@ class SlotLayer(CacheLayerMixin):
 
     def __init__(self, cache: "SlotCache"):
         super().__init__()
-        self.cache = cache
+        # A weak reference: cache -> layer -> cache would be a cycle, which only Python's cyclic
+        # collector frees, so every finished batch's KV buffers stayed alive until it ran.
+        self.cache = weakref.proxy(cache)
         self.key_buffer: torch.Tensor | None = None
         self.value_buffer: torch.Tensor | None = None
         self.is_initialized = True
