@@ -26,6 +26,7 @@ def rows() -> list[dict]:
         pads = 2 if i % 3 == 0 else 0  # a left-padded query: attention_mask 0 on its first tokens
         out.append({"input_ids": [100 * i + t for t in range(n)], "action_mask": [0] * 2 + [1] * (n - 2),
                     "attention_mask": [0] * pads + [1] * (n - pads)})
+    out[5]["input_ids"][:2] = out[4]["input_ids"][:2]  # two responses to one prompt (shared when asked)
     return out
 
 
@@ -35,20 +36,21 @@ def per_token_and_per_row(batch):
     return ids * batch["attention_mask"], ids[:, 0]
 
 
-def scorer(rank: int, packing: bool) -> PPOTrainer:
+def scorer(rank: int, layout: str) -> PPOTrainer:
     """The trainer's map without models: only what `_distributed_map` reads."""
     trainer = object.__new__(PPOTrainer)
-    trainer.cfg = types.SimpleNamespace(algorithm=types.SimpleNamespace(max_tokens_per_device=24, packing=packing))
+    algorithm = types.SimpleNamespace(max_tokens_per_device=24, packing=layout != "padded", share_prompts=layout == "shared")
+    trainer.cfg = types.SimpleNamespace(algorithm=algorithm)
     trainer.tokenizer = types.SimpleNamespace(pad_token_id=0)
     trainer.device, trainer.rank, trainer.world_size = torch.device("cpu"), rank, WORLD_SIZE
     return trainer
 
 
-def worker(rank: int, port: int, out_dir: str, packing: bool) -> None:
+def worker(rank: int, port: int, out_dir: str, layout: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
                            timeout=datetime.timedelta(seconds=60))
     try:
-        trainer = scorer(rank, packing)
+        trainer = scorer(rank, layout)
         mine = [i for indices, real in trainer._micro_batches(rows()) if real for i in indices]
         torch.save({"outputs": trainer._distributed_map(rows(), per_token_and_per_row), "mine": mine},
                    f"{out_dir}/rank{rank}.pt")
@@ -57,9 +59,9 @@ def worker(rank: int, port: int, out_dir: str, packing: bool) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("packing", [False, True])  # packed micro-batches still hand `fn` the padded rows
-def test_every_rank_gets_every_rows_outputs(tmp_path, packing):
-    mp.spawn(worker, args=(free_port(), str(tmp_path), packing), nprocs=WORLD_SIZE, join=True)
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared"])  # packed micro-batches still hand `fn` the padded rows
+def test_every_rank_gets_every_rows_outputs(tmp_path, layout):
+    mp.spawn(worker, args=(free_port(), str(tmp_path), layout), nprocs=WORLD_SIZE, join=True)
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
     assert all(r["mine"] for r in results) and sorted(results[0]["mine"] + results[1]["mine"]) == list(range(len(LENGTHS)))
     for result in results:
