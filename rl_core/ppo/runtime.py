@@ -184,8 +184,14 @@ class JobRuntime:
                 return False
 
         dead = []
+        router_down = self.router_url is not None and not answers(self.router_url)
         exit_codes = {name: code for name, code, _ in self.procs.exited()}
-        if self.router_url is not None and ("sglang-router" in exit_codes or not answers(self.router_url)):
+        # A killed router closes its sockets a moment before it can be reaped: give its exit code a moment.
+        give_up = time.monotonic() + 2.0
+        while router_down and "sglang-router" not in exit_codes and time.monotonic() < give_up:
+            time.sleep(0.05)
+            exit_codes = {name: code for name, code, _ in self.procs.exited()}
+        if router_down or "sglang-router" in exit_codes:
             how = f"exited with code {exit_codes['sglang-router']}" if "sglang-router" in exit_codes else "stopped answering"
             dead.append(f"sglang-router {self.router_url} {how} (log {self.log_dir / 'router.log'})")
         dead += [f"engine {url} ({self.engine_places.get(url, 'this node')}) stopped answering "
