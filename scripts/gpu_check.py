@@ -64,7 +64,9 @@ def run_case(name: str, overrides: list[str], run_dir: Path, timeout_s: float) -
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.is_file() else []
     if failed or not rows:
         result["ok"] = False
-        result["error"] = tail.strip().splitlines()[-1] if tail.strip() else "no output"
+        lines = [line.strip() for line in tail.splitlines() if line.strip() and not line.strip().startswith("=")]
+        named = [line for line in lines if "error:" in line.lower() or "Error" in line]
+        result["error"] = (named or lines or ["no output"])[-1]  # torchrun ends with a "====" banner
         print(f"FAILED {name}: {result['error']}\n--- last output ---\n{tail}", flush=True)
         return result
     timed = rows[1:] or rows  # the first step includes warm-up (compilation, allocator)
@@ -89,6 +91,7 @@ def main() -> None:
                         help="extra or changed SGLang ServerArgs (default: the offline kit's flags)")
     parser.add_argument("--engines", default="embedded,sglang")
     parser.add_argument("--models", default="tiny-ppo,86m-grpo")
+    parser.add_argument("--modes", default="sync,async")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case")
     parser.add_argument("--force-cpu", action="store_true", help="run the matrix on CPU (checks this script only)")
     args = parser.parse_args()
@@ -119,7 +122,8 @@ def main() -> None:
         "tiny-ppo": ["algorithm.batch_size=64", f"trainer.total_episodes={64 * args.steps}"],
         "86m-grpo": [f"model.path={large}", "algorithm.advantage_estimator=grpo", "algorithm.group_size=8",
                      "algorithm.batch_size=256", f"trainer.total_episodes={256 * args.steps}", "algorithm.noptepochs=1",
-                     "rollout.response_length=48", "reward.truncate_after=16", "algorithm.lr=1e-5", *mixed],
+                     "rollout.response_length=48", "reward.truncate_after=16", "algorithm.lr=1e-5",
+                     "algorithm.packing=true", "algorithm.share_prompts=true", *mixed],  # as grpo_arithmetic
     }
     models = {name: overrides for name, overrides in models.items() if name in wanted}
     results = []
@@ -128,7 +132,7 @@ def main() -> None:
         if engine == "sglang":
             engine_overrides += [f"rollout.sglang_args.{k}={v}" for k, v in sglang_args.items()]
         for model_name, model_overrides in models.items():
-            for mode in ("sync", "async"):
+            for mode in args.modes.split(","):
                 name = f"{engine}/{model_name}/{mode}"
                 run_dir = workdir / name.replace("/", "-")
                 results.append(run_case(name, [*engine_overrides, *model_overrides, f"trainer.mode={mode}"],

@@ -460,7 +460,9 @@ def _has_previous_token(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """`[b, T]` 1 where a token and the one before it are real: every real token but the first (padded
     rows keep every column but 0, as they always did; the losses mask padding)."""
     if "packed_index" not in batch:
-        return torch.ones_like(batch["attention_mask"]).index_fill_(1, torch.tensor([0]), 0)
+        keep = torch.ones_like(batch["attention_mask"])
+        keep[:, 0] = 0
+        return keep
     index = batch["packed_index"]
     previous = torch.nn.functional.pad(index[:, :-1], (1, 0), value=-1)
     return ((previous >= 0) & (index >= 0)).long()
