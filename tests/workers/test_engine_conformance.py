@@ -8,8 +8,11 @@ never meets it; everything else must agree.
 
 import asyncio
 import dataclasses
+import http.client
 import sys
+import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -287,6 +290,28 @@ def test_flush_cache_only_when_idle(engine):
     busy, idle = run(engine, body)
     assert isinstance(busy, EngineError) and busy.status == 400
     assert not isinstance(idle, EngineError)
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_left_idle_between_rollouts_stays_open(engine):
+    """sglang-router reuses a pooled connection that sat idle for up to 50 s (while the ranks train).
+    SGLang's own default closes it after 5 s, and the next rollout's requests sent on it failed on a
+    GPU ("error sending request"); both engines must keep it open longer than that."""
+    url = urlsplit(engine.url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        connection.request("GET", "/health")
+        assert connection.getresponse().read() is not None
+        opened = connection.sock
+        time.sleep(7)
+        try:
+            connection.request("GET", "/health")
+            status = connection.getresponse().status
+        except (http.client.RemoteDisconnected, ConnectionError) as err:
+            pytest.fail(f"the {engine.kind} engine closed a connection idle for 7 s: {err!r}")
+        assert status == 200 and connection.sock is opened  # the same connection, not a new one
+    finally:
+        connection.close()
 
 
 @pytest.mark.timeout(60)

@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any, Mapping, Sequence
 
+from workers.engines import ENGINE_KEEPALIVE_S
 from workers.procs import ProcessStartError
 
 # Variables torchrun sets for its workers. A server that inherits them takes part in torchrun's
@@ -96,6 +97,8 @@ def server_env(gpu_ids: Sequence[int] | None, base_env: Mapping[str, str] | None
            if key not in TORCHRUN_NAMES and not key.startswith(TORCHRUN_PREFIXES)}
     # Health probes must not generate: a paused or released engine would fail them.
     env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "false"
+    # Keep the router's pooled connections open between rollouts (ENGINE_KEEPALIVE_S); a user's own value wins.
+    env.setdefault("SGLANG_TIMEOUT_KEEP_ALIVE", str(ENGINE_KEEPALIVE_S))
     # expandable_segments breaks torch_memory_saver and CUDA IPC.
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     if device.startswith("cpu"):

@@ -9,6 +9,7 @@ import os
 import torch
 from aiohttp import web
 
+from workers.engines import ENGINE_KEEPALIVE_S
 from workers.engines.embedded.runner import ModelRunner
 from workers.engines.embedded.server import LOG, EmbeddedEngine
 
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     # One access line per request, in uvicorn's shape ('"POST /path HTTP/1.1" 200'), as SGLang's log
     # has: the two engines' logs are records of the same calls, which the tests compare.
     web.run_app(engine.build_app(), host=args.host, port=args.port, access_log=logging.getLogger("aiohttp.access"),
-                access_log_format='%a "%r" %s', print=None, shutdown_timeout=1.0)
+                access_log_format='%a "%r" %s', print=None, shutdown_timeout=1.0, keepalive_timeout=ENGINE_KEEPALIVE_S)
 
 
 if __name__ == "__main__":
