@@ -323,6 +323,13 @@ def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False) -> dict[st
     return out
 
 
+def prompt_of(real_ids: list[int], real_actions: list[int]) -> tuple[int, ...] | None:
+    """The part of a sequence that other sequences may share: its real tokens before its first action;
+    None when it has no action or starts with one. Packing and the balancing of shared prompts use it."""
+    first = next((position for position, action in enumerate(real_actions) if action), 0)
+    return tuple(real_ids[:first]) if first else None
+
+
 def _packing_units(batch: dict[str, torch.Tensor], columns: list[torch.Tensor],
                    share_prompts: bool) -> list[tuple[int, list[int]]]:
     """`(prompt length, rows)`: rows whose first `prompt length` real tokens are packed once (0: none)."""
@@ -331,12 +338,11 @@ def _packing_units(batch: dict[str, torch.Tensor], columns: list[torch.Tensor],
     by_prompt: dict[tuple[int, ...], list[int]] = {}
     units: list[tuple[int, list[int]]] = []
     for row, real_columns in enumerate(columns):
-        actions = batch["action_mask"][row, real_columns].nonzero()
-        if len(actions) == 0 or int(actions[0]) == 0:  # nothing before an action to share
+        prompt = prompt_of(batch["input_ids"][row, real_columns].tolist(), batch["action_mask"][row, real_columns].tolist())
+        if prompt is None:
             units.append((0, [row]))
-            continue
-        prompt = batch["input_ids"][row, real_columns[:int(actions[0])]]
-        by_prompt.setdefault(tuple(prompt.tolist()), []).append(row)
+        else:
+            by_prompt.setdefault(prompt, []).append(row)
     for prompt, rows in by_prompt.items():
         units.append((len(prompt) if len(rows) > 1 else 0, rows))
     return units

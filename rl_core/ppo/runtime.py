@@ -183,16 +183,19 @@ class JobRuntime:
             except OSError:
                 return False
 
+        def exit_codes() -> dict[str, int]:
+            return {name: code for name, code, _ in self.procs.exited()}
+
         dead = []
         router_down = self.router_url is not None and not answers(self.router_url)
-        exit_codes = {name: code for name, code, _ in self.procs.exited()}
+        codes = exit_codes()
         # A killed router closes its sockets a moment before it can be reaped: give its exit code a moment.
         give_up = time.monotonic() + 2.0
-        while router_down and "sglang-router" not in exit_codes and time.monotonic() < give_up:
+        while router_down and "sglang-router" not in codes and time.monotonic() < give_up:
             time.sleep(0.05)
-            exit_codes = {name: code for name, code, _ in self.procs.exited()}
-        if router_down or "sglang-router" in exit_codes:
-            how = f"exited with code {exit_codes['sglang-router']}" if "sglang-router" in exit_codes else "stopped answering"
+            codes = exit_codes()
+        if router_down or "sglang-router" in codes:
+            how = f"exited with code {codes['sglang-router']}" if "sglang-router" in codes else "stopped answering"
             dead.append(f"sglang-router {self.router_url} {how} (log {self.log_dir / 'router.log'})")
         dead += [f"engine {url} ({self.engine_places.get(url, 'this node')}) stopped answering "
                  f"(log {self.engine_logs.get(url)})" for url in self.engine_urls if not answers(url)]

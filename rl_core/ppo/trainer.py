@@ -287,16 +287,15 @@ def prompt_units(rows: list[dict], max_tokens: int) -> list[tuple[list[int], int
     """`(row indices, tokens run)` per unit of balancing with shared prompts: the rows with the same
     prompt (real tokens before the first action), packed as the prompt once plus each row's rest,
     cut into consecutive chunks of at most `max_tokens`; a row without actions is a unit alone."""
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple[int, ...] | int, list[tuple[int, int]]] = {}  # keyed by the prompt, or the row alone
     for index, row in enumerate(rows):
         kept = row.get("attention_mask") or [1] * len(row["input_ids"])
         real = [token for token, keep in zip(row["input_ids"], kept) if keep]
-        actions = [action for action, keep in zip(row["action_mask"], kept) if keep]
-        first = actions.index(1) if 1 in actions else None
-        groups.setdefault(("row", index) if not first else tuple(real[:first]), []).append((index, len(real)))
+        prompt = models.prompt_of(real, [action for action, keep in zip(row["action_mask"], kept) if keep])
+        groups.setdefault(index if prompt is None else prompt, []).append((index, len(real)))
     units: list[tuple[list[int], int]] = []
     for key, members in groups.items():
-        prompt = 0 if key[0] == "row" else len(key)
+        prompt = len(key) if isinstance(key, tuple) else 0
         chunk, tokens = [], prompt
         for index, length in members:
             if chunk and tokens + length - prompt > max_tokens:

@@ -242,8 +242,9 @@ class ModelRunner:
         wants_input = [r.logprob_start_len >= 0 for r in requests]
         batch.cache.begin_join(len(requests), mask, max(p.max_new_tokens for p in params), computed_rows=len(distinct))
         logits = self._forward(input_ids, distinct_mask, positions, batch.cache, last_only=not any(wants_input))
-        batch.cache.end_join(len(requests), source if len(distinct) < len(requests) else None)
-        logits = logits[source] if len(distinct) < len(requests) else logits
+        shared = len(distinct) < len(requests)
+        batch.cache.end_join(len(requests), source if shared else None)
+        logits = logits[source] if shared else logits
         for row, request in enumerate(requests):
             if wants_input[row]:
                 request.input_logprobs = self._input_logprobs(logits[row], request)
