@@ -96,6 +96,22 @@ def max_over_ranks(value: float) -> float:
     return tensor.item()
 
 
+def metrics_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
+    """Every rank's `metrics` (the same keys on each) as one set (collective): `*_max` the largest,
+    `*_min` the smallest, the rest the mean over ranks. The metrics unchanged without a process group."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return metrics
+    keys = sorted(metrics)
+    values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device_for_rank())
+    signs = torch.tensor([-1.0 if k.endswith("_min") else 1.0 for k in keys], dtype=torch.float64, device=values.device)
+    extremes, sums = values * signs, values.clone()
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # the smallest minimum is minus the largest negated one
+    dist.all_reduce(sums)
+    world = dist.get_world_size()
+    return {key: float(extremes[i] * signs[i]) if key.endswith(("_max", "_min")) else float(sums[i]) / world
+            for i, key in enumerate(keys)}
+
+
 def on_rank0(fn: Callable[[], T]) -> T | None:
     """Run `fn` on rank 0 only; if it fails, every rank fails at once.
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from rl_core.balance import micro_batches_for_rank, minibatch_indices, with_stand_ins
+from rl_core.distributed import metrics_over_ranks
 from rl_core.optim import build_optimizer, linear_anneal_schedule
 from rl_core.ppo import algorithms as alg
 from rl_core.ppo.config import PPOConfig
@@ -196,7 +197,9 @@ class PPOTrainer:
                     history.setdefault(key, []).append(value)
         # Adaptive KL (OpenAI): steer the per-episode KL of this batch towards the target.
         self.kl_ctl.update(targets.stats["kl/mean"], n_traj)
-        out = {k: reduce_metric(k, v) for k, v in history.items()}
+        # Every rank's rows, not rank 0's alone: a rank's loss is its share of the global loss x dp_size, so the
+        # mean over ranks is the global loss; the other averages (clip fraction, entropy) become means over ranks.
+        out = metrics_over_ranks({k: reduce_metric(k, v) for k, v in history.items()})
         out.update(targets.stats)
         out["kl/coef"] = kl_coef
         out["policy/lr"] = self.actor.current_lr()
@@ -218,7 +221,7 @@ class PPOTrainer:
         metrics = self.actor.forward_backward(micro, functools.partial(self._policy_loss, denominator=denominator))
         out = {k: reduce_metric(k, v) for k, v in metrics.items() if k != "loss"}
         out["perf/padding_fraction"] = sum(models.padding_fraction(b) for b in micro) / len(micro)
-        out["perf/train_grid_tokens"] = sum(models.grid_tokens(b) for b in micro)  # positions this rank ran per minibatch
+        out["perf/train_grid_tokens"] = sum(models.grid_tokens(b) for b in micro)  # positions a rank ran per minibatch
         out["policy/loss"] = sum(metrics["loss"])
         out["policy/grad_norm"] = self.actor.step()
         if self.critic is not None:
