@@ -95,6 +95,15 @@ def test_requests_through_the_router_reach_both_engines(stack):
     assert listed == {e.url for e in engines}
 
 
+def test_the_routers_probes_are_one_warning_line_in_the_engine_log_not_an_error(stack):
+    """sglang-router opens each engine with HTTP/2 probes the engine cannot parse; SGLang logs each as one
+    warning line, and so must the embedded engine: an ERROR with a traceback in its log sent users hunting."""
+    for engine in stack["engines"]:
+        log = engine.log_path.read_text()
+        assert "Traceback" not in log and " ERROR " not in log, log[-2000:]
+        assert log.count("WARNING Invalid HTTP request received.") == log.count('"UNKNOWN / HTTP/1.0" 400')
+
+
 @pytest.mark.timeout(120)
 def test_a_killed_engine_gives_a_quick_clear_error_not_a_hang(stack):
     engines, router = stack["engines"], stack["router"]

@@ -8,6 +8,7 @@ import os
 
 import torch
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from workers.engines import ENGINE_KEEPALIVE_S
 from workers.engines.embedded.runner import ModelRunner
@@ -28,9 +29,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class OneLineForUnparsableRequests(logging.Filter):
+    """aiohttp logs a request it cannot parse as an ERROR with a traceback. sglang-router sends each engine
+    two at start (HTTP/2 probes), which SGLang's uvicorn logs as one warning line: do the same, so that
+    an error in this log is a real one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], BadHttpMessage):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args, record.exc_info, record.exc_text = "Invalid HTTP request received.", (), None, None
+        return True
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("aiohttp.server").addFilter(OneLineForUnparsableRequests())
     torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
     runner = ModelRunner(args.model_path, args.device, getattr(torch, args.dtype), args.seed)
     engine = EmbeddedEngine(runner, max_batch_size=args.max_batch_size)
