@@ -63,8 +63,7 @@ class SlotLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def get_max_cache_shape(self) -> int:  # the same, under its name up to transformers 5.12 (SGLang 0.5.17 pins it)
-        return -1
+    get_max_cache_shape = get_max_length  # its name up to transformers 5.12 (SGLang 0.5.17 pins it)
 
     def buffers(self) -> list[str]:
         return [name for name in ("key_buffer", "value_buffer") if getattr(self, name) is not None]
