@@ -2,7 +2,8 @@
 
     bash scripts/gpu_check.sh [--steps 6] [--sglang-arg key=value ...]
 
-For each engine, sync and async mode, on the tiny sentiment policy and on a ~86M-parameter
+First, packed micro-batches against padded ones on the GPU: sdpa's rows, and flash-attention's
+one-row varlen layout when flash-attn imports. Then, for each engine, sync and async mode, on the tiny sentiment policy and on a ~86M-parameter
 random-init GPT-2 (12 layers, width 768, the tiny tokenizer; GRPO, bf16 mixed precision), it runs
 `torchrun --nproc_per_node 1 -m rl_core.train`, then prints the median step-time split
 (rollout / inference / train / sync), the behaviour-logprob gap (engine vs trainer) and the
@@ -46,6 +47,41 @@ def build_large_policy(workdir: Path, tiny_model_dir: Path) -> Path:
     tokenizer.save_pretrained(out)
     print(f"large policy: {count_parameters(model) / 1e6:.1f}M parameters", flush=True)
     return out
+
+
+def packing_check(model_dir: Path, device: str) -> list[dict]:
+    """Packed against padded token logprobs on this device, per attention kernel that loads here: sdpa
+    (packed rows with a block-diagonal mask, fp32) and, when flash-attn imports, flash_attention_2 (one
+    row through its varlen kernel, bf16: it has no fp32). ok: the largest gap within the dtype's tolerance."""
+    import torch
+
+    from workers.models import laid_out, load_causal_lm, make_micro_batch, packing_layout, token_logprobs
+
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for pads, length in ((3, 40), (0, 7), (10, 90), (1, 25), (5, 60)):
+        ids = torch.randint(3, 250, (length,), generator=generator).tolist()
+        rows.append({"input_ids": [0] * pads + ids, "attention_mask": [0] * pads + [1] * length,
+                     "action_mask": [0] * (pads + length // 2) + [1] * (length - length // 2)})
+    batch = make_micro_batch(rows, pad_token_id=0)
+    kernels = [("sdpa", torch.float32, 1e-4)]
+    if importlib.util.find_spec("flash_attn") is not None and device == "cuda":
+        kernels.append(("flash_attention_2", torch.bfloat16, 5e-2))
+    results = []
+    for attention, dtype, tolerance in kernels:
+        layout = packing_layout(True, attention)
+        model = load_causal_lm(str(model_dir), dtype, attention).to(device)
+        with torch.no_grad():
+            padded = token_logprobs(model, {k: v.to(device) for k, v in batch.items()})
+            packed = token_logprobs(model, {k: v.to(device) for k, v in laid_out(batch, layout).items()})
+        mask = batch["action_mask"].to(device).bool()
+        gap = (packed - padded)[mask].abs().max().item()
+        results.append({"attention": attention, "layout": layout, "max_logprob_gap": gap, "ok": gap <= tolerance})
+        print(f"{'ok' if gap <= tolerance else 'FAILED'} packing/{attention}: {layout} layout against padded, "
+              f"largest logprob gap {gap:.2e} (tolerance {tolerance:g}, {str(dtype).split('.')[1]})", flush=True)
+    if len(kernels) == 1:
+        print("packing: flash-attn does not import here; its varlen layout is not checked", flush=True)
+    return results
 
 
 def run_case(name: str, overrides: list[str], run_dir: Path, timeout_s: float) -> dict:
@@ -106,6 +142,7 @@ def main() -> None:
 
     paths = ensure_tiny_assets()
     reward_model = ensure_tiny_reward_model(paths)
+    packing = packing_check(paths.model_dir, "cpu" if args.force_cpu else "cuda")
     engines = [e for e in args.engines.split(",") if e]
     if "sglang" in engines and importlib.util.find_spec("sglang") is None:
         print("gpu_check: sglang does not import here; checking the embedded engine only", flush=True)
@@ -137,9 +174,9 @@ def main() -> None:
                 run_dir = workdir / name.replace("/", "-")
                 results.append(run_case(name, [*engine_overrides, *model_overrides, f"trainer.mode={mode}"],
                                         run_dir, args.timeout))
-    failed = [r["case"] for r in results if not r["ok"]]
+    failed = [r["case"] for r in results if not r["ok"]] + [f"packing/{r['attention']}" for r in packing if not r["ok"]]
     print(json.dumps({"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                      "failed": failed, "cases": results}))
+                      "failed": failed, "cases": results, "packing": packing}))
     if failed:
         raise SystemExit(f"gpu_check: {len(failed)} case(s) failed: {', '.join(failed)}")
 

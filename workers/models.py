@@ -133,9 +133,11 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
-def load_causal_lm(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A causal LM with dropout off everywhere (OpenAI detail: no dropout)."""
-    model = AutoModelForCausalLM.from_pretrained(path, config=_config_without_dropout(path), dtype=dtype)
+def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> PreTrainedModel:
+    """A causal LM with dropout off everywhere (OpenAI detail: no dropout). `attn_implementation`: the
+    attention kernel by transformers' name (None: its default, sdpa where the model has it)."""
+    model = AutoModelForCausalLM.from_pretrained(path, config=_config_without_dropout(path), dtype=dtype,
+                                                 attn_implementation=attn_implementation)
     return disable_dropout(model)
 
 
@@ -254,10 +256,13 @@ def padding_fraction(batch: dict[str, torch.Tensor]) -> float:
 # --------------------------------------------------------------------------- padding-free micro-batches
 
 
-def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False) -> dict[str, torch.Tensor]:
+def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False, one_row: bool = False) -> dict[str, torch.Tensor]:
     """`batch` (from `make_micro_batch`) plus the layout the model then runs on: each row's real tokens
     back to back in as few rows as hold them (first fit, longest first, each row as long as the
     longest unit, so attention costs about what it did padded and only the padding goes).
+
+    `one_row`: every sequence in a single row, no padding at all: the layout flash-attention's varlen
+    kernel reads (`models.packs_into_one_row`); with a dense mask it would cost (all tokens)^2.
 
     A unit is one sequence, or with `share_prompts` every sequence of the micro-batch with the same
     prompt (its real tokens before the first action): the prompt once, then each sequence's rest,
@@ -271,11 +276,14 @@ def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False) -> dict[st
     prompt's tokens are one place for all its sequences). The loss side keeps the padded `[b, T]`
     rows: `rows_about_tokens` (and `to_rows` without shared prompts) brings outputs back to them.
     """
+    if share_prompts and one_row:
+        raise ValueError("a shared prompt is read by other sequences, which flash-attention's varlen kernel cannot "
+                         "express; pack with share_prompts or one_row, not both")
     real = batch["attention_mask"].bool()
     columns = [real[row].nonzero().squeeze(1) for row in range(real.shape[0])]
     units = _packing_units(batch, columns, share_prompts)  # (shared prompt length, rows)
     sizes = [prompt + sum(len(columns[row]) - prompt for row in rows) for prompt, rows in units]
-    longest = max(sizes)
+    longest = sum(sizes) if one_row else max(sizes)
     bins: list[list[int]] = []
     loads: list[int] = []
     for unit in sorted(range(len(units)), key=lambda u: -sizes[u]):
@@ -320,7 +328,28 @@ def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False) -> dict[st
            "packed_context_ids": contexts, "packed_index": index}
     if any(prompt for prompt, _ in units):
         out["packed_shared_prompts"] = torch.tensor(1)  # marker: `to_rows`' shift does not hold
+    if one_row:
+        out["packed_one_row"] = torch.tensor(1)  # marker: `model_inputs` passes no mask
     return out
+
+
+def packs_into_one_row(attn_implementation: str | None) -> bool:
+    """Whether packed micro-batches go to the model as one row without a mask (flash-attention: its
+    varlen kernel attends within each sequence) rather than as rows with a block-diagonal mask (sdpa, eager)."""
+    return "flash" in (attn_implementation or "")  # flash_attention_2/3 and the hub kernels (kernels-community/flash-attn*)
+
+
+def packing_layout(packing: bool, attn_implementation: str | None) -> str | None:
+    """How a job's micro-batches reach the model: None (padded rows), "rows" (`pack`: rows with a
+    block-diagonal mask) or "one_row" (`pack(one_row=True)`: flash-attention's varlen layout)."""
+    if not packing:
+        return None
+    return "one_row" if packs_into_one_row(attn_implementation) else "rows"
+
+
+def laid_out(batch: dict[str, torch.Tensor], layout: str | None, share_prompts: bool = False) -> dict[str, torch.Tensor]:
+    """`batch` (from `make_micro_batch`) in the `packing_layout` the job runs."""
+    return batch if layout is None else pack(batch, share_prompts=share_prompts, one_row=layout == "one_row")
 
 
 def prompt_of(real_ids: list[int], real_actions: list[int]) -> tuple[int, ...] | None:
@@ -354,6 +383,12 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     prompt; padding sees itself), exact with any attention kernel that takes a 4-D boolean mask (sdpa, eager)."""
     if "packed_index" not in batch:
         return prepare_inputs(batch)
+    if "packed_one_row" in batch:
+        # No mask: transformers' flash path finds each sequence where position_ids restart (`cu_seqlens` for
+        # the varlen kernel), and sdpa/eager build the same block-diagonal mask from them; both only without
+        # a KV cache, so none is made.
+        return {"input_ids": batch["packed_input_ids"], "position_ids": batch["packed_position_ids"],
+                "use_cache": False}
     segments = batch["packed_segment_ids"]
     contexts = batch.get("packed_context_ids", segments)
     length = segments.shape[1]
@@ -517,10 +552,11 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32) -> "ValueModel":
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32,
+                        attn_implementation: str | None = None) -> "ValueModel":
         """Backbone from a causal-LM or value checkpoint; head from ``value_head.safetensors`` if present."""
         config = _config_without_dropout(path)
-        backbone = AutoModel.from_pretrained(path, config=config, dtype=dtype)
+        backbone = AutoModel.from_pretrained(path, config=config, dtype=dtype, attn_implementation=attn_implementation)
         model = cls(disable_dropout(backbone))
         head_file = Path(path) / VALUE_HEAD_FILE
         if head_file.exists():
@@ -537,9 +573,10 @@ class ValueModel(nn.Module):
         head = {name: tensor.detach().cpu().contiguous() for name, tensor in self.head.state_dict().items()}
         save_file(head, str(Path(out_dir) / VALUE_HEAD_FILE))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                use_cache: bool = False) -> torch.Tensor:
         hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache
         ).last_hidden_state
         # A fresh tensor, not a squeeze view: FSDP2 hooks the module output for backward, and a
         # view would let a later in-place op bypass that hook.
@@ -580,13 +617,15 @@ def init_reward_model(
     dtype: torch.dtype = torch.float32,
     pad_token_id: int | None = None,
     seed: int | None = None,
+    attn_implementation: str | None = None,
 ) -> PreTrainedModel:
     """A fresh reward model (scalar sequence classifier) on top of a causal-LM checkpoint.
 
     OpenAI detail: head weight ~ N(0, 1/sqrt(d_model + 1)), bias 0; gain 1 and bias 0 until fitted.
     """
     config = _config_without_dropout(policy_path, num_labels=1)
-    model = AutoModelForSequenceClassification.from_pretrained(policy_path, config=config, dtype=dtype)
+    model = AutoModelForSequenceClassification.from_pretrained(policy_path, config=config, dtype=dtype,
+                                                               attn_implementation=attn_implementation)
     _set_pad_token_id(model, pad_token_id)
     head = _score_head(model)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -600,12 +639,14 @@ def init_reward_model(
     return disable_dropout(model)
 
 
-def load_reward_model(path: str, dtype: torch.dtype = torch.float32, pad_token_id: int | None = None) -> PreTrainedModel:
+def load_reward_model(path: str, dtype: torch.dtype = torch.float32, pad_token_id: int | None = None,
+                      attn_implementation: str | None = None) -> PreTrainedModel:
     """A trained reward model (any HF seq-cls checkpoint with one label); gain/bias from its config."""
     config = _config_without_dropout(path)
     if config.num_labels != 1:
         raise ValueError(f"reward model at {path} has num_labels={config.num_labels}; a scalar reward needs 1")
-    model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype)
+    model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype,
+                                                               attn_implementation=attn_implementation)
     _set_pad_token_id(model, pad_token_id)
     return disable_dropout(_ensure_gain_bias(model))
 

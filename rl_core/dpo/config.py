@@ -17,6 +17,10 @@ class DPOModelConfig:
     reference_path: Optional[str] = None  # the frozen reference; null = the starting policy
     mixed_precision: Optional[str] = choice(None, (None, "bf16", "fp16"))  # GPU only
     lora: LoraSettings = field(default_factory=LoraSettings)
+    # The attention kernel by transformers' name: null = its default (sdpa where the model has it), or e.g.
+    # flash_attention_2 on GPUs (the flash-attn package); with packing, flash runs each micro-batch as one
+    # row of sequences back to back through its varlen kernel, sdpa as rows with a block-diagonal mask.
+    attn_implementation: Optional[str] = None
 
 
 @dataclass

@@ -46,11 +46,13 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
     train_pairs, test_pairs = to_pairs(train_examples), to_pairs(test_examples)[:cfg.data.eval_max_pairs]
     steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_pairs), "pairs", cfg.data.train_path)
     seed_everything(cfg.trainer.seed)
-    policy = with_lora(models.load_causal_lm(cfg.model.path), cfg.model.lora)
+    attention = cfg.model.attn_implementation
+    policy = with_lora(models.load_causal_lm(cfg.model.path, attn_implementation=attention), cfg.model.lora)
     shard_model(policy.to(dp.device), mixed_precision=cfg.model.mixed_precision)
-    reference = models.load_causal_lm(reference_path).to(dp.device).requires_grad_(False)
+    reference = models.load_causal_lm(reference_path, attn_implementation=attention).to(dp.device).requires_grad_(False)
     shard_model(reference, mixed_precision=cfg.model.mixed_precision)
     trainable = finetune.trainable_model(policy, tr, total_steps)
+    layout = models.packing_layout(tr.packing, attention)
     checkpointer = Checkpointer(run_dir / "checkpoints", dp.rank, keep_last=cfg.trainer.keep_last)
     start_step, _ = checkpointer.maybe_resume(cfg.trainer.resume, {"policy": trainable})
     scorer = RewardModelEval(cfg, tokenizer, test_pairs, dp) if cfg.eval.reward_model_path else None
@@ -63,7 +65,7 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
 
     def evaluate() -> dict[str, float]:
         metrics = heldout_metrics(policy, reference, test_pairs, dp, tr.max_tokens_per_device,
-                                  tokenizer.pad_token_id, beta, smoothing, tr.packing)
+                                  tokenizer.pad_token_id, beta, smoothing, layout)
         return metrics if scorer is None else {**metrics, **scorer(policy)}
 
     if start_step == 0 and test_pairs:
@@ -72,7 +74,7 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
         start_step, total_steps, steps_per_epoch,
         lambda step: train_step(trainable, reference, finetune.step_rows(train_pairs, step, tr.batch_size,
                                                                          cfg.trainer.seed),
-                                dp, tr.max_tokens_per_device, tokenizer.pad_token_id, beta, smoothing, tr.packing),
+                                dp, tr.max_tokens_per_device, tokenizer.pad_token_id, beta, smoothing, layout),
         evaluate if test_pairs else None, lambda step: checkpointer.save(step, {"policy": trainable}, {}),
         logger, SHOWN, tr, cfg.trainer, cfg.eval.every)
     if cfg.trainer.export_hf:

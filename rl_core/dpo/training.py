@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from rl_core.balance import micro_batches_for_rank, with_stand_ins
 from rl_core.distributed import DataParallel
-from workers.models import make_micro_batch, pack, to_device, token_logprobs
+from workers.models import laid_out, make_micro_batch, to_device, token_logprobs
 
 
 @dataclass
@@ -36,13 +36,13 @@ def to_pairs(examples) -> list[PreferencePair]:
             for ex in examples for other in range(len(ex.input_ids)) if other != ex.best]
 
 
-def collate(pairs: list[PreferencePair], pad_token_id: int, packed: bool = False) -> dict[str, torch.Tensor]:
+def collate(pairs: list[PreferencePair], pad_token_id: int, layout: str | None = None) -> dict[str, torch.Tensor]:
     """Rows 0..n-1 the chosen sequences, n..2n-1 the rejected; `action_mask` marks response tokens;
-    `packed`: the model runs on them without their padding (`models.pack`)."""
+    packed in `layout` (`models.packing_layout`), the model runs on them without their padding."""
     rows = [{"input_ids": ids, "action_mask": [0] * p.prompt_length + [1] * (len(ids) - p.prompt_length)}
             for ids, p in [(p.chosen, p) for p in pairs] + [(p.rejected, p) for p in pairs]]
     batch = make_micro_batch(rows, pad_token_id)
-    return pack(batch) if packed else batch
+    return laid_out(batch, layout)
 
 
 def response_logprobs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,10 +63,10 @@ def dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: f
 
 
 def micro_batches(pairs: list[PreferencePair], dp: DataParallel, max_tokens: int, pad_token_id: int,
-                  packed: bool = False):
+                  layout: str | None = None):
     """This rank's (batch, real) micro-batches of whole pairs, the same count on every rank."""
-    mine = micro_batches_for_rank([p.tokens for p in pairs], dp.rank, dp.size, max_tokens, packed)
-    return [(to_device(collate([pairs[i] for i in indices], pad_token_id, packed), dp.device), real)
+    mine = micro_batches_for_rank([p.tokens for p in pairs], dp.rank, dp.size, max_tokens, packed=layout is not None)
+    return [(to_device(collate([pairs[i] for i in indices], pad_token_id, layout), dp.device), real)
             for indices, real in with_stand_ins(mine)]
 
 
@@ -81,7 +81,7 @@ METRIC_NAMES = ("loss", "reward_accuracy", "reward_margin", "reward_chosen", "re
 
 
 def train_step(trainable, reference, pairs: list[PreferencePair], dp: DataParallel, max_tokens: int,
-               pad_token_id: int, beta: float, label_smoothing: float, packed: bool = False) -> dict[str, float]:
+               pad_token_id: int, beta: float, label_smoothing: float, layout: str | None = None) -> dict[str, float]:
     """One optimizer step on `pairs` (every rank passes the same pairs); returns global means."""
     sums = [0.0] * len(METRIC_NAMES)
 
@@ -97,7 +97,7 @@ def train_step(trainable, reference, pairs: list[PreferencePair], dp: DataParall
             sums[i] += value * weight
         return losses.sum() * weight * dp.size / len(pairs), {}
 
-    trainable.forward_backward(micro_batches(pairs, dp, max_tokens, pad_token_id, packed), loss_fn)
+    trainable.forward_backward(micro_batches(pairs, dp, max_tokens, pad_token_id, layout), loss_fn)
     lr = trainable.current_lr()
     grad_norm = trainable.step()
     totals = dp.sum(sums)
@@ -108,10 +108,10 @@ def train_step(trainable, reference, pairs: list[PreferencePair], dp: DataParall
 
 @torch.no_grad()
 def heldout_metrics(model, reference, pairs: list[PreferencePair], dp: DataParallel, max_tokens: int,
-                    pad_token_id: int, beta: float, label_smoothing: float, packed: bool = False) -> dict[str, float]:
+                    pad_token_id: int, beta: float, label_smoothing: float, layout: str | None = None) -> dict[str, float]:
     model.eval()
     sums = [0.0] * len(METRIC_NAMES)
-    for batch, real in micro_batches(pairs, dp, max_tokens, pad_token_id, packed):
+    for batch, real in micro_batches(pairs, dp, max_tokens, pad_token_id, layout):
         ref_chosen, ref_rejected = response_logprobs(reference, batch)
         chosen, rejected = response_logprobs(model, batch)
         losses, chosen_reward, rejected_reward = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta,

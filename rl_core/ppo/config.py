@@ -14,6 +14,7 @@ from rl_core.data import LONG_PROMPT_POLICIES
 from rl_core.ppo.algorithms import GROUP_KINDS, KL_KINDS, LOSS_AGG_MODES, ROLLOUT_CORRECTIONS
 from rl_core.rollout.rollout import RolloutSettings
 from rl_core.optim import OPTIMIZER_NAMES
+from workers.models import packs_into_one_row
 from workers.router import POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -31,6 +32,11 @@ class ModelConfig:
     # LoRA for the actor (the critic trains every weight): the engines get the merged weights on each
     # push, the reference is the actor with its adapters off, export writes the merged model or the adapter.
     lora: LoraSettings = field(default_factory=LoraSettings)
+    # The attention kernel by transformers' name: null = its default (sdpa where the model has it), or e.g.
+    # flash_attention_2 on GPUs (the flash-attn package); with packing, flash runs each micro-batch as one
+    # row of sequences back to back through its varlen kernel, sdpa as rows with a block-diagonal mask.
+    # Actor, reference, critic and reward model all load with it: they run the same micro-batches.
+    attn_implementation: Optional[str] = None
 
 
 @dataclass
@@ -288,6 +294,10 @@ def validate(cfg: PPOConfig) -> None:
     require(algo.max_tokens_per_device > 0, "config key 'algorithm.max_tokens_per_device' must be > 0")
     require(algo.packing or not algo.share_prompts,
             "algorithm.share_prompts=true packs a group's prompt once, so it needs algorithm.packing=true; set both")
+    require(not (algo.share_prompts and packs_into_one_row(cfg.model.attn_implementation)),
+            f"algorithm.share_prompts=true lets a group's responses read one copy of its prompt, which "
+            f"model.attn_implementation={cfg.model.attn_implementation}'s varlen kernel cannot; set "
+            "algorithm.share_prompts=false (packing still drops all padding)")
     require(0.0 <= algo.gamma <= 1.0 and 0.0 <= algo.lam <= 1.0, "algorithm.gamma and algorithm.lam must be in [0, 1]")
     require(algo.lr > 0, f"config key 'algorithm.lr' must be > 0, got {algo.lr}")
     require(algo.kl.horizon > 0, "config key 'algorithm.kl.horizon' must be > 0")

@@ -35,6 +35,8 @@ class PPOTrainer:
         self.device, self.rank, self.world_size = device, rank, world_size
         algo, model_cfg = cfg.algorithm, cfg.model
         dtype = getattr(torch, model_cfg.dtype)
+        attention = model_cfg.attn_implementation  # every model runs the same (packed) micro-batches
+        self.packing = models.packing_layout(algo.packing, attention)
         shard = functools.partial(shard_model, mixed_precision=model_cfg.mixed_precision,
                                   cpu_offload=model_cfg.cpu_offload)
         # The schedule counts optimizer steps: epochs x minibatches of every PPO step (OpenAI anneals to zero).
@@ -45,7 +47,7 @@ class PPOTrainer:
             return lambda m: build_optimizer([p for p in m.parameters() if p.requires_grad], algo.optimizer, lr=lr,
                                              eps=algo.adam_eps, weight_decay=algo.weight_decay)
 
-        actor = models.load_causal_lm(policy_path, dtype)
+        actor = models.load_causal_lm(policy_path, dtype, attention)
         if model_cfg.gradient_checkpointing:
             enable_gradient_checkpointing(actor)
         actor = with_lora(actor, model_cfg.lora, model_cfg.gradient_checkpointing)
@@ -56,17 +58,17 @@ class PPOTrainer:
         # With LoRA the reference is the actor with its adapters off: the same frozen base, held once.
         self.reference = None
         if self.uses_reference and not self.lora:
-            self.reference = shard(models.load_causal_lm(policy_path, dtype)).requires_grad_(False)
+            self.reference = shard(models.load_causal_lm(policy_path, dtype, attention)).requires_grad_(False)
         self.critic = None
         if algo.advantage_estimator == "gae":
-            critic = models.ValueModel.from_pretrained(policy_path, dtype)
+            critic = models.ValueModel.from_pretrained(policy_path, dtype, attention)
             if model_cfg.gradient_checkpointing:
                 enable_gradient_checkpointing(critic.backbone)
             critic = shard(critic)
             self.critic = TrainableModel(critic, optimizer_for(algo.critic_lr or algo.lr), schedule, algo.max_grad_norm)
         self.reward_model = None
         if reward_path is not None:
-            rm = models.load_reward_model(reward_path, dtype, pad_token_id=tokenizer.pad_token_id)
+            rm = models.load_reward_model(reward_path, dtype, tokenizer.pad_token_id, attention)
             self.reward_model = shard(rm).requires_grad_(False)
         self.kl_ctl = (alg.AdaptiveKLController(algo.kl.init_coef, algo.kl.target, algo.kl.horizon)
                        if algo.kl.adaptive else alg.FixedKLController(algo.kl.init_coef))
@@ -94,8 +96,7 @@ class PPOTrainer:
         if not real:  # a stand-in: same shapes, nothing to learn from
             chosen = [{**chosen[0], "action_mask": [0] * len(chosen[0]["action_mask"])}]
         batch = models.make_micro_batch(chosen, self.tokenizer.pad_token_id)
-        algo = self.cfg.algorithm
-        packed = models.pack(batch, share_prompts=algo.share_prompts) if algo.packing else batch
+        packed = models.laid_out(batch, self.packing, share_prompts=self.cfg.algorithm.share_prompts)
         return models.to_device(packed, self.device)
 
     def _distributed_map(self, rows: list[dict], fn: Callable) -> list[torch.Tensor]:

@@ -61,7 +61,7 @@ def run_job(cfg: RMConfig, dp: DataParallel, log: Log = print, labeler=None) -> 
     seed = cfg.trainer.seed
     train, test = load_preference_splits(cfg.data, inputs["train"], inputs["test"], tokenizer, seed)
     queries = load_queries(inputs["prompts"], cfg.normalize.text_key, tokenizer, cfg.normalize.query_length)
-    model = build_reward_model(inputs["init_from"], tokenizer, seed)
+    model = build_reward_model(inputs["init_from"], tokenizer, seed, cfg.model.attn_implementation)
     metrics = fit_reward_model(model, policy, tokenizer, train, test, queries, cfg, dp, inputs["labeler"], log)
     run_dir = Path(cfg.trainer.run_dir)
     output_dir = Path(cfg.trainer.output_dir or run_dir / "reward_model")

@@ -20,8 +20,8 @@ from rl_core.reward_model.config import NormalizeConfig, RMConfig, RMTrainConfig
 from rl_core.reward_model.losses import preference_accuracy, preference_loss, spearman
 from rl_core.reward_model.sampling import pick_queries, sample_truncated
 from workers.fsdp import TrainableModel, full_state_dict, shard_model
-from workers.models import (init_reward_model, load_reward_model, make_micro_batch, pack, raw_reward_scores,
-                            reward_scores, set_reward_gain_bias, to_device)
+from workers.models import (init_reward_model, laid_out, load_reward_model, make_micro_batch, packing_layout,
+                            raw_reward_scores, reward_scores, set_reward_gain_bias, to_device)
 
 Log = Callable[[str], None]
 
@@ -36,11 +36,12 @@ def is_sequence_classifier(path: str) -> bool:
     return any(name.endswith("ForSequenceClassification") for name in architectures)
 
 
-def build_reward_model(init_from: str, tokenizer, seed: int):
+def build_reward_model(init_from: str, tokenizer, seed: int, attn_implementation: str | None = None):
     """An existing reward model (head kept) or a fresh one on a causal LM (OpenAI head init)."""
     if is_sequence_classifier(init_from):
-        return load_reward_model(init_from, pad_token_id=tokenizer.pad_token_id)
-    return init_reward_model(init_from, pad_token_id=tokenizer.pad_token_id, seed=seed)
+        return load_reward_model(init_from, pad_token_id=tokenizer.pad_token_id, attn_implementation=attn_implementation)
+    return init_reward_model(init_from, pad_token_id=tokenizer.pad_token_id, seed=seed,
+                             attn_implementation=attn_implementation)
 
 
 # ----------------------------------------------------------------------------- scoring and batches
@@ -68,17 +69,15 @@ def example_tokens(example) -> int:
     return sum(len(ids) for ids in example.input_ids)
 
 
-def collate_examples(examples: list, pad_id: int, weight: float = 1.0, packed: bool = False) -> dict[str, torch.Tensor]:
-    """One micro-batch: every response row of every example, plus best index, margin and weight;
-    `packed`: the model runs on the rows without their padding (`models.pack`)."""
+def collate_examples(examples: list, pad_id: int, weight: float = 1.0, layout: str | None = None) -> dict[str, torch.Tensor]:
+    """One micro-batch: every response row of every example, plus best index, margin and weight; packed
+    in `layout` (`models.packing_layout`), the model runs on the rows without their padding."""
     sizes = {len(example.input_ids) for example in examples}
     if len(sizes) != 1:
         raise ValueError(f"examples with different numbers of responses {sorted(sizes)} in one batch; "
                          "use one preference format per file")
     rows = [{"input_ids": ids, "action_mask": [1] * len(ids)} for example in examples for ids in example.input_ids]
-    batch = make_micro_batch(rows, pad_id)
-    if packed:
-        batch = pack(batch)
+    batch = laid_out(make_micro_batch(rows, pad_id), layout)
     batch["best"] = torch.tensor([example.best for example in examples], dtype=torch.long)
     batch["margin"] = torch.tensor([example.margin for example in examples], dtype=torch.float32)
     batch["weight"] = torch.tensor(weight, dtype=torch.float32)
@@ -86,7 +85,7 @@ def collate_examples(examples: list, pad_id: int, weight: float = 1.0, packed: b
 
 
 def micro_batches_for_rank(examples: list, dp: DataParallel, max_tokens: int, pad_id: int,
-                           packed: bool = False) -> list[dict]:
+                           layout: str | None = None) -> list[dict]:
     """This rank's token-balanced micro-batches of whole comparisons (at most `max_tokens` real tokens).
 
     An empty partition still runs a zero-weight forward/backward on a stand-in example:
@@ -97,7 +96,7 @@ def micro_batches_for_rank(examples: list, dp: DataParallel, max_tokens: int, pa
         raise ValueError(f"a comparison has {max(weights)} tokens (all its responses together) but "
                          f"train.max_tokens_per_device={max_tokens}; raise it or lower data.max_length")
     parts = balanced_micro_batches(weights, dp.rank, dp.size, max_tokens)
-    return [to_device(collate_examples([examples[i] for i in indices], pad_id, float(real), packed), dp.device)
+    return [to_device(collate_examples([examples[i] for i in indices], pad_id, float(real), layout), dp.device)
             for indices, real in with_stand_ins(parts)]
 
 
@@ -136,11 +135,11 @@ def preference_loss_fn(global_count: int, dp_size: int):
 
 @torch.no_grad()
 def heldout_metrics(model, examples: list, dp: DataParallel, max_tokens: int, pad_id: int,
-                    packed: bool = False) -> dict[str, float]:
+                    layout: str | None = None) -> dict[str, float]:
     """Pairwise (best-of-N) accuracy and mean loss over ``examples``, summed over ranks."""
     model.eval()
     correct = loss_sum = 0.0
-    for batch in micro_batches_for_rank(examples, dp, max_tokens, pad_id, packed):
+    for batch in micro_batches_for_rank(examples, dp, max_tokens, pad_id, layout):
         scores = comparison_scores(model, batch)
         weight = float(batch["weight"])
         loss_sum += float(preference_loss(scores, batch["best"], _margin(batch)).sum()) * weight
@@ -153,7 +152,7 @@ def heldout_metrics(model, examples: list, dp: DataParallel, max_tokens: int, pa
 
 
 def train_one_epoch(trainable, examples: list, cfg: RMTrainConfig, dp: DataParallel, pad_id: int,
-                    seed: int, log: Log, progress: bool = False) -> dict[str, float]:
+                    seed: int, log: Log, progress: bool = False, layout: str | None = None) -> dict[str, float]:
     """One shuffled pass; the last incomplete minibatch is dropped (every step has batch_size examples)."""
     steps = len(examples) // cfg.batch_size
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -161,7 +160,7 @@ def train_one_epoch(trainable, examples: list, cfg: RMTrainConfig, dp: DataParal
     for step in progress_bar(range(steps), desc="[train_rm] training the reward model", unit="step",
                              enabled=progress):
         minibatch = [examples[i] for i in order[step * cfg.batch_size:(step + 1) * cfg.batch_size]]
-        micro_batches = micro_batches_for_rank(minibatch, dp, cfg.max_tokens_per_device, pad_id, cfg.packing)
+        micro_batches = micro_batches_for_rank(minibatch, dp, cfg.max_tokens_per_device, pad_id, layout)
         metrics = trainable.forward_backward(micro_batches, preference_loss_fn(len(minibatch), dp.size))
         lr = trainable.current_lr()
         grad_norm = trainable.step()
@@ -254,11 +253,12 @@ def fit_reward_model(model, policy, tokenizer, train_examples: list, test_exampl
     # OpenAI: normalise before training too, so the loss sees rewards at unit scale from step one.
     gain_before, _ = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed, dp,
                                       bar("sampling to normalise before training"))
-    before = heldout_metrics(model, test_examples, dp, max_tokens, pad_id, cfg.train.packing)
+    layout = packing_layout(cfg.train.packing, cfg.model.attn_implementation)
+    before = heldout_metrics(model, test_examples, dp, max_tokens, pad_id, layout)
     log(f"[train_rm] {len(train_examples)} train / {len(test_examples)} held-out comparisons, {steps} steps "
         f"on {dp.size} rank(s); held-out accuracy before training {before['accuracy']:.3f}")
-    stats = train_one_epoch(trainable, train_examples, cfg.train, dp, pad_id, cfg.trainer.seed, log, show)
-    after = heldout_metrics(model, test_examples, dp, max_tokens, pad_id, cfg.train.packing)
+    stats = train_one_epoch(trainable, train_examples, cfg.train, dp, pad_id, cfg.trainer.seed, log, show, layout)
+    after = heldout_metrics(model, test_examples, dp, max_tokens, pad_id, layout)
     gain, bias = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed + 1, dp,
                                   bar("sampling to normalise after training"))
     check = fresh_sample_check(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed + 2, dp, labeler,

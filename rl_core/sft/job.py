@@ -41,7 +41,8 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
     train_rows, eval_rows = load_data(cfg, tokenizer, dp.rank)
     steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_rows), "usable rows", cfg.data.train_path)
     seed_everything(cfg.trainer.seed)  # the same initial weights on every rank
-    model = models.load_causal_lm(cfg.model.path)
+    model = models.load_causal_lm(cfg.model.path, attn_implementation=cfg.model.attn_implementation)
+    layout = models.packing_layout(tr.packing, cfg.model.attn_implementation)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # a [PAD] the tokenizer gained
     if cfg.model.gradient_checkpointing:
@@ -59,7 +60,7 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
         print(f"[sft] {len(train_rows)} rows, {total_steps} steps of {tr.batch_size} on {dp.size} rank(s)", flush=True)
 
     def evaluate() -> dict[str, float]:
-        metrics = heldout_metrics(model, eval_rows, dp, tr.max_tokens_per_device, tokenizer.pad_token_id, tr.packing)
+        metrics = heldout_metrics(model, eval_rows, dp, tr.max_tokens_per_device, tokenizer.pad_token_id, layout)
         if reward_fn is not None:
             metrics.update(generation_accuracy(model, eval_rows[:cfg.eval.generate_rows], reward_fn, tokenizer, dp,
                                                cfg.eval.max_new_tokens))
@@ -70,7 +71,7 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
     finetune.run_steps(
         start_step, total_steps, steps_per_epoch,
         lambda step: train_step(trainable, finetune.step_rows(train_rows, step, tr.batch_size, cfg.trainer.seed), dp,
-                                tr.max_tokens_per_device, tokenizer.pad_token_id, tr.packing),
+                                tr.max_tokens_per_device, tokenizer.pad_token_id, layout),
         evaluate if eval_rows else None, lambda step: checkpointer.save(step, {"model": trainable}, {}),
         logger, SHOWN, tr, cfg.trainer, cfg.eval.every)
     if cfg.trainer.export_hf:

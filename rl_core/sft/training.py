@@ -17,14 +17,14 @@ import torch
 from rl_core.balance import micro_batches_for_rank, with_stand_ins
 from rl_core.distributed import DataParallel
 from rl_core.sft.data import SFTExample
-from workers.models import decode, logprobs_from_logits, make_micro_batch, model_inputs, pack, to_rows
+from workers.models import decode, laid_out, logprobs_from_logits, make_micro_batch, model_inputs, to_rows
 
 
-def collate(examples: list[SFTExample], pad_token_id: int, packed: bool = False) -> dict[str, torch.Tensor]:
-    """Padded rows, or with `packed` the model runs on them without their padding (`models.pack`)."""
+def collate(examples: list[SFTExample], pad_token_id: int, layout: str | None = None) -> dict[str, torch.Tensor]:
+    """Padded rows, or packed in `layout` (`models.packing_layout`): the model runs without their padding."""
     rows = [{"input_ids": e.input_ids, "action_mask": e.loss_mask} for e in examples]
     batch = make_micro_batch(rows, pad_token_id)
-    return pack(batch) if packed else batch
+    return laid_out(batch, layout)
 
 
 def token_sums(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -39,21 +39,21 @@ def token_sums(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tor
 
 
 def micro_batches(examples: list[SFTExample], dp: DataParallel, max_tokens: int, pad_token_id: int,
-                  packed: bool = False):
+                  layout: str | None = None):
     """This rank's micro-batches of `examples` (the whole step's rows, the same list on every rank):
     (batch, real) pairs, the same count on every rank (a stand-in with `real` False when a rank has none).
-    `max_tokens` bounds the padded size, or with `packed` the real tokens."""
+    `max_tokens` bounds the padded size, or packed (`layout`) the real tokens."""
     lengths = [len(e.input_ids) for e in examples]
-    mine = micro_batches_for_rank(lengths, dp.rank, dp.size, max_tokens, packed)
-    return [(collate([examples[i] for i in indices], pad_token_id, packed), real)
+    mine = micro_batches_for_rank(lengths, dp.rank, dp.size, max_tokens, packed=layout is not None)
+    return [(collate([examples[i] for i in indices], pad_token_id, layout), real)
             for indices, real in with_stand_ins(mine)]
 
 
 def train_step(trainable, examples: list[SFTExample], dp: DataParallel, max_tokens: int,
-               pad_token_id: int, packed: bool = False) -> dict[str, float]:
+               pad_token_id: int, layout: str | None = None) -> dict[str, float]:
     """One optimizer step on `examples` (every rank passes the same rows); returns global metrics."""
     global_tokens = sum(sum(e.loss_mask[1:]) for e in examples)
-    batches = micro_batches(examples, dp, max_tokens, pad_token_id, packed)
+    batches = micro_batches(examples, dp, max_tokens, pad_token_id, layout)
 
     def loss_fn(model, item):
         batch, real = item
@@ -75,11 +75,11 @@ def train_step(trainable, examples: list[SFTExample], dp: DataParallel, max_toke
 
 @torch.no_grad()
 def heldout_metrics(model, examples: list[SFTExample], dp: DataParallel, max_tokens: int,
-                    pad_token_id: int, packed: bool = False) -> dict[str, float]:
+                    pad_token_id: int, layout: str | None = None) -> dict[str, float]:
     """Loss and token accuracy over held-out rows, every rank scoring its share."""
     model.eval()
     nll = correct = count = 0.0
-    for batch, real in micro_batches(examples, dp, max_tokens, pad_token_id, packed):
+    for batch, real in micro_batches(examples, dp, max_tokens, pad_token_id, layout):
         n, c, k = token_sums(model, {key: v.to(dp.device) for key, v in batch.items()})
         if real:
             nll, correct, count = nll + float(n), correct + float(c), count + float(k)

@@ -27,6 +27,8 @@ def test_impossible_combinations():
         ppo("model.lora.rank=-1")
     with pytest.raises(ConfigError, match=r"share_prompts=true packs a group's prompt once, so it needs algorithm.packing=true"):
         ppo("algorithm.share_prompts=true")
+    with pytest.raises(ConfigError, match=r"flash_attention_2's varlen kernel cannot; set algorithm.share_prompts=false"):
+        ppo("algorithm.packing=true", "algorithm.share_prompts=true", "model.attn_implementation=flash_attention_2")
 
 
 def test_engine_dtype_follows_the_training_compute_dtype_unless_set():

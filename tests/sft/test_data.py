@@ -82,9 +82,11 @@ def test_long_rows_are_dropped_or_cut_and_counted(chat_tokenizer):
         encode_rows(rows[:1], chat_tokenizer, data_cfg(max_length=2), "rows.jsonl")
 
 
-def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir):
-    """Back to back with positions restarting and attention kept inside each row: the same
-    log-likelihood and gradients as padded rows, to 1e-5 in fp32, with no padding at all."""
+@pytest.mark.parametrize("layout", ["rows", "one_row"])
+def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir, layout):
+    """Back to back with positions restarting and attention kept inside each sequence (rows with a
+    block-diagonal mask, or flash-attention's one row, here through sdpa): the same log-likelihood and
+    gradients as padded rows, to 1e-5 in fp32, with no padding at all."""
     import torch
 
     from rl_core.sft.data import SFTExample
@@ -99,13 +101,13 @@ def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir):
         examples.append(SFTExample(ids, mask, {}))
     model = load_causal_lm(tiny_model_dir)
     results = []
-    for packed in (False, True):
+    for packing in (None, layout):
         model.zero_grad()
-        batch = collate(examples, pad_token_id=0, packed=packed)
+        batch = collate(examples, pad_token_id=0, layout=packing)
         nll, correct, count = token_sums(model, batch)
         nll.backward()
         grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-        grid = batch["packed_input_ids" if packed else "input_ids"].numel()
+        grid = batch["packed_input_ids" if packing else "input_ids"].numel()
         results.append((float(nll.detach()), float(correct), float(count), grads, grid))
     (padded_nll, padded_correct, padded_count, padded_grads, padded_grid), (nll, correct, count, grads, grid) = results
     assert grid < padded_grid and int((batch["packed_segment_ids"] >= 0).sum()) == sum(len(e.input_ids) for e in examples)

@@ -4,8 +4,8 @@ every per-token quantity the jobs train on comes back to the padded rows equal t
 import pytest
 import torch
 
-from workers.models import (ValueModel, load_causal_lm, make_micro_batch, pack, padding_fraction, to_rows,
-                            token_logprobs, token_logprobs_and_entropy, token_values)
+from workers.models import (ValueModel, load_causal_lm, make_micro_batch, model_inputs, pack, packs_into_one_row,
+                            padding_fraction, to_rows, token_logprobs, token_logprobs_and_entropy, token_values)
 
 
 def ppo_rows(seed: int = 0) -> list[dict]:
@@ -70,8 +70,31 @@ def test_pack_keeps_every_real_token_once_and_drops_the_padding():
     assert torch.equal(packed["packed_position_ids"].flatten()[index[index >= 0]], batch["position_ids"][index >= 0])
 
 
-@pytest.mark.parametrize("temperature, share_prompts", [(1.0, False), (0.7, False), (1.0, True), (0.7, True)])
-def test_packed_logprobs_entropy_values_and_gradients_equal_the_padded_ones(tiny_model_dir, temperature, share_prompts):
+def test_one_row_is_every_real_token_with_restarting_positions_and_no_mask():
+    batch = make_micro_batch(ppo_rows(), pad_token_id=0)
+    flat = pack(batch, one_row=True)
+    real = int(batch["attention_mask"].sum())
+    assert flat["packed_input_ids"].shape == (1, real) and padding_fraction(flat) == 0.0
+    index = flat["packed_index"]
+    assert torch.equal(flat["packed_input_ids"].flatten()[index[index >= 0]], batch["input_ids"][index >= 0])
+    positions = flat["packed_position_ids"][0]
+    assert int((positions == 0).sum()) == len(ppo_rows())  # where each sequence starts: flash's cu_seqlens
+    inputs = model_inputs(flat)
+    assert "attention_mask" not in inputs and inputs["use_cache"] is False
+    assert "attention_mask" in model_inputs(pack(batch))  # the rows layout keeps its block-diagonal mask
+    with pytest.raises(ValueError, match="share_prompts or one_row"):
+        pack(make_micro_batch(grouped_ppo_rows(), pad_token_id=0), share_prompts=True, one_row=True)
+    assert packs_into_one_row("flash_attention_2") and packs_into_one_row("kernels-community/flash-attn3")
+    assert not packs_into_one_row("sdpa") and not packs_into_one_row(None)
+
+
+# one_row runs through sdpa here: transformers builds the block-diagonal mask from the restarting position ids,
+# the same boundaries its flash path hands the varlen kernel (checked on a GPU by scripts/gpu_check.sh).
+@pytest.mark.parametrize("temperature, share_prompts, one_row",
+                         [(1.0, False, False), (0.7, False, False), (1.0, True, False), (0.7, True, False),
+                          (1.0, False, True), (0.7, False, True)])
+def test_packed_logprobs_entropy_values_and_gradients_equal_the_padded_ones(tiny_model_dir, temperature, share_prompts,
+                                                                           one_row):
     torch.manual_seed(0)
     policy = load_causal_lm(tiny_model_dir)
     critic = ValueModel.from_pretrained(tiny_model_dir, torch.float32)
@@ -79,7 +102,7 @@ def test_packed_logprobs_entropy_values_and_gradients_equal_the_padded_ones(tiny
         critic.head.weight.normal_()  # OpenAI's zero-initialised head would hide a misplaced value
     padded = make_micro_batch(grouped_ppo_rows(), pad_token_id=0)
     results = []
-    for batch in (padded, pack(padded, share_prompts=share_prompts)):
+    for batch in (padded, pack(padded, share_prompts=share_prompts, one_row=one_row)):
         policy.zero_grad()
         critic.zero_grad()
         mask = batch["action_mask"].float()
@@ -103,14 +126,15 @@ def test_packed_logprobs_entropy_values_and_gradients_equal_the_padded_ones(tiny
                                    msg=lambda message: f"{name}: {message}")
 
 
-def test_packed_reward_scores_and_gradients_equal_the_padded_ones(tiny_model_dir):
+@pytest.mark.parametrize("one_row", [False, True])
+def test_packed_reward_scores_and_gradients_equal_the_padded_ones(tiny_model_dir, one_row):
     from workers.models import init_reward_model, raw_reward_scores
 
     reward_model = init_reward_model(tiny_model_dir, pad_token_id=0, seed=0)
     padded = make_micro_batch([{k: r[k] for k in ("input_ids", "attention_mask", "action_mask")} for r in ppo_rows(1)],
                               pad_token_id=0)
     results = []
-    for batch in (padded, pack(padded)):
+    for batch in (padded, pack(padded, one_row=one_row)):
         reward_model.zero_grad()
         scores = raw_reward_scores(reward_model, batch)
         (scores * torch.arange(1.0, len(scores) + 1)).sum().backward()  # each row's score with its own weight
