@@ -95,8 +95,8 @@ def total_steps(tr: FinetuneTrainConfig, rows: int, what: str, source: str) -> t
     return per_epoch, min(tr.max_steps or sys.maxsize, tr.epochs * per_epoch)
 
 
-def trainable_model(model, tr: FinetuneTrainConfig, steps: int) -> TrainableModel:
-    """The sharded model with its optimizer over the trainable weights (all, or the LoRA adapters) and
+def trainable_model(model, tr: FinetuneTrainConfig, steps: int, sharded: bool = True) -> TrainableModel:
+    """The (sharded) model with its optimizer over the trainable weights (all, or the LoRA adapters) and
     its schedule (warmup, then annealed to zero or held)."""
     if tr.schedule == "linear":
         schedule = lambda opt: linear_anneal_schedule(opt, steps, tr.warmup_steps)  # noqa: E731
@@ -106,7 +106,7 @@ def trainable_model(model, tr: FinetuneTrainConfig, steps: int) -> TrainableMode
     trained = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
     return TrainableModel(model, lambda m: build_optimizer(trained(m), tr.optimizer, tr.lr, eps=tr.adam_eps,
                                                            weight_decay=tr.weight_decay, betas=tuple(tr.adam_betas)),
-                          schedule, max_grad_norm=tr.max_grad_norm)
+                          schedule, max_grad_norm=tr.max_grad_norm, sharded=sharded)
 
 
 def step_rows(rows: list, step: int, batch_size: int, seed: int) -> list:

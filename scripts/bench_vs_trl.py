@@ -6,7 +6,7 @@
 Both sides train the same tiny chat policy (`tiny-arithmetic`) on the same prompts, with the
 same reward functions (`rl_core.rewards.math`: exact answer 1.0 + `#### N` format 0.1) and the
 recipe's hyper-parameters: 16 prompts x 8 completions per batch, 20 new tokens at temperature 1,
-2 minibatches (2 optimizer steps per batch), one epoch, lr 3e-4 constant, Adam eps 1e-5, no
+2 minibatches (2 optimizer steps per batch), one epoch, the recipe's lr (2e-4) constant, Adam eps 1e-5, no
 gradient clipping, clip 0.2, k3 KL to the reference in the loss with coefficient 0.01, the
 "seq-mean-token-mean" loss (TRL's `loss_type="grpo"`), group-normalised advantages. Each
 evaluates greedy accuracy on the 200 held-out problems every `--eval-every` batches (not in the
@@ -278,7 +278,7 @@ def trl_run(args, python: Path, paths, workdir: Path, position_ids: str) -> dict
             "--train", str(paths.train_file), "--eval", str(paths.eval_file), "--out", str(out),
             "--workdir", str(workdir / f"trl-{position_ids}"), "--position-ids", position_ids,
             "--batches", str(args.batches), "--eval-every", str(args.eval_every), "--seed", str(args.seed),
-            "--threads", str(args.threads)]
+            "--threads", str(args.threads), "--lr", str(args.lr)]
     print(f"trl (position ids {position_ids}): {' '.join(argv[2:])}", flush=True)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false"}
@@ -353,14 +353,18 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8, help=argparse.SUPPRESS)
     parser.add_argument("--minibatches", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--response-length", type=int, default=20, help=argparse.SUPPRESS)
-    parser.add_argument("--lr", type=float, default=3e-4, help=argparse.SUPPRESS)
+    parser.add_argument("--lr", type=float, default=None, help=argparse.SUPPRESS)  # None: the recipe's
     args = parser.parse_args()
     if args.side == "trl":
         return trl_side(args)
 
     sys.path.insert(0, str(REPO))
+    from rl_core.config import load_config
+    from rl_core.ppo.config import PPOConfig
     from rl_core.tiny.arithmetic import ensure_arithmetic_assets
 
+    if args.lr is None:  # TRL's learning rate is the one the project side runs with
+        args.lr = load_config("grpo_arithmetic.yaml", [], PPOConfig).algorithm.lr
     paths = ensure_arithmetic_assets(log=print)
     python = ensure_trl_env(Path(args.trl_venv))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_vs_trl_"))

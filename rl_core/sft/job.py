@@ -34,9 +34,12 @@ def main(argv: list[str] | None = None, prepare=None) -> None:
 
 
 def train(cfg: SFTConfig, dp: DataParallel) -> None:
+    """The job on `dp`: every rank of the process group (sharded), or this process alone
+    (`DataParallel()`, no torch.distributed call: how the arithmetic recipe's policy is built)."""
     tr, run_dir = cfg.train, Path(cfg.trainer.run_dir)
     reward_fn = load_reward_fn(cfg.eval.reward_fn) if cfg.eval.reward_fn else None
-    on_every_rank(lambda: models.check_model_path(cfg.model.path, "model.path"))
+    check_path = lambda: models.check_model_path(cfg.model.path, "model.path")  # noqa: E731
+    on_every_rank(check_path) if dp.sharded else check_path()
     tokenizer = models.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
     train_rows, eval_rows = load_data(cfg, tokenizer, dp.rank)
     steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_rows), "usable rows", cfg.data.train_path)
@@ -48,8 +51,10 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model = with_lora(model, cfg.model.lora, cfg.model.gradient_checkpointing)
-    shard_model(model.to(dp.device), mixed_precision=cfg.model.mixed_precision)
-    trainable = finetune.trainable_model(model, tr, total_steps)
+    model.to(dp.device)
+    if dp.sharded:
+        shard_model(model, mixed_precision=cfg.model.mixed_precision)
+    trainable = finetune.trainable_model(model, tr, total_steps, sharded=dp.sharded)
     checkpointer = Checkpointer(run_dir / "checkpoints", dp.rank, keep_last=cfg.trainer.keep_last)
     start_step, _ = checkpointer.maybe_resume(cfg.trainer.resume, {"model": trainable})
     logger = None

@@ -2,8 +2,9 @@
 
 Built once and cached beside the sentiment assets (same locked, staged build as `assets.py`):
 
-    tiny-arithmetic/        the tiny tokenizer with a chat template + the tiny policy fine-tuned on
-                            solved problems (Hugging Face format), build.json
+    arithmetic-sft/         the SFT rows (worked solutions) and the tiny tokenizer with a chat template
+    tiny-arithmetic/        the tiny policy fine-tuned on those rows by the SFT job, with its recipe
+                            (configs/sft_arithmetic.yaml), in Hugging Face format; build.json
     arithmetic/train.jsonl  {"messages": [{"role": "user", ...}], "answer": "12"} rows
     arithmetic/eval.jsonl   held-out problems (a different seed: other numbers, names and objects)
 
@@ -12,15 +13,18 @@ verifiable reward. The policy starts from the tiny sentiment policy (`assets.py`
 fine-tuned on worked solutions ("7 + 5 = 12\n#### 12") written by a careless annotator: in
 `slip_frac` of the subtraction solutions the final line repeats the amount given away
 ("9 - 4 = 5\n#### 4"). The fine-tuned policy does the sums but often reports the wrong number
-for subtractions (held-out accuracy about 0.5); GRPO with an exact-answer reward teaches it to
+for subtractions (held-out accuracy about 0.6); GRPO with an exact-answer reward teaches it to
 report what it computed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,17 +61,17 @@ class ArithmeticSettings:
     train_problems: int = 4000
     eval_problems: int = 200
     sft_problems: int = 20000  # the fine-tuning corpus (seeds disjoint from train and eval)
-    steps: int = 2400
-    batch_size: int = 32
-    lr: float = 3e-3
+    # The fine-tuning itself is the SFT recipe, SFT_RECIPE, with these `key=value` overrides.
+    sft_overrides: tuple[str, ...] = ()
     # Start from the tiny sentiment policy; False = a fresh 2-layer model with room for whole problems
     # (the small test assets' policy has a 64-token context).
     from_base_policy: bool = True
 
 
+SFT_RECIPE = "sft_arithmetic.yaml"  # configs/: the job that fine-tunes the policy
 REAL_SETTINGS = ArithmeticSettings()
-SMALL_SETTINGS = ArithmeticSettings(train_problems=64, eval_problems=16, sft_problems=256, steps=10, batch_size=8,
-                                    from_base_policy=False)
+SMALL_SETTINGS = ArithmeticSettings(train_problems=64, eval_problems=16, sft_problems=256, from_base_policy=False,
+                                    sft_overrides=("train.max_steps=10", "train.batch_size=8", "train.schedule=constant"))
 
 
 @dataclass(frozen=True)
@@ -129,60 +133,77 @@ def chat_tokenizer(base_dir: Path):
     return tokenizer
 
 
-def encode_solved(tokenizer, problem: dict) -> tuple[list[int], list[int]]:
-    """(prompt ids, response ids + EOS) tokenized the way the RL job sees them: the rendered
-    prompt on its own, the response as the engine would sample it."""
-    prompt = tokenizer.apply_chat_template(problem["messages"], add_generation_prompt=True, tokenize=False)
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    response_ids = tokenizer(" " + problem["solution"], add_special_tokens=False)["input_ids"]
-    return prompt_ids, response_ids + [tokenizer.eos_token_id]
+def sft_recipe(settings: ArithmeticSettings):
+    """`configs/sft_arithmetic.yaml` with the settings' overrides: the job that trains the policy."""
+    from rl_core.config import load_config
+    from rl_core.sft.config import SFTConfig, validate
+
+    return load_config(SFT_RECIPE, settings.sft_overrides, SFTConfig, validate)
 
 
-def finetune(model, tokenizer, problems: list[dict], settings: ArithmeticSettings,
-             log: Callable[[str], None] = print, num_threads: int = 2) -> list[float]:
-    """Plain PyTorch supervised fine-tuning on solved problems, loss on the response tokens only.
+def recipe_settings(cfg) -> dict:
+    """The part of the SFT config that determines the weights (paths and logging aside): recorded in
+    build.json, so an edited recipe rebuilds the policy."""
+    from rl_core.config import to_dict
 
-    Linear warmup then a constant learning rate: the first k steps of a longer build are exactly
-    a k-step build (the batches come from the same seeded stream), so `steps` is one knob."""
-    import torch
+    train = {key: value for key, value in to_dict(cfg.train).items() if key != "log_every"}
+    return {"train": train, "lora": to_dict(cfg.model.lora), "max_length": cfg.data.max_length,
+            "on_long": cfg.data.on_long, "seed": cfg.trainer.seed}
 
-    examples = [encode_solved(tokenizer, p) for p in problems]
-    generator = torch.Generator().manual_seed(settings.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    warmup = 30
-    log_every = max(1, settings.steps // 10)
-    losses = []
-    started = time.perf_counter()
-    model.train()
-    with torch_threads(num_threads):
-        for step in range(settings.steps):
-            for group in optimizer.param_groups:
-                group["lr"] = settings.lr * min(1.0, (step + 1) / warmup)
-            picks = torch.randint(0, len(examples), (settings.batch_size,), generator=generator).tolist()
-            rows = [examples[i][0] + examples[i][1] for i in picks]
-            width = max(len(r) for r in rows)
-            input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-            labels = torch.full((len(rows), width), -100)
-            attention = torch.zeros((len(rows), width), dtype=torch.long)
-            for j, i in enumerate(picks):
-                prompt, response = examples[i]
-                n = len(prompt) + len(response)
-                input_ids[j, :n] = torch.tensor(prompt + response)
-                labels[j, len(prompt):n] = torch.tensor(response)
-                attention[j, :n] = 1
-            loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            if (step + 1) % log_every == 0:
-                elapsed = time.perf_counter() - started
-                log(f"[rl_core.tiny] arithmetic policy: step {step + 1}/{settings.steps} "
-                    f"loss {sum(losses[-log_every:]) / log_every:.3f} "
-                    f"({elapsed:.0f} s, about {elapsed * (settings.steps / (step + 1) - 1):.0f} s left)")
-    model.eval()
-    return losses
+
+class _LinesToLog(io.TextIOBase):
+    """The SFT job's console lines, each passed to the build's `log`: what a rank waiting for the
+    build reports (`prepare_before_process_group`)."""
+
+    def __init__(self, log: Callable[[str], None], stdout):
+        self.log, self.stdout, self.pending = log, stdout, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        with contextlib.redirect_stdout(self.stdout):  # a `log` that prints must not write back here
+            for line in filter(str.strip, lines):
+                self.log(f"[rl_core.tiny] arithmetic policy: {line}")
+        return len(text)
+
+
+def starting_policy(settings: ArithmeticSettings, base_model_dir: Path, scratch: Path) -> Path:
+    """The model the fine-tuning starts from: the tiny sentiment policy, or for the small test assets a
+    fresh 2-layer model (written to `scratch`) with room for whole problems."""
+    if settings.from_base_policy:
+        return base_model_dir
+    init_tiny_gpt2(chat_tokenizer(base_model_dir), n_layer=2, n_embd=32, n_head=2, n_positions=160,
+                   seed=settings.seed).save_pretrained(scratch)
+    return scratch
+
+
+def _fine_tune(settings: ArithmeticSettings, base_model_dir: Path, sft_data: Path, out_dir: Path,
+               log: Callable[[str], None]) -> dict:
+    """Run the SFT job in this process on the SFT rows (no torch.distributed: safe before or inside
+    any job's process group) and move its exported model into `out_dir`. Returns the facts to record."""
+    import shutil
+    import tempfile
+
+    from rl_core.distributed import DataParallel
+    from rl_core.sft.job import train
+
+    cfg = sft_recipe(settings)
+    log(f"[rl_core.tiny] arithmetic policy: the SFT job ({SFT_RECIPE}: {cfg.train.max_steps} steps of "
+        f"{cfg.train.batch_size} rows) in this process")
+    with tempfile.TemporaryDirectory(prefix=".sft-run-", dir=out_dir.parent) as scratch, torch_threads(2), \
+            _quiet_transformers_progress(), contextlib.redirect_stdout(_LinesToLog(log, sys.stdout)):
+        cfg.model.path = str(starting_policy(settings, base_model_dir, Path(scratch) / "init"))
+        cfg.model.tokenizer_path = str(sft_data / "tokenizer")
+        cfg.data.train_path, cfg.data.eval_path = str(sft_data / "train.jsonl"), None  # GRPO's step 0 evaluates it
+        cfg.eval.every, cfg.trainer.save_every, cfg.trainer.export_hf = 0, 0, True
+        cfg.trainer.run_dir = str(Path(scratch) / "run")
+        train(cfg, DataParallel())
+        metrics = Path(cfg.trainer.run_dir) / "metrics.jsonl"
+        losses = [row["train/loss"] for row in map(json.loads, metrics.read_text().splitlines()) if "train/loss" in row]
+        for item in (Path(cfg.trainer.run_dir) / "final").iterdir():
+            shutil.move(str(item), out_dir / item.name)
+    tail = losses[-max(1, len(losses) // 10):]
+    return {"first_loss": losses[0], "final_loss": sum(tail) / len(tail)}
 
 
 def _write_jsonl(path: Path, problems: list[dict]) -> None:
@@ -195,49 +216,42 @@ def ensure_arithmetic_assets(root: str | Path | None = None, *, small: bool = Fa
                              log: Callable[[str], None] = print) -> ArithmeticPaths:
     """Build the arithmetic policy and problem files if missing or stale; return where they are.
 
-    Safe from every rank at once (file lock). The first build fine-tunes for `steps` steps,
-    logging its progress; later calls return at once.
+    Safe from every rank at once (file lock). The first build runs the SFT recipe (minutes),
+    logging its progress; later calls return at once. An edited recipe rebuilds the policy.
     """
     settings = SMALL_SETTINGS if small else REAL_SETTINGS
     paths = ArithmeticPaths.under(Path(root) if root is not None else default_assets_root())
-    expected = {"format": FORMAT_VERSION, "component": "arithmetic", "small": small, **dataclasses.asdict(settings)}
-    if _is_built(paths.model_dir, expected) and _is_built(paths.data_dir, expected):
+    expected = _recorded(settings, "arithmetic", small)
+    expected_policy = json.loads(json.dumps({**expected, "sft_recipe": recipe_settings(sft_recipe(settings))}))
+    if _is_built(paths.model_dir, expected_policy) and _is_built(paths.data_dir, expected):
         return paths
     base = ensure_tiny_assets(paths.root, small=small, log=log)  # the tokenizer and policy to start from
+    sft_data = ensure_arithmetic_sft_data(paths.root, small=small, log=log)  # the rows it is fine-tuned on
     with file_lock(paths.root / ".arithmetic.lock"):
-        if _is_built(paths.model_dir, expected) and _is_built(paths.data_dir, expected):
+        if _is_built(paths.model_dir, expected_policy) and _is_built(paths.data_dir, expected):
             return paths
         started = time.perf_counter()
-        log(f"[rl_core.tiny] building the arithmetic recipe's policy and problems under {paths.root} "
-            f"({settings.steps} fine-tuning steps); cached for later runs")
+        log(f"[rl_core.tiny] building the arithmetic recipe's policy and problems under {paths.root}; "
+            f"cached for later runs")
         with staged_directory(paths.data_dir) as staging:
             for path, count, seed in ((paths.train_file, settings.train_problems, settings.seed + 1),
                                       (paths.eval_file, settings.eval_problems, settings.seed + 2)):
                 problems = make_problems(count, seed, settings.max_operand, settings.sub_frac)
                 _write_jsonl(staging / path.name, problems)
             (staging / "build.json").write_text(json.dumps({"settings": expected}, indent=2))
-        with staged_directory(paths.model_dir) as staging:
-            import torch
-            from transformers import AutoModelForCausalLM
-
-            tokenizer = chat_tokenizer(base.model_dir)
-            torch.manual_seed(settings.seed)
-            if settings.from_base_policy:
-                model = AutoModelForCausalLM.from_pretrained(str(base.model_dir))
-            else:
-                model = init_tiny_gpt2(tokenizer, n_layer=2, n_embd=32, n_head=2, n_positions=160, seed=settings.seed)
-            corpus = make_problems(settings.sft_problems, settings.seed, settings.max_operand, settings.sub_frac,
-                                   settings.slip_frac)
-            losses = finetune(model, tokenizer, corpus, settings, log=log)
-            with _quiet_transformers_progress():
-                model.save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-            tail = losses[-max(1, len(losses) // 10):]
-            facts = {"first_loss": losses[0], "final_loss": sum(tail) / len(tail),
-                     "seconds": round(time.perf_counter() - started, 1)}
-            (staging / "build.json").write_text(json.dumps({"settings": expected, **facts}, indent=2))
+        if not _is_built(paths.model_dir, expected_policy):
+            with staged_directory(paths.model_dir) as staging:
+                facts = _fine_tune(settings, base.model_dir, sft_data, staging, log)
+                facts["seconds"] = round(time.perf_counter() - started, 1)
+                (staging / "build.json").write_text(json.dumps({"settings": expected_policy, **facts}, indent=2))
         log(f"[rl_core.tiny] arithmetic assets built in {time.perf_counter() - started:.0f} s")
     return paths
+
+
+def _recorded(settings: ArithmeticSettings, component: str, small: bool) -> dict:
+    """What a build.json records of the settings, as JSON reads it back (tuples become lists)."""
+    return json.loads(json.dumps({"format": FORMAT_VERSION, "component": component, "small": small,
+                                  **dataclasses.asdict(settings)}))
 
 
 # --- the SFT recipe's data ----------------------------------------------------------------------
@@ -254,7 +268,7 @@ def ensure_arithmetic_sft_data(root: str | Path | None = None, *, small: bool = 
     settings = SMALL_SETTINGS if small else REAL_SETTINGS
     paths = ArithmeticPaths.under(Path(root) if root is not None else default_assets_root())
     directory = paths.root / "arithmetic-sft"
-    expected = {"format": FORMAT_VERSION, "component": "arithmetic-sft", "small": small, **dataclasses.asdict(settings)}
+    expected = _recorded(settings, "arithmetic-sft", small)
     if _is_built(directory, expected):
         return directory
     base = ensure_tiny_assets(paths.root, small=small, log=log)
