@@ -92,7 +92,11 @@ def total_steps(tr: FinetuneTrainConfig, rows: int, what: str, source: str) -> t
     if per_epoch < 1:
         raise ValueError(f"{source} gives {rows} {what}, fewer than one batch (train.batch_size={tr.batch_size}); "
                          "lower train.batch_size or add data")
-    return per_epoch, min(tr.max_steps or sys.maxsize, tr.epochs * per_epoch)
+    steps = min(tr.max_steps or sys.maxsize, tr.epochs * per_epoch)
+    if tr.schedule == "linear" and tr.warmup_steps >= steps:
+        raise ValueError(f"train.warmup_steps={tr.warmup_steps} is not below the run's {steps} steps, so the "
+                         "learning rate would never anneal; lower train.warmup_steps (or train.schedule=constant)")
+    return per_epoch, steps
 
 
 def trainable_model(model, tr: FinetuneTrainConfig, steps: int, sharded: bool = True) -> TrainableModel:

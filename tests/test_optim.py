@@ -64,3 +64,12 @@ def test_linear_anneal_reaches_zero_at_the_end(warmup):
         assert lrs == pytest.approx([2.0 * (1 - i / 10) for i in range(10)])
     else:
         assert lrs[:warmup] == pytest.approx([2.0 * (i + 1) / warmup for i in range(warmup)])
+
+
+def test_a_finetune_run_shorter_than_its_warmup_is_one_line_naming_the_key():
+    from rl_core.finetune import FinetuneTrainConfig, total_steps
+
+    with pytest.raises(ValueError, match=r"train.warmup_steps=30 is not below the run's 10 steps"):
+        total_steps(FinetuneTrainConfig(max_steps=10, warmup_steps=30, schedule="linear"), 640, "rows", "data")
+    assert total_steps(FinetuneTrainConfig(max_steps=10, warmup_steps=30, schedule="constant"), 640, "rows", "data") \
+        == (640 // FinetuneTrainConfig().batch_size, 10)
