@@ -36,7 +36,7 @@ class PPOTrainer:
         algo, model_cfg = cfg.algorithm, cfg.model
         dtype = getattr(torch, model_cfg.dtype)
         attention = model_cfg.attn_implementation  # every model runs the same (packed) micro-batches
-        self.packing = models.packing_layout(algo.packing, attention)
+        self.layout = models.packing_layout(algo.packing, attention)  # of every micro-batch
         shard = functools.partial(shard_model, mixed_precision=model_cfg.mixed_precision,
                                   cpu_offload=model_cfg.cpu_offload)
         # The schedule counts optimizer steps: epochs x minibatches of every PPO step (OpenAI anneals to zero).
@@ -96,7 +96,7 @@ class PPOTrainer:
         if not real:  # a stand-in: same shapes, nothing to learn from
             chosen = [{**chosen[0], "action_mask": [0] * len(chosen[0]["action_mask"])}]
         batch = models.make_micro_batch(chosen, self.tokenizer.pad_token_id)
-        packed = models.laid_out(batch, self.packing, share_prompts=self.cfg.algorithm.share_prompts)
+        packed = models.laid_out(batch, self.layout, share_prompts=self.cfg.algorithm.share_prompts)
         return models.to_device(packed, self.device)
 
     def _distributed_map(self, rows: list[dict], fn: Callable) -> list[torch.Tensor]:

@@ -41,6 +41,7 @@ def scorer(rank: int, layout: str) -> PPOTrainer:
     trainer = object.__new__(PPOTrainer)
     algorithm = types.SimpleNamespace(max_tokens_per_device=24, packing=layout != "padded", share_prompts=layout == "shared")
     trainer.cfg = types.SimpleNamespace(algorithm=algorithm)
+    trainer.layout = None if layout == "padded" else "rows"
     trainer.tokenizer = types.SimpleNamespace(pad_token_id=0)
     trainer.device, trainer.rank, trainer.world_size = torch.device("cpu"), rank, WORLD_SIZE
     return trainer
