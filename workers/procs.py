@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import re
 import shlex
 import signal
@@ -153,10 +154,34 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port that is free on `host` right now, below the kernel's ephemeral range.
+
+    The server given it binds it only later (SGLang after about 25 s of start-up on a CPU), and a
+    port from the ephemeral range can meanwhile be handed to any `bind(0)` or outgoing connection:
+    SGLang's own scheduler took its server's HTTP port that way for a gloo socket (`[Errno 98]`).
+    Ports below the range are never assigned automatically."""
+    low = _ephemeral_range()[0]
+    chooser = random.SystemRandom()
+    for _ in range(100):
+        port = chooser.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # everything below taken: the old way
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for automatically assigned ports (Linux's default where it cannot be read)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # terminal colours (the router's log has them)
