@@ -38,8 +38,10 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
     (`DataParallel()`, no torch.distributed call: how the arithmetic recipe's policy is built)."""
     tr, run_dir = cfg.train, Path(cfg.trainer.run_dir)
     reward_fn = load_reward_fn(cfg.eval.reward_fn) if cfg.eval.reward_fn else None
-    check_path = lambda: models.check_model_path(cfg.model.path, "model.path")  # noqa: E731
-    on_every_rank(check_path) if dp.sharded else check_path()
+    if dp.sharded:
+        on_every_rank(lambda: models.check_model_path(cfg.model.path, "model.path"))
+    else:  # alone, maybe inside another job's process group: no collective
+        models.check_model_path(cfg.model.path, "model.path")
     tokenizer = models.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
     train_rows, eval_rows = load_data(cfg, tokenizer, dp.rank)
     steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_rows), "usable rows", cfg.data.train_path)

@@ -222,7 +222,7 @@ def ensure_arithmetic_assets(root: str | Path | None = None, *, small: bool = Fa
     settings = SMALL_SETTINGS if small else REAL_SETTINGS
     paths = ArithmeticPaths.under(Path(root) if root is not None else default_assets_root())
     expected = _recorded(settings, "arithmetic", small)
-    expected_policy = json.loads(json.dumps({**expected, "sft_recipe": recipe_settings(sft_recipe(settings))}))
+    expected_policy = _recorded(settings, "arithmetic", small, sft_recipe=recipe_settings(sft_recipe(settings)))
     if _is_built(paths.model_dir, expected_policy) and _is_built(paths.data_dir, expected):
         return paths
     base = ensure_tiny_assets(paths.root, small=small, log=log)  # the tokenizer and policy to start from
@@ -248,10 +248,10 @@ def ensure_arithmetic_assets(root: str | Path | None = None, *, small: bool = Fa
     return paths
 
 
-def _recorded(settings: ArithmeticSettings, component: str, small: bool) -> dict:
-    """What a build.json records of the settings, as JSON reads it back (tuples become lists)."""
+def _recorded(settings: ArithmeticSettings, component: str, small: bool, **extra) -> dict:
+    """What a build.json records of the settings (and `extra`), as JSON reads it back (tuples become lists)."""
     return json.loads(json.dumps({"format": FORMAT_VERSION, "component": component, "small": small,
-                                  **dataclasses.asdict(settings)}))
+                                  **dataclasses.asdict(settings), **extra}))
 
 
 # --- the SFT recipe's data ----------------------------------------------------------------------
