@@ -230,14 +230,6 @@ def _validate_rows(rows, source: str, text_key: str, on_malformed: str, keys: "C
 # --- query preprocessing (OpenAI lm-human-preferences) -------------------------------------------
 
 
-@dataclass(frozen=True)
-class Query:
-    """A query of fixed length: `input_ids` padded with [PAD], `unpadded_ids` without."""
-
-    input_ids: list[int]
-    unpadded_ids: list[int]
-
-
 def _find(tokens: list[int], pattern: list[int], last: bool = False) -> int:
     """Index of the first (or last) occurrence of `pattern` in `tokens`, or -1."""
     starts = range(len(tokens) - len(pattern), -1, -1) if last else range(len(tokens) - len(pattern) + 1)
@@ -248,32 +240,28 @@ def _find(tokens: list[int], pattern: list[int], last: bool = False) -> int:
 
 
 class QueryProcessor:
-    """Text -> fixed-length query ids, as OpenAI's `lm-human-preferences` builds its queries.
+    """Text -> query ids of at most `query_length`, as OpenAI's `lm-human-preferences` builds its queries.
 
     Steps: keep tokens after the first `start_text`; truncate to `query_length` (keeping the
-    beginning by default, as OpenAI does); keep tokens up to and including the last `end_text`;
-    pad with the [PAD] token (distinct from EOS) to exactly `query_length`. Left padding is the
-    default so every query ends where generation starts. A text lacking a configured
-    start/end text gives `None` (OpenAI skips such samples).
+    beginning by default, as OpenAI does); keep tokens up to and including the last `end_text`.
+    The query stays unpadded: padding (with [PAD], which must differ from EOS) happens only when
+    micro-batches are collated. A text lacking a configured start/end text gives `None` (OpenAI
+    skips such samples).
     """
 
     def __init__(self, tokenizer, query_length: int, start_text: str | None = None,
-                 end_text: str | None = None, truncate_side: str = "right", pad_side: str = "left"):
+                 end_text: str | None = None, truncate_side: str = "right"):
         if query_length < 1:
             raise ValueError(f"query_length must be >= 1, got {query_length}")
         if truncate_side not in ("left", "right"):
             raise ValueError(f"truncate_side must be 'left' or 'right', got {truncate_side!r}")
-        if pad_side not in ("left", "right"):
-            raise ValueError(f"pad_side must be 'left' or 'right', got {pad_side!r}")
         pad_id = tokenizer.pad_token_id
         if pad_id is None or pad_id == tokenizer.eos_token_id:
             raise ValueError("the tokenizer needs a pad token distinct from EOS (OpenAI detail); "
                              "add one with tokenizer.add_special_tokens({'pad_token': '[PAD]'})")
         self.tokenizer = tokenizer
         self.query_length = query_length
-        self.pad_id = pad_id
         self.truncate_side = truncate_side
-        self.pad_side = pad_side
         self.start_ids = self._marker_ids(start_text, "start_text")
         self.end_ids = self._marker_ids(end_text, "end_text")
 
@@ -285,14 +273,10 @@ class QueryProcessor:
             raise ValueError(f"{name}={text!r} tokenizes to nothing; use None or a visible text")
         return ids
 
-    def __call__(self, text: str) -> Query | None:
+    def __call__(self, text: str) -> list[int] | None:
         return self.from_ids(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def process_batch(self, texts: Sequence[str]) -> list[Query | None]:
-        encoded = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-        return [self.from_ids(ids) for ids in encoded]
-
-    def from_ids(self, tokens: list[int]) -> Query | None:
+    def from_ids(self, tokens: list[int]) -> list[int] | None:
         tokens = list(tokens)
         if self.start_ids is not None:
             start = _find(tokens, self.start_ids)
@@ -310,11 +294,7 @@ class QueryProcessor:
             if end < 0:
                 return None
             tokens = tokens[:end + len(self.end_ids)]
-        if not tokens:
-            return None
-        padding = [self.pad_id] * (self.query_length - len(tokens))
-        padded = padding + tokens if self.pad_side == "left" else tokens + padding
-        return Query(input_ids=padded, unpadded_ids=tokens)
+        return tokens or None
 
 
 class PromptEncoder:
@@ -325,7 +305,8 @@ class PromptEncoder:
     wraps a plain-text prompt as one user message (after `system_prompt`, if any).
     `on_long="skip"` returns None for a prompt over `max_length` tokens (the loader skips and
     counts it), `"error"` refuses it; `"truncate"` is OpenAI's fixed-length query mode, left to
-    `QueryProcessor` for plain text. Returns a `Query` (unpadded) so the loader treats both alike.
+    `QueryProcessor` for plain text. Returns the prompt's token ids, as `QueryProcessor` does, so the
+    loader treats both alike.
     """
 
     def __init__(self, tokenizer, max_length: int, on_long: str = "skip", chat_template: bool | None = None,
@@ -363,7 +344,7 @@ class PromptEncoder:
                                   "or set data.apply_chat_template=false with plain-text prompts")
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    def __call__(self, prompt: str | list) -> Query | None:
+    def __call__(self, prompt: str | list) -> list[int] | None:
         messages = self.messages(prompt)
         if messages is None and self.on_long == "truncate" and self.query_processor is not None:
             return self.query_processor(prompt)
@@ -378,9 +359,7 @@ class PromptEncoder:
                 self.too_long += 1
                 return None
             ids = ids[:self.max_length]
-        if not ids:
-            return None
-        return Query(input_ids=list(ids), unpadded_ids=list(ids))
+        return list(ids) or None
 
 
 # --- deterministic, resumable prompt batches -----------------------------------------------------
@@ -388,11 +367,11 @@ class PromptEncoder:
 
 @dataclass(frozen=True)
 class PromptItem:
-    """One prompt of a batch: its dataset index, its row, and its query when a processor is set."""
+    """One prompt of a batch: its dataset index, its row, and its token ids when a processor is set."""
 
     index: int
     row: dict
-    query: Query | None = None
+    prompt_ids: list[int] | None = None
 
 
 @dataclass
@@ -455,10 +434,10 @@ class PromptLoader:
         while len(batch) < (size or self.batch_size):
             index = self._next_index()
             row = self.dataset[index]
-            query = None
+            prompt_ids = None
             if self.processor is not None:
-                query = self.processor(row[self.text_key])
-                if query is None:
+                prompt_ids = self.processor(row[self.text_key])
+                if prompt_ids is None:
                     self._state.skipped += 1
                     misses += 1
                     if misses > 2 * len(self.dataset):  # two epochs' worth: none is usable
@@ -467,7 +446,7 @@ class PromptLoader:
                             "or lacks the configured start_text/end_text; fix the dataset or the settings")
                     continue
             misses = 0  # (a usable row can sit at both ends of two reshuffled epochs)
-            batch.append(PromptItem(index=index, row=row, query=query))
+            batch.append(PromptItem(index=index, row=row, prompt_ids=prompt_ids))
         return batch
 
     def __iter__(self) -> Iterator[list[PromptItem]]:

@@ -127,36 +127,21 @@ def _ids(tokenizer, text):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def test_query_is_left_padded_with_pad_to_a_fixed_length(tokenizer):
-    text = "she smiled at the sun."
-    ids = _ids(tokenizer, text)
-    length = len(ids) + 5
-    query = QueryProcessor(tokenizer, query_length=length)(text)
-    assert len(query.input_ids) == length
-    assert query.unpadded_ids == ids
-    assert query.input_ids == [tokenizer.pad_token_id] * 5 + ids
-    assert tokenizer.pad_token_id != tokenizer.eos_token_id
-    right = QueryProcessor(tokenizer, query_length=length, pad_side="right")(text)
-    assert right.input_ids == ids + [tokenizer.pad_token_id] * 5
-
-
-def test_long_query_is_truncated(tokenizer):
+def test_query_is_unpadded_and_truncated_to_query_length(tokenizer):
     text = "the dark room was cold and sad. " * 4
     ids = _ids(tokenizer, text)
-    keep_start = QueryProcessor(tokenizer, query_length=5)(text)
-    assert keep_start.input_ids == keep_start.unpadded_ids == ids[:5]
-    keep_end = QueryProcessor(tokenizer, query_length=5, truncate_side="left")(text)
-    assert keep_end.input_ids == ids[-5:]
+    assert QueryProcessor(tokenizer, query_length=len(ids) + 5)(text) == ids  # padding is the collator's job
+    assert QueryProcessor(tokenizer, query_length=5)(text) == ids[:5]
+    assert QueryProcessor(tokenizer, query_length=5, truncate_side="left")(text) == ids[-5:]
 
 
 def test_start_and_end_text_select_the_sentence_between(tokenizer):
     processor = QueryProcessor(tokenizer, query_length=64, start_text=".", end_text=".")
-    query = processor("he laughed. she smiled at the sun. and then")
-    assert query.unpadded_ids == _ids(tokenizer, " she smiled at the sun.")
+    assert processor("he laughed. she smiled at the sun. and then") == _ids(tokenizer, " she smiled at the sun.")
     # OpenAI truncates before looking for the last end_text.
     short = QueryProcessor(tokenizer, query_length=len(_ids(tokenizer, "a sad day. the cold")),
                            end_text=".")
-    assert short("a sad day. the cold room. x").unpadded_ids == _ids(tokenizer, "a sad day.")
+    assert short("a sad day. the cold room. x") == _ids(tokenizer, "a sad day.")
     assert processor("no period anywhere") is None
 
 
@@ -167,12 +152,6 @@ def test_query_processor_refuses_a_tokenizer_whose_pad_is_eos(tokenizer):
 
     with pytest.raises(ValueError, match=r"\[PAD\]"):
         QueryProcessor(PadIsEos(), query_length=8)
-
-
-def test_batch_processing_matches_one_by_one(tokenizer):
-    processor = QueryProcessor(tokenizer, query_length=24, end_text=".")
-    texts = TEXTS + ["no period"]
-    assert processor.process_batch(texts) == [processor(text) for text in texts]
 
 
 # --- loader ----------------------------------------------------------------------------------------
@@ -216,7 +195,7 @@ def test_loader_with_processor_skips_rows_without_a_query(tokenizer):
     loader = PromptLoader(rows, batch_size=4, seed=1, processor=processor)
     batch = loader.next_batch()
     assert len(batch) == 4 and all(item.index != 1 for item in batch)
-    assert all(len(item.query.input_ids) == 24 for item in batch)
+    assert all(item.prompt_ids == _ids(tokenizer, rows[item.index]["text"]) for item in batch)
     assert loader.skipped >= 1
     hopeless = PromptLoader([{"text": "no period"}], batch_size=1, seed=1, processor=processor)
     with pytest.raises(PromptDataError, match="no prompt yields a query"):
@@ -248,7 +227,7 @@ def test_chat_messages_are_rendered_with_the_tokenizers_template(tmp_path, chat_
     encode = PromptEncoder(chat_tokenizer, max_length=64)
     rendered = "<system>be brief<|endoftext|><user>she smiled<|endoftext|><assistant>"
     assert encode.render(dataset[0]["messages"]) == rendered
-    assert encode(dataset[0]["messages"]).unpadded_ids == _ids(chat_tokenizer, rendered)
+    assert encode(dataset[0]["messages"]) == _ids(chat_tokenizer, rendered)
     # plain text becomes one user turn (after the system prompt) when the chat template is asked for
     wrapped = PromptEncoder(chat_tokenizer, 64, chat_template=True, system_prompt="be brief")
     assert wrapped.render("she smiled") == rendered
@@ -289,11 +268,11 @@ def test_long_prompts_are_skipped_and_counted_or_refused_never_cut(chat_tokenize
     loader = PromptLoader(rows, batch_size=4, seed=1, processor=encode)
     batch = loader.next_batch()
     assert [item.index for item in batch] == [0, 0, 0, 0]  # only the short prompt, whole
-    assert all(item.query.unpadded_ids == _ids(chat_tokenizer, short) for item in batch)
+    assert all(item.prompt_ids == _ids(chat_tokenizer, short) for item in batch)
     assert loader.skipped == encode.too_long >= 6  # both long rows, every epoch
     with pytest.raises(PromptDataError, match="more than data.max_prompt_length"):
         PromptEncoder(chat_tokenizer, limit, on_long="error")(long)
-    # OpenAI's query mode is the one that cuts (and pads), by explicit choice
+    # OpenAI's query mode is the one that cuts, by explicit choice
     openai = PromptEncoder(chat_tokenizer, limit, on_long="truncate",
                            query_processor=QueryProcessor(chat_tokenizer, query_length=limit))
-    assert openai(long).unpadded_ids == _ids(chat_tokenizer, long)[:limit]
+    assert openai(long) == _ids(chat_tokenizer, long)[:limit]

@@ -34,7 +34,7 @@ class PromptSamples:
         for _ in range(self.group_size):
             # A per-sample seed makes a resumed run sample what the uninterrupted run would have.
             seed = (self.seed * 1_000_003 + self.served * 7_919) % (2**31 - 1)
-            group.append({**item.row, "prompt_ids": item.query.unpadded_ids, "index": item.index,
+            group.append({**item.row, "prompt_ids": item.prompt_ids, "index": item.index,
                           "sampling_seed": seed, "group_id": self.prompts_served})
             self.served += 1
         self.prompts_served += 1
@@ -90,11 +90,11 @@ def eval_samples(data_cfg, eval_path: str, tokenizer, n: int, max_prompts: int |
         if max_prompts is not None and len(samples) >= max_prompts * n:
             break
         row = dataset[index]
-        query = encode(row[dataset.text_key])
-        if query is None:
+        prompt_ids = encode(row[dataset.text_key])
+        if prompt_ids is None:
             skipped += 1
             continue
-        samples += [{**row, "prompt_ids": query.unpadded_ids, "index": index, "group_id": index} for _ in range(n)]
+        samples += [{**row, "prompt_ids": prompt_ids, "index": index, "group_id": index} for _ in range(n)]
     if not samples:
         raise ValueError(f"no usable eval prompt in {dataset.source} ({skipped} skipped as longer than "
                          "data.max_prompt_length); raise it or check data.eval_path")
