@@ -18,17 +18,15 @@ def run(coro):
 
 
 
-def test_sentiment_env_left_pads_to_query_length():
-    env = SentimentEnv(query_length=6, pad_token_id=1)
-    assert run(env.reset({"query_ids": [5, 6, 7]})) == [1, 1, 1, 5, 6, 7]
-    assert run(env.reset({"query_ids": list(range(10, 20))})) == list(range(14, 20))
+def test_sentiment_env_starts_from_the_query_ids_as_they_are():
+    env = SentimentEnv()
+    assert run(env.reset({"query_ids": [5, 6, 7]})) == [5, 6, 7]
+    assert run(env.reset({"prompt_ids": list(range(10, 20))})) == list(range(10, 20))
     result = run(env.step(Action("text", [3, 4, 5], "length")))
     assert result.done and result.reward == 0.0 and result.observation is None
     assert result.info["response_tokens"] == 3
     with pytest.raises(KeyError, match="query_ids"):
         run(env.reset({"text": "no ids"}))
-    with pytest.raises(ValueError, match="pad_token_id"):
-        SentimentEnv(query_length=4)
 
 
 def test_example_env_rewards_target_length():

@@ -21,6 +21,18 @@ from workers.router import launch_router
 CONTEXT = 64  # the tiny model's n_positions
 
 
+class LeftPaddedQueryEnv(SentimentEnv):
+    """The sentiment env with OpenAI's query layout done by the env: the last `query_length` ids,
+    left-padded with [PAD] (an env may hand the rollout a padded token-id state)."""
+
+    def __init__(self, query_length: int, pad_token_id: int):
+        self.query_length, self.pad_token_id = query_length, pad_token_id
+
+    async def reset(self, sample: dict) -> list[int]:
+        ids = (await super().reset(sample))[-self.query_length:]
+        return [self.pad_token_id] * (self.query_length - len(ids)) + ids
+
+
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("rollout_logs")
@@ -99,7 +111,8 @@ def test_sentiment_rollout_keeps_engine_tokens_fixed_length(router_url, tokenize
     query_length, response_length = 8, 10
     texts = ["the old man walked", "she smiled", "a terrible storm broke the quiet night.", "we found"]
     samples = [{"query_ids": tokenizer.encode(t)} for t in texts] * 2
-    factory = make_env_factory(SentimentEnv, {"query_length": query_length, "pad_token_id": tokenizer.pad_token_id})
+    factory = make_env_factory(LeftPaddedQueryEnv, {"query_length": query_length,
+                                                    "pad_token_id": tokenizer.pad_token_id})
     params = {"max_new_tokens": response_length, "temperature": 0.7, "ignore_eos": True}
     with caplog.at_level(logging.INFO, logger="rl_core.rollout"):
         result, calls, pool = run_rollout(router_url, samples, factory, tokenizer, sampling_params=params,
@@ -239,8 +252,8 @@ def test_aborted_generation_continues_on_new_weights_with_per_token_versions(ser
     router, engine_url = servers
     query_length, response_length = 8, 48
     samples = [{"query_ids": tokenizer.encode("the old man walked to the market")} for _ in range(8)]
-    pool = EnvPool(make_env_factory(SentimentEnv, {"query_length": query_length,
-                                                   "pad_token_id": tokenizer.pad_token_id}), num_envs=8)
+    pool = EnvPool(make_env_factory(LeftPaddedQueryEnv, {"query_length": query_length,
+                                                         "pad_token_id": tokenizer.pad_token_id}), num_envs=8)
     params = {"max_new_tokens": response_length, "ignore_eos": True}
     same_weights = list(AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict().items())
     pusher = WeightPusher(torch.float32)
@@ -369,7 +382,7 @@ def test_closing_the_service_cancels_a_rollout_left_running_by_a_stop_signal(rou
 
     from rl_core.rollout.service import RolloutService
 
-    factory = make_env_factory(SentimentEnv, {"query_length": 8, "pad_token_id": tokenizer.pad_token_id})
+    factory = make_env_factory(SentimentEnv)
     from types import SimpleNamespace
 
     envs = SimpleNamespace(num_envs=4, step_timeout_s=30, max_failed_ratio=0.1)  # the env config section's keys
