@@ -17,7 +17,7 @@ Multi-turn rule (the env's next state s' versus the current state s plus action 
   * anything else is a fresh state: a new sequence starts with it (text tokenized on its own,
     ids used as given).
 A trajectory may thus be several sequences; advantages run over all its generated tokens in
-order (`Trajectory.action_chain`).
+order.
 """
 
 from __future__ import annotations
@@ -101,10 +101,6 @@ class Trajectory:
             start -= 1
         context = [i for i, real in zip(seq.input_ids[:start], seq.attention_mask[:start]) if real]
         return context, seq.input_ids[start:end]
-
-    def action_chain(self) -> list[tuple[int, int]]:
-        """(sequence index, position) of every generated token, in generation order: the GAE chain."""
-        return [(s, t) for s, seq in enumerate(self.sequences) for t, m in enumerate(seq.action_mask) if m]
 
     @property
     def num_action_tokens(self) -> int:

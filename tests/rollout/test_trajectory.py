@@ -87,7 +87,12 @@ def test_left_padding_of_a_token_state_is_masked_and_not_sent(tokenizer):
     assert all_pads.current.attention_mask == [0, 1]  # never an empty engine input
 
 
-def test_action_chain_orders_generated_tokens_across_sequences_and_aligns_logprobs(tokenizer):
+def generated(traj, per_token: str) -> list:
+    """The per-token list `per_token` at every generated token, sequence after sequence."""
+    return [getattr(seq, per_token)[t] for seq in traj.sequences for t, m in enumerate(seq.action_mask) if m]
+
+
+def test_generated_tokens_keep_their_order_across_sequences_and_align_logprobs(tokenizer):
     builder = TrajectoryBuilder(tokenizer)
     builder.start("we found")
     builder.add_action([10, 11], [-0.1, -0.2], version=4)
@@ -100,13 +105,11 @@ def test_action_chain_orders_generated_tokens_across_sequences_and_aligns_logpro
     builder.add_reward(1.0)
     traj = builder.build({"id": 7})
 
-    chain = traj.action_chain()
-    ids = [traj.sequences[s].input_ids[t] for s, t in chain]
-    assert ids == [10, 11, 12, 13, 14]  # generation order, across both sequences
-    assert [s for s, _ in chain] == [0, 0, 0, 1, 1]
-    assert [traj.sequences[s].behaviour_logprobs[t] for s, t in chain] == [-0.1, -0.2, -0.3, -0.4, -0.5]
-    assert [traj.sequences[s].versions[t] for s, t in chain] == [4, 4, 5, 5, 5]
-    rewards = [traj.sequences[s].token_rewards[t] for s, t in chain]
+    assert generated(traj, "input_ids") == [10, 11, 12, 13, 14]  # generation order, across both sequences
+    assert [seq.num_action_tokens for seq in traj.sequences] == [3, 2]
+    assert generated(traj, "behaviour_logprobs") == [-0.1, -0.2, -0.3, -0.4, -0.5]
+    assert generated(traj, "versions") == [4, 4, 5, 5, 5]
+    rewards = generated(traj, "token_rewards")
     assert rewards == [0.0, 0.5, 0.25, 0.0, 1.0]  # each on the last token of the action that earned it
     assert traj.env_reward == 1.75 and traj.min_version == 4 and traj.num_action_tokens == 5
     for seq in traj.sequences:  # every per-token list is aligned with input_ids
@@ -129,6 +132,6 @@ def test_builder_rejects_misaligned_or_malformed_input(tokenizer):
         builder.add_observation([])
 
 
-def test_empty_trajectory_has_empty_chain():
+def test_empty_trajectory_has_no_tokens():
     traj = Trajectory(sequences=[], sample={}, failed=True, error="env broke")
-    assert traj.action_chain() == [] and traj.min_version == -1
+    assert traj.num_action_tokens == traj.num_tokens == 0 and traj.min_version == -1
