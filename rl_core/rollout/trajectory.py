@@ -23,13 +23,13 @@ order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence as Seq
+from typing import Any, Sequence
 
 Observation = str | list[int]
 
 
 @dataclass
-class Sequence:
+class TokenSequence:
     """One model input. Per-token lists all have `len(input_ids)` entries."""
 
     input_ids: list[int] = field(default_factory=list)
@@ -51,7 +51,7 @@ class Sequence:
     def num_action_tokens(self) -> int:
         return sum(self.action_mask)
 
-    def extend_context(self, ids: Seq[int], num_padding: int = 0) -> None:
+    def extend_context(self, ids: Sequence[int], num_padding: int = 0) -> None:
         """Append tokens the policy did not generate (prompt, observation); the first `num_padding` are pads."""
         n = len(ids)
         self.input_ids.extend(int(i) for i in ids)
@@ -61,7 +61,7 @@ class Sequence:
         self.versions.extend([-1] * n)
         self.token_rewards.extend([0.0] * n)
 
-    def extend_action(self, ids: Seq[int], logprobs: Seq[float], versions: Seq[int]) -> None:
+    def extend_action(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
         """Append engine-generated tokens with their behaviour logprobs and policy versions."""
         n = len(ids)
         self.input_ids.extend(int(i) for i in ids)
@@ -76,7 +76,7 @@ class Sequence:
 class Trajectory:
     """Everything one env episode produced, ready for scoring and advantages."""
 
-    sequences: list[Sequence]
+    sequences: list[TokenSequence]
     sample: dict
     env_reward: float = 0.0
     finish_reasons: list[str] = field(default_factory=list)  # one per engine call, plus "length" on a budget stop
@@ -133,7 +133,7 @@ class TrajectoryBuilder:
         self.tokenizer = tokenizer
         pad, eos = getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)
         self.pad_id = pad if pad != eos else None  # a pad equal to EOS can't be told from a real token
-        self.sequences: list[Sequence] = []
+        self.sequences: list[TokenSequence] = []
         self.state_text: str | None = None  # the state as the env sees it: prompt + actions + observation suffixes
         self.env_reward = 0.0
         self.unplaced_reward = 0.0
@@ -142,7 +142,7 @@ class TrajectoryBuilder:
         self.new_sequences = 0
 
     @property
-    def current(self) -> Sequence:
+    def current(self) -> TokenSequence:
         if not self.sequences:
             raise RuntimeError("TrajectoryBuilder.start(first_state) must be called first")
         return self.sequences[-1]
@@ -151,7 +151,7 @@ class TrajectoryBuilder:
         """Begin with the first state (prompt text or prompt ids)."""
         self._new_sequence(state)
 
-    def add_action(self, output_ids: Seq[int], logprobs: Seq[float], version: int | Seq[int]) -> str:
+    def add_action(self, output_ids: Sequence[int], logprobs: Sequence[float], version: int | Sequence[int]) -> str:
         """Append the engine's output ids as they are; return their decoded text (the env's action)."""
         if len(logprobs) != len(output_ids):
             raise ValueError(f"{len(output_ids)} output ids but {len(logprobs)} logprobs: the engine must return one logprob per id")
@@ -196,7 +196,7 @@ class TrajectoryBuilder:
         return False
 
     def _new_sequence(self, state: Observation) -> None:
-        seq = Sequence()
+        seq = TokenSequence()
         if isinstance(state, str):
             seq.extend_context(encode_text(self.tokenizer, state, first=True))
             self.state_text = state

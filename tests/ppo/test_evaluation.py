@@ -6,7 +6,7 @@ import torch
 from rl_core.config import load_config
 from rl_core.ppo.config import PPOConfig, validate
 from rl_core.ppo.evaluation import eval_metrics, eval_rows, eval_sampling_params, pass_at_k
-from rl_core.rollout.trajectory import Sequence, Trajectory
+from rl_core.rollout.trajectory import TokenSequence, Trajectory
 
 
 def test_pass_at_k_by_hand():
@@ -19,7 +19,7 @@ def test_pass_at_k_by_hand():
 
 
 def traj(prompt, correct, finish="stop"):
-    seq = Sequence(input_ids=[5, 6, 7], action_mask=[0, 1, 1], behaviour_logprobs=[0.0] * 3, versions=[0] * 3,
+    seq = TokenSequence(input_ids=[5, 6, 7], action_mask=[0, 1, 1], behaviour_logprobs=[0.0] * 3, versions=[0] * 3,
                    token_rewards=[0.0] * 3, attention_mask=[1] * 3)
     return Trajectory(sequences=[seq], sample={"group_id": prompt, "answer": "7"}, finish_reasons=[finish],
                       reward_components={"correct": float(correct), "format": 1.0}, fn_reward=float(correct) + 0.1)

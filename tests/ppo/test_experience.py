@@ -7,12 +7,12 @@ import torch
 
 from rl_core.ppo.config import AlgorithmConfig, KLConfig
 from rl_core.ppo.experience import Experience, compute_advantages, reward_model_inputs
-from rl_core.rollout.trajectory import Sequence, Trajectory
+from rl_core.rollout.trajectory import TokenSequence, Trajectory
 
 
-def sequence(context: int, actions: int, offset: float, env_reward_at_end: float = 0.0) -> tuple[Sequence, dict]:
+def sequence(context: int, actions: int, offset: float, env_reward_at_end: float = 0.0) -> tuple[TokenSequence, dict]:
     """A sequence of `context` prompt tokens then `actions` generated ones, with made-up per-token numbers."""
-    seq = Sequence()
+    seq = TokenSequence()
     seq.extend_context(list(range(1, context + 1)))
     seq.extend_action(list(range(10, 10 + actions)), [-0.5] * actions, [0] * actions)
     seq.token_rewards[-1] += env_reward_at_end
@@ -91,10 +91,10 @@ def test_gae_runs_over_both_sequences_of_a_trajectory_in_order(gamma, lam):
 
 
 def test_reward_model_reads_the_last_sequence_cut_at_the_truncation_token():
-    seq = Sequence()
+    seq = TokenSequence()
     seq.extend_context([7, 8], num_padding=1)  # a left pad the engine never saw
     seq.extend_action([5, 9, 6, 9, 4], [0.0] * 5, [0] * 5)
-    late = Sequence()
+    late = TokenSequence()
     late.extend_context([7, 8])
     late.extend_action([5, 5, 5], [0.0] * 3, [0] * 3)
     inputs, rejected = reward_model_inputs([Trajectory([seq], {}), Trajectory([late], {})], truncate_token=9,

@@ -14,7 +14,7 @@ from rl_core.ppo import algorithms as alg
 from rl_core.ppo.config import AlgorithmConfig, KLConfig, RewardConfig
 from rl_core.ppo.experience import Experience, compute_advantages, task_scores
 from rl_core.ppo.experience import apply_group_rule, has_reward_variance
-from rl_core.rollout.trajectory import Sequence, Trajectory
+from rl_core.rollout.trajectory import TokenSequence, Trajectory
 
 RESPONSE_LENGTH = 24
 
@@ -123,7 +123,7 @@ def test_overlong_shaping_by_hand():
 def make_traj(group, response_len, fn_reward=0.0, finish="stop", env_reward=0.0):
     """A one-sequence trajectory: 2 prompt tokens + `response_len` generated ones."""
     n = 2 + response_len
-    seq = Sequence(input_ids=list(range(n)), action_mask=[0, 0] + [1] * response_len,
+    seq = TokenSequence(input_ids=list(range(n)), action_mask=[0, 0] + [1] * response_len,
                    behaviour_logprobs=[0.0] * n, versions=[0] * n, token_rewards=[0.0] * n,
                    attention_mask=[1] * n)
     seq.token_rewards[-1] = env_reward
