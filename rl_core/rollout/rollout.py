@@ -29,10 +29,10 @@ from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping
 
 from tqdm.auto import tqdm
 
-from envs.base import Action
+from envs.base import Action, Observation
 from envs.pool import EnvFailure, EnvLease, EnvPool, TooManyEnvFailures
 from rl_core.rewards import RewardFnError, RewardFunctions
-from rl_core.rollout.trajectory import Observation, Trajectory, TrajectoryBuilder
+from rl_core.rollout.trajectory import Trajectory, TrajectoryBuilder
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-Observation = str | list[int]
+from envs.base import Observation
 
 
 @dataclass
