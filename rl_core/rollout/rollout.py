@@ -115,7 +115,7 @@ def _int_or(value: Any, fallback: int) -> int:
         return fallback
 
 
-def prompt_of(sample: dict) -> Observation:
+def first_observation(sample: dict) -> Observation:
     """The first state when the env's reset gives none: `prompt_ids` as they are, or `text`/`prompt` text."""
     for key in ("prompt_ids", "query_ids"):
         if sample.get(key) is not None:
@@ -180,7 +180,7 @@ class _Rollout:
     async def _episode(self, sample: dict, env: EnvLease) -> Trajectory:
         builder = TrajectoryBuilder(self.tokenizer)
         first = await env.reset(sample)
-        self._guard(env, "reset", builder.start, first if first is not None else prompt_of(sample))
+        self._guard(env, "reset", builder.start, first if first is not None else first_observation(sample))
         finish_reasons: list[str] = []
         env_info: dict = {}
         truncated = done = False
