@@ -15,13 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -113,12 +107,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             tensor = tensor.full_tensor()
         state[name] = tensor.detach().cpu()
     return state
-
-
-def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Load a full (unsharded) state dict present on every rank into a sharded model."""
-    # A shallow copy: set_model_state_dict replaces the dict's entries with DTensor shards in place.
-    set_model_state_dict(model, dict(state_dict), options=StateDictOptions(full_state_dict=True, strict=True))
 
 
 # --------------------------------------------------------------------------- trainable model
