@@ -22,7 +22,7 @@ from typing import Any, Iterable
 import torch
 
 from workers.engines.client import EngineClient
-from workers.engines.weights import WeightPusher, check_pushed_weights, encode_bucket, sglang_encode_bucket
+from workers.engines.weights import WeightPusher, check_pushed_weights, sglang_encode_bucket
 from workers.procs import ManagedProcesses, free_port, stop_process, wait_http_ok
 
 RELEASE_TAGS = ("kv_cache", "weights")
@@ -118,7 +118,7 @@ class RankEngine:
         url = start_engine(spec, log_path, processes, deadline_s).url
         # CUDA buckets for SGLang need its own pickler (IPC handles keyed by GPU UUID); CPU buckets
         # travel the same way to both engines (shared-memory files), without importing sglang.
-        encode = sglang_encode_bucket if spec.kind == "sglang" and spec.device.startswith("cuda") else encode_bucket
+        encode = sglang_encode_bucket if spec.kind == "sglang" and spec.device.startswith("cuda") else None
         pusher = WeightPusher(getattr(torch, spec.dtype), bucket_bytes, spec.tp_size, encode)
         return cls(spec, url, log_path, pusher, timeout_s)
 

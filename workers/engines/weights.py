@@ -209,7 +209,7 @@ def deserialize_for_engine(serialized: str) -> Any:
     return _TensorUnpickler(io.BytesIO(base64.b64decode(serialized))).load()
 
 
-def sglang_encode_bucket(bucket: list[tuple[str, torch.Tensor]], staging: Callable[[int], torch.Tensor]) -> str:
+def sglang_encode_bucket(bucket: list[tuple[str, torch.Tensor]]) -> str:
     """A bucket as real SGLang reads it: its own FlattenedTensorBucket (its unpickler allows only its
     classes) and MultiprocessingSerializer (CUDA IPC handles keyed by GPU UUID)."""
     from sglang.srt.utils import MultiprocessingSerializer
@@ -220,12 +220,6 @@ def sglang_encode_bucket(bucket: list[tuple[str, torch.Tensor]], staging: Callab
     flat = FlattenedTensorBucket(named_tensors=bucket)
     payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
     return MultiprocessingSerializer.serialize(payload, output_str=True)
-
-
-def encode_bucket(bucket: list[tuple[str, torch.Tensor]], staging: Callable[[int], torch.Tensor]) -> str:
-    """A bucket as the embedded engine reads it: flattened (CPU: into the shared staging buffer)."""
-    out = staging(flattened_nbytes(bucket)) if not bucket[0][1].is_cuda else None
-    return serialize_for_engine(flatten_bucket(bucket, out=out))
 
 
 # ---------------------------------------------------------------- push
@@ -240,11 +234,12 @@ class WeightPusher:
     push costs one copy of the weights (the packing). Pushes therefore alternate between two
     sets of staging buffers: a set is rewritten only two pushes later, when the engine has
     replaced every tensor that lived in it (it copies out any it still holds from an older
-    session, see the server's `/end_weight_update`).
+    session, see the server's `/end_weight_update`). `encode` (a bucket -> its payload) replaces
+    this with an engine's own format: SGLang's for CUDA buckets (`sglang_encode_bucket`).
     """
 
     def __init__(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES, tp_size: int = 1,
-                 encode: Callable[[list, Callable[[int], torch.Tensor]], str] = encode_bucket):
+                 encode: Callable[[list[tuple[str, torch.Tensor]]], str] | None = None):
         self.dtype = dtype
         self.bucket_bytes = bucket_bytes
         self.tp_size = tp_size
@@ -259,6 +254,11 @@ class WeightPusher:
         elif buffers[index].numel() < nbytes:
             buffers[index] = shared_cpu_buffer(nbytes)
         return buffers[index]
+
+    def _flatten(self, bucket: list[tuple[str, torch.Tensor]], parity: int, index: int) -> str:
+        """A bucket as the embedded engine reads it: flattened (CPU: into a shared staging buffer)."""
+        out = None if bucket[0][1].is_cuda else self._staging_buffer(parity, index, flattened_nbytes(bucket))
+        return serialize_for_engine(flatten_bucket(bucket, out=out))
 
     def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
@@ -277,7 +277,7 @@ class WeightPusher:
             for index, (bucket, is_last) in enumerate(_with_last(bucket_named_tensors(casted, self.bucket_bytes))):
                 packing = time.perf_counter()
                 on_gpu = bucket[0][1].is_cuda
-                serialized = self.encode(bucket, lambda nbytes: self._staging_buffer(parity, index, nbytes))
+                serialized = self.encode(bucket) if self.encode is not None else self._flatten(bucket, parity, index)
                 if on_gpu:
                     torch.cuda.synchronize()  # the receiver reads the tensors through IPC: they must be written
                 pack_s += time.perf_counter() - packing
