@@ -35,7 +35,7 @@ class SyncCollector:
         self.prompts = prompts
         self.service: RolloutService | None = None
 
-    def start(self, service: RolloutService, current_version: Callable[[], int]) -> None:
+    def start(self, service: RolloutService) -> None:
         self.service = service
 
     def collect(self, version: int) -> tuple[RolloutResult, int]:
@@ -68,6 +68,7 @@ class AsyncCollector:
         self.service: RolloutService | None = None
 
     def start(self, service: RolloutService, current_version: Callable[[], int]) -> None:
+        """Start the producer; `current_version()` is the version the engines serve (pushes land mid-rollout)."""
         self.service = service
         service.start_producer(self.prompts, current_version, self.settings.queue_batches)
 

@@ -166,7 +166,10 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
         save_config(cfg, run_dir / "config.yaml")
         job.service = rt.start_rollout_service(tokenizer, rollout_settings(cfg.rollout, max_positions,
                                                                            cfg.trainer.progress))
-        collector.start(job.service, lambda: rt.engine_version)
+        if isinstance(collector, AsyncCollector):  # its producer tags tokens with the engines' version
+            collector.start(job.service, lambda: rt.engine_version)
+        else:
+            collector.start(job.service)
     return job
 
 
