@@ -25,7 +25,8 @@ from rl_core.dpo.training import PreferencePair, heldout_metrics, to_pairs, trai
 from rl_core import finetune
 from rl_core.logger import MetricsLogger
 from rl_core.preferences import load_preference_splits
-from workers import models
+from workers import decode, forward, loading
+from workers.layout import make_micro_batch, packing_layout, to_device
 from workers.fsdp import shard_model
 from workers.lora import with_lora
 
@@ -38,21 +39,21 @@ def main(argv: list[str] | None = None, prepare=None) -> None:
 def train(cfg: DPOConfig, dp: DataParallel) -> None:
     tr, run_dir, beta, smoothing = cfg.train, Path(cfg.trainer.run_dir), cfg.dpo.beta, cfg.dpo.label_smoothing
     reference_path = cfg.model.reference_path or cfg.model.path
-    on_every_rank(lambda: [models.check_model_path(path, key) for key, path in
+    on_every_rank(lambda: [loading.check_model_path(path, key) for key, path in
                            (("model.path", cfg.model.path), ("model.reference_path", reference_path))])
-    tokenizer = models.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    tokenizer = loading.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
     train_examples, test_examples = load_preference_splits(cfg.data, cfg.data.train_path, cfg.data.test_path,
                                                            tokenizer, cfg.trainer.seed)
     train_pairs, test_pairs = to_pairs(train_examples), to_pairs(test_examples)[:cfg.data.eval_max_pairs]
     steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_pairs), "pairs", cfg.data.train_path)
     seed_everything(cfg.trainer.seed)
     attention = cfg.model.attn_implementation
-    policy = with_lora(models.load_causal_lm(cfg.model.path, attn_implementation=attention), cfg.model.lora)
+    policy = with_lora(loading.load_causal_lm(cfg.model.path, attn_implementation=attention), cfg.model.lora)
     shard_model(policy.to(dp.device), mixed_precision=cfg.model.mixed_precision)
-    reference = models.load_causal_lm(reference_path, attn_implementation=attention).to(dp.device).requires_grad_(False)
+    reference = loading.load_causal_lm(reference_path, attn_implementation=attention).to(dp.device).requires_grad_(False)
     shard_model(reference, mixed_precision=cfg.model.mixed_precision)
     trainable = finetune.trainable_model(policy, tr, total_steps)
-    layout = models.packing_layout(tr.packing, attention)
+    layout = packing_layout(tr.packing, attention)
     checkpointer = Checkpointer(run_dir / "checkpoints", dp.rank, keep_last=cfg.trainer.keep_last)
     start_step, _ = checkpointer.maybe_resume(cfg.trainer.resume, {"policy": trainable})
     scorer = RewardModelEval(cfg, tokenizer, test_pairs, dp) if cfg.eval.reward_model_path else None
@@ -100,21 +101,21 @@ class RewardModelEval:
         self.padded = self.mine + [list(prompts[0])] * (per_rank - len(self.mine))  # equal collectives
         self.count = len(prompts)
         self.cfg, self.tokenizer, self.dp, self.seed = ev, tokenizer, dp, rank_seed(cfg.trainer.seed, dp.rank)
-        self.reward_model = models.load_reward_model(ev.reward_model_path,
+        self.reward_model = loading.load_reward_model(ev.reward_model_path,
                                                      pad_token_id=tokenizer.pad_token_id).to(dp.device).eval()
 
     @torch.no_grad()
     def __call__(self, policy) -> dict[str, float]:
         policy.eval()
         generator = torch.Generator().manual_seed(self.seed)
-        responses = models.decode(policy, self.padded, self.cfg.response_length, None, self.tokenizer.pad_token_id,
+        responses = decode.decode(policy, self.padded, self.cfg.response_length, None, self.tokenizer.pad_token_id,
                                   self.dp.device, temperature=self.cfg.temperature, generator=generator)
         rows = [{"input_ids": q + r, "action_mask": [0] * len(q) + [1] * len(r)}
                 for q, r in zip(self.mine, responses)]
         total = 0.0
         if rows:
-            batch = models.to_device(models.make_micro_batch(rows, self.tokenizer.pad_token_id), self.dp.device)
-            total = float(models.reward_scores(self.reward_model, batch).sum())
+            batch = to_device(make_micro_batch(rows, self.tokenizer.pad_token_id), self.dp.device)
+            total = float(forward.reward_scores(self.reward_model, batch).sum())
         (total,) = self.dp.sum([total])
         return {"eval/rm_score": total / self.count}
 

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from rl_core.balance import micro_batches_for_rank, with_stand_ins
 from rl_core.distributed import DataParallel
-from workers.models import laid_out, make_micro_batch, to_device, token_logprobs
+from workers.forward import token_logprobs
+from workers.layout import laid_out, make_micro_batch, to_device
 
 
 @dataclass

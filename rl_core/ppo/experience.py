@@ -1,7 +1,7 @@
 """From scored trajectories to training targets: reward-model inputs, KL-penalised rewards, advantages.
 
 One `Experience` per step holds the per-sequence quantities the trainer scored (1-D float
-tensors aligned to token positions, see workers/models.py). Advantages run per trajectory over
+tensors aligned to token positions, see workers/forward.py). Advantages run per trajectory over
 the chain of all its generated tokens in order (multi-turn concatenation), so the maths works
 on `[n_trajectories, L]` rows (`Experience.rows`) and the results are split back per sequence.
 """
@@ -38,7 +38,7 @@ class Experience:
         return cls(trajectories, sequences, traj_seqs)
 
     def seq_row(self, i: int, **per_token: list[torch.Tensor]) -> dict[str, list]:
-        """Sequence `i` as a collatable row (see workers.models.make_micro_batch), plus named per-token lists."""
+        """Sequence `i` as a collatable row (see workers.layout.make_micro_batch), plus named per-token lists."""
         seq = self.sequences[i]
         # attention_mask: a left-padded query keeps its [PAD]s in the row but the engine never saw them.
         row: dict[str, list] = {"input_ids": seq.input_ids, "action_mask": seq.action_mask,

@@ -21,7 +21,7 @@ from rl_core.ppo import algorithms as alg
 from rl_core.ppo.config import PPOConfig
 from rl_core.ppo.experience import Experience, Targets, reward_model_inputs
 from rl_core.rollout.trajectory import Trajectory
-from workers import models
+from workers import forward, layout, loading
 from workers.fsdp import TrainableModel, iter_full_tensors, shard_model
 from workers.lora import merged_weights, with_lora
 
@@ -36,7 +36,7 @@ class PPOTrainer:
         algo, model_cfg = cfg.algorithm, cfg.model
         dtype = getattr(torch, model_cfg.dtype)
         attention = model_cfg.attn_implementation  # every model runs the same (packed) micro-batches
-        self.layout = models.packing_layout(algo.packing, attention)  # of every micro-batch
+        self.layout = layout.packing_layout(algo.packing, attention)  # of every micro-batch
         shard = functools.partial(shard_model, mixed_precision=model_cfg.mixed_precision,
                                   cpu_offload=model_cfg.cpu_offload)
         # The schedule counts optimizer steps: epochs x minibatches of every PPO step (OpenAI anneals to zero).
@@ -47,7 +47,7 @@ class PPOTrainer:
             return lambda m: build_optimizer([p for p in m.parameters() if p.requires_grad], algo.optimizer, lr=lr,
                                              eps=algo.adam_eps, weight_decay=algo.weight_decay)
 
-        actor = models.load_causal_lm(policy_path, dtype, attention)
+        actor = loading.load_causal_lm(policy_path, dtype, attention)
         if model_cfg.gradient_checkpointing:
             enable_gradient_checkpointing(actor)
         actor = with_lora(actor, model_cfg.lora, model_cfg.gradient_checkpointing)
@@ -58,23 +58,23 @@ class PPOTrainer:
         # With LoRA the reference is the actor with its adapters off: the same frozen base, held once.
         self.reference = None
         if self.uses_reference and not self.lora:
-            self.reference = shard(models.load_causal_lm(policy_path, dtype, attention)).requires_grad_(False)
+            self.reference = shard(loading.load_causal_lm(policy_path, dtype, attention)).requires_grad_(False)
         self.critic = None
         if algo.advantage_estimator == "gae":
-            critic = models.ValueModel.from_pretrained(policy_path, dtype, attention)
+            critic = loading.ValueModel.from_pretrained(policy_path, dtype, attention)
             if model_cfg.gradient_checkpointing:
                 enable_gradient_checkpointing(critic.backbone)
             critic = shard(critic)
             self.critic = TrainableModel(critic, optimizer_for(algo.critic_lr or algo.lr), schedule, algo.max_grad_norm)
         self.reward_model = None
         if reward_path is not None:
-            rm = models.load_reward_model(reward_path, dtype, tokenizer.pad_token_id, attention)
+            rm = loading.load_reward_model(reward_path, dtype, tokenizer.pad_token_id, attention)
             self.reward_model = shard(rm).requires_grad_(False)
         self.kl_ctl = (alg.AdaptiveKLController(algo.kl.init_coef, algo.kl.target, algo.kl.horizon)
                        if algo.kl.adaptive else alg.FixedKLController(algo.kl.init_coef))
         self.truncate_id = None
         if cfg.reward.truncate_token is not None and self.reward_model is not None:
-            self.truncate_id = models.single_token_id(tokenizer, cfg.reward.truncate_token, "reward.truncate_token")
+            self.truncate_id = loading.single_token_id(tokenizer, cfg.reward.truncate_token, "reward.truncate_token")
 
     # ------------------------------------------------------------------ micro-batches
 
@@ -95,9 +95,9 @@ class PPOTrainer:
         chosen = [rows[i] for i in indices]
         if not real:  # a stand-in: same shapes, nothing to learn from
             chosen = [{**chosen[0], "action_mask": [0] * len(chosen[0]["action_mask"])}]
-        batch = models.make_micro_batch(chosen, self.tokenizer.pad_token_id)
-        packed = models.laid_out(batch, self.layout, share_prompts=self.cfg.algorithm.share_prompts)
-        return models.to_device(packed, self.device)
+        batch = layout.make_micro_batch(chosen, self.tokenizer.pad_token_id)
+        packed = layout.laid_out(batch, self.layout, share_prompts=self.cfg.algorithm.share_prompts)
+        return layout.to_device(packed, self.device)
 
     def _distributed_map(self, rows: list[dict], fn: Callable) -> list[torch.Tensor]:
         """Run `fn(micro_batch)` over this rank's balanced share; every rank gets every row's outputs.
@@ -140,11 +140,11 @@ class PPOTrainer:
         def forward(batch):
             outputs = []
             if wanted["old"]:
-                outputs.append(models.token_logprobs(self.actor.model, batch, temperature, actions_only=True))
+                outputs.append(forward.token_logprobs(self.actor.model, batch, temperature, actions_only=True))
             if wanted["ref"]:
                 outputs.append(self._reference_logprobs(batch, temperature))
             if wanted["values"]:
-                outputs.append(models.token_values(self.critic.model, batch))
+                outputs.append(forward.token_values(self.critic.model, batch))
             return tuple(outputs)
 
         lengths = [len(seq) for seq in exp.sequences]
@@ -161,9 +161,9 @@ class PPOTrainer:
 
     def _reference_logprobs(self, batch, temperature: float) -> torch.Tensor:
         if self.reference is not None:
-            return models.token_logprobs(self.reference, batch, temperature, actions_only=True)
+            return forward.token_logprobs(self.reference, batch, temperature, actions_only=True)
         with self.actor.model.disable_adapter():
-            return models.token_logprobs(self.actor.model, batch, temperature, actions_only=True)
+            return forward.token_logprobs(self.actor.model, batch, temperature, actions_only=True)
 
     def reward_model_scores(self, trajectories: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
         """Reward-model score of each trajectory (0 without a reward model) and whether it gets the
@@ -175,7 +175,7 @@ class PPOTrainer:
         rm_ids, rejected = reward_model_inputs(trajectories, self.truncate_id, self.cfg.reward.truncate_after)
 
         def rm_forward(batch):
-            return (models.reward_scores(self.reward_model, batch),)
+            return (forward.reward_scores(self.reward_model, batch),)
 
         rm_rows = [{"input_ids": ids, "action_mask": [0] * len(ids)} for ids in rm_ids]
         return self._distributed_map(rm_rows, rm_forward)[0], rejected
@@ -221,8 +221,8 @@ class PPOTrainer:
         micro = [self._collate(rows, indices, real) for indices, real in self._micro_batches(rows)]
         metrics = self.actor.forward_backward(micro, functools.partial(self._policy_loss, denominator=denominator))
         out = {k: reduce_metric(k, v) for k, v in metrics.items() if k != "loss"}
-        out["perf/padding_fraction"] = sum(models.padding_fraction(b) for b in micro) / len(micro)
-        out["perf/train_grid_tokens"] = sum(models.grid_tokens(b) for b in micro)  # positions a rank ran per minibatch
+        out["perf/padding_fraction"] = sum(layout.padding_fraction(b) for b in micro) / len(micro)
+        out["perf/train_grid_tokens"] = sum(layout.grid_tokens(b) for b in micro)  # positions a rank ran per minibatch
         out["policy/loss"] = sum(metrics["loss"])
         out["policy/grad_norm"] = self.actor.step()
         if self.critic is not None:
@@ -235,7 +235,7 @@ class PPOTrainer:
         """Clipped surrogate (+ entropy bonus, + KL to the reference when it goes in the loss), each token
         weighted for the engine-trainer mismatch (algorithm.rollout_correction), sync and async alike."""
         algo = self.cfg.algorithm
-        logprobs, entropy = models.token_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
+        logprobs, entropy = forward.token_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
                                                               entropy_grad=bool(algo.entropy_coef), actions_only=True)
         mask = batch["action_mask"]
         rc = algo.rollout_correction  # the engine sampled (pi_behaviour); the ratio is against the trainer's pi_old
@@ -262,7 +262,7 @@ class PPOTrainer:
         """Clipped value loss, weighted by vf_coef."""
         algo = self.cfg.algorithm
         mask = batch["action_mask"]
-        per_token, stats = alg.value_loss(models.token_values(model, batch), batch["values"], batch["returns"], mask,
+        per_token, stats = alg.value_loss(forward.token_values(model, batch), batch["values"], batch["returns"], mask,
                                           algo.cliprange_value)
         loss = algo.vf_coef * alg.aggregate_loss(per_token, mask, algo.loss_agg, denominator, self.world_size)
         return loss, {"value/vf_clipfrac": stats["vf_clipfrac"],
@@ -284,7 +284,7 @@ class PPOTrainer:
         """The actor's logprob of each probe token after the first, from raw logits (as SGLang reports them)."""
         batch = self._collate([{"input_ids": probe_ids, "action_mask": [1] * len(probe_ids)}], [0], real=True)
         with torch.no_grad():
-            return models.token_logprobs(self.actor.model, batch, temperature=1.0)[0, 1:].float().cpu().tolist()
+            return forward.token_logprobs(self.actor.model, batch, temperature=1.0)[0, 1:].float().cpu().tolist()
 
 
 def prompt_units(rows: list[dict], max_tokens: int) -> list[tuple[list[int], int]]:
@@ -295,7 +295,7 @@ def prompt_units(rows: list[dict], max_tokens: int) -> list[tuple[list[int], int
     for index, row in enumerate(rows):
         kept = row.get("attention_mask") or [1] * len(row["input_ids"])
         real = [token for token, keep in zip(row["input_ids"], kept) if keep]
-        prompt = models.prompt_of(real, [action for action, keep in zip(row["action_mask"], kept) if keep])
+        prompt = layout.prompt_of(real, [action for action, keep in zip(row["action_mask"], kept) if keep])
         groups.setdefault(index if prompt is None else prompt, []).append((index, len(real)))
     units: list[tuple[list[int], int]] = []
     for key, members in groups.items():

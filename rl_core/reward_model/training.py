@@ -20,8 +20,9 @@ from rl_core.reward_model.config import NormalizeConfig, RMConfig, RMTrainConfig
 from rl_core.reward_model.losses import preference_accuracy, preference_loss, spearman
 from rl_core.reward_model.sampling import pick_queries, sample_truncated
 from workers.fsdp import TrainableModel, full_state_dict, shard_model
-from workers.models import (init_reward_model, laid_out, load_reward_model, make_micro_batch, packing_layout,
-                            raw_reward_scores, reward_scores, set_reward_gain_bias, to_device)
+from workers.forward import raw_reward_scores, reward_scores
+from workers.layout import laid_out, make_micro_batch, packing_layout, to_device
+from workers.loading import init_reward_model, load_reward_model, set_reward_gain_bias
 
 Log = Callable[[str], None]
 

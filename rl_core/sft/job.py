@@ -23,7 +23,8 @@ from rl_core.rewards import load_reward_fn
 from rl_core.sft.config import SFTConfig, validate
 from rl_core.sft.data import encode_rows, load_rows
 from rl_core.sft.training import generation_accuracy, heldout_metrics, train_step
-from workers import models
+from workers import loading
+from workers.layout import packing_layout
 from workers.fsdp import shard_model
 from workers.lora import with_lora
 
@@ -39,15 +40,15 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
     tr, run_dir = cfg.train, Path(cfg.trainer.run_dir)
     reward_fn = load_reward_fn(cfg.eval.reward_fn) if cfg.eval.reward_fn else None
     if dp.sharded:
-        on_every_rank(lambda: models.check_model_path(cfg.model.path, "model.path"))
+        on_every_rank(lambda: loading.check_model_path(cfg.model.path, "model.path"))
     else:  # alone, maybe inside another job's process group: no collective
-        models.check_model_path(cfg.model.path, "model.path")
-    tokenizer = models.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+        loading.check_model_path(cfg.model.path, "model.path")
+    tokenizer = loading.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
     train_rows, eval_rows = load_data(cfg, tokenizer, dp.rank)
     steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_rows), "usable rows", cfg.data.train_path)
     seed_everything(cfg.trainer.seed)  # the same initial weights on every rank
-    model = models.load_causal_lm(cfg.model.path, attn_implementation=cfg.model.attn_implementation)
-    layout = models.packing_layout(tr.packing, cfg.model.attn_implementation)
+    model = loading.load_causal_lm(cfg.model.path, attn_implementation=cfg.model.attn_implementation)
+    layout = packing_layout(tr.packing, cfg.model.attn_implementation)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # a [PAD] the tokenizer gained
     if cfg.model.gradient_checkpointing:

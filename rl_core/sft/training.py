@@ -17,7 +17,9 @@ import torch
 from rl_core.balance import micro_batches_for_rank, with_stand_ins
 from rl_core.distributed import DataParallel
 from rl_core.sft.data import SFTExample
-from workers.models import decode, laid_out, logprobs_from_logits, make_micro_batch, model_inputs, to_rows
+from workers.decode import decode
+from workers.forward import token_logprobs_and_hits
+from workers.layout import laid_out, make_micro_batch
 
 
 def collate(examples: list[SFTExample], pad_token_id: int, layout: str | None = None) -> dict[str, torch.Tensor]:
@@ -29,12 +31,9 @@ def collate(examples: list[SFTExample], pad_token_id: int, layout: str | None = 
 
 def token_sums(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(negative log-likelihood summed over trained tokens, how many the argmax got right, how many)."""
-    inputs = model_inputs(batch)
-    logits = model(**inputs).logits[:, :-1].float()
-    labels = inputs["input_ids"][:, 1:]
-    logprobs = to_rows(batch, logprobs_from_logits(logits, labels))[:, 1:]
-    hits = to_rows(batch, (logits.argmax(-1) == labels).float())[:, 1:]
-    mask = batch["action_mask"][:, 1:].to(logits.device).float()  # a first token is never predicted
+    logprobs, hits = token_logprobs_and_hits(model, batch)  # about each trained token (0 elsewhere)
+    mask = batch["action_mask"][:, 1:].to(logprobs.device).float()  # a first token is never predicted
+    logprobs, hits = logprobs[:, 1:], hits[:, 1:]
     return -(logprobs * mask).sum(), (hits * mask).sum().detach(), mask.sum()
 
 

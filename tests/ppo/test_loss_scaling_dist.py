@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from rl_core.ppo.algorithms import LOSS_AGG_MODES, aggregate_loss, global_denominator
 from rl_core.optim import TFAdam
-from workers.models import logprobs_from_logits
+from workers.forward import logprobs_from_logits
 from workers.procs import free_port
 
 VOCAB, WIDTH, WORLD_SIZE = 13, 6, 2

@@ -25,7 +25,7 @@ def test_normalisation_samples_are_cut_at_the_truncate_token_or_left_out(tiny_mo
     from rl_core.reward_model.config import NormalizeConfig
     from rl_core.reward_model.sampling import sample_responses, sample_truncated
     from rl_core.reward_model.training import _mark_invalid, _valid_only
-    from workers.models import load_causal_lm, load_tokenizer
+    from workers.loading import load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir)
     policy = load_causal_lm(tiny_model_dir).eval()

@@ -6,7 +6,7 @@ import pytest
 
 from rl_core.sft.data import SFTDataError, encode_messages, encode_prompt_response, encode_rows
 from rl_core.tiny.arithmetic import CHAT_TEMPLATE
-from workers.models import load_tokenizer
+from workers.loading import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir, layout):
 
     from rl_core.sft.data import SFTExample
     from rl_core.sft.training import collate, token_sums
-    from workers.models import load_causal_lm
+    from workers.loading import load_causal_lm
 
     generator = torch.Generator().manual_seed(0)
     examples = []
