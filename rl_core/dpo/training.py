@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rl_core.balance import micro_batches_for_rank, with_stand_ins
+from workers.balance import micro_batches_for_rank, with_stand_ins
 from rl_core.distributed import DataParallel
 from workers.forward import token_logprobs
 from workers.layout import laid_out, make_micro_batch, to_device

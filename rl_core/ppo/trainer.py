@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from rl_core.balance import micro_batches_for_rank, minibatch_indices, with_stand_ins
+from workers.balance import micro_batches_for_rank, minibatch_indices, with_stand_ins
 from rl_core.distributed import metrics_over_ranks
 from rl_core.optim import build_optimizer, linear_anneal_schedule
 from rl_core.ppo import algorithms as alg

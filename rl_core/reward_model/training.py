@@ -10,8 +10,8 @@ from typing import Callable
 
 import torch
 
-from rl_core.balance import micro_batches_for_rank as balanced_micro_batches
-from rl_core.balance import with_stand_ins
+from workers.balance import micro_batches_for_rank as balanced_micro_batches
+from workers.balance import with_stand_ins
 from rl_core.distributed import DataParallel, rank_seed
 from rl_core.logger import progress_bar
 from rl_core.optim import build_optimizer, linear_anneal_schedule

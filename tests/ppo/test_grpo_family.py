@@ -163,7 +163,7 @@ def test_advantages_are_computed_by_group_before_minibatching_with_a_failed_traj
     assert targets.stats["groups/zero_variance_frac"] == 0.0
     # nminibatches = 2 cuts the 5 trajectories 3 + 2 at random; the advantages were fixed above over
     # whole groups, so whatever minibatch a response lands in, it trains with the value computed here.
-    from rl_core.balance import minibatch_indices
+    from workers.balance import minibatch_indices
 
     parts = minibatch_indices(len(trajs), 2, torch.Generator().manual_seed(0))
     assert sorted(len(p) for p in parts) == [2, 3] and sorted(sum(parts, [])) == list(range(5))
