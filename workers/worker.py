@@ -50,11 +50,16 @@ class BatchWorker:
         lengths = row_lengths(batch, real_only=self.layout is not None)
         if self.share_prompts:
             unit_rows, unit_tokens = shared_prompt_units(batch, units, self.max_tokens)
-        else:
-            unit_rows = units if units is not None else [[row] for row in range(len(lengths))]
-            unit_tokens = [sum(lengths[row] for row in unit) for unit in unit_rows]
-        # Padded, a micro-batch costs its unit count x its longest unit's tokens (a bound when units hold
-        # several rows); packed, its real tokens.
+        elif units is None:
+            unit_rows, unit_tokens = [[row] for row in range(len(lengths))], lengths.tolist()
+        else:  # packed, a unit costs its real tokens; padded, its rows x its longest row
+            unit_rows = units
+            unit_tokens = [int(lengths[unit].sum()) if self.layout is not None else len(unit) * int(lengths[unit].max())
+                           for unit in units]
+        too_long = max(unit_tokens)
+        if too_long > self.max_tokens:
+            raise ValueError(f"one micro-batch must hold {too_long} tokens (a sequence, or rows that stay together) "
+                             f"but max_tokens_per_device={self.max_tokens}; raise it or shorten the data")
         mine = micro_batches_for_rank(unit_tokens, self.rank, self.world_size, self.max_tokens,
                                       packed=self.layout is not None)
         return [(indices, real) for indices, real in

@@ -29,6 +29,7 @@ from workers import decode, forward, loading
 from workers.layout import make_micro_batch, packing_layout, to_device
 from workers.fsdp import shard_model
 from workers.lora import with_lora
+from workers.worker import BatchWorker
 
 
 def main(argv: list[str] | None = None, prepare=None) -> None:
@@ -53,7 +54,7 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
     reference = loading.load_causal_lm(reference_path, attn_implementation=attention).to(dp.device).requires_grad_(False)
     shard_model(reference, mixed_precision=cfg.model.mixed_precision)
     trainable = finetune.trainable_model(policy, tr, total_steps)
-    layout = packing_layout(tr.packing, attention)
+    worker = BatchWorker(dp.rank, dp.size, dp.device, tr.max_tokens_per_device, packing_layout(tr.packing, attention))
     checkpointer = Checkpointer(run_dir / "checkpoints", dp.rank, keep_last=cfg.trainer.keep_last)
     start_step, _ = checkpointer.maybe_resume(cfg.trainer.resume, {"policy": trainable})
     scorer = RewardModelEval(cfg, tokenizer, test_pairs, dp) if cfg.eval.reward_model_path else None
@@ -65,17 +66,16 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
         print(f"[dpo] {len(train_pairs)} pairs, {total_steps} steps of {tr.batch_size} on {dp.size} rank(s)", flush=True)
 
     def evaluate() -> dict[str, float]:
-        metrics = heldout_metrics(policy, reference, test_pairs, dp, tr.max_tokens_per_device,
-                                  tokenizer.pad_token_id, beta, smoothing, layout)
+        metrics = heldout_metrics(policy, reference, worker, test_pairs, tokenizer.pad_token_id, beta, smoothing)
         return metrics if scorer is None else {**metrics, **scorer(policy)}
 
     if start_step == 0 and test_pairs:
         finetune.log_step(logger, 0, total_steps, evaluate(), SHOWN)
     finetune.run_steps(
         start_step, total_steps, steps_per_epoch,
-        lambda step: train_step(trainable, reference, finetune.step_rows(train_pairs, step, tr.batch_size,
-                                                                         cfg.trainer.seed),
-                                dp, tr.max_tokens_per_device, tokenizer.pad_token_id, beta, smoothing, layout),
+        lambda step: train_step(trainable, reference, worker,
+                                finetune.step_rows(train_pairs, step, tr.batch_size, cfg.trainer.seed),
+                                tokenizer.pad_token_id, beta, smoothing),
         evaluate if test_pairs else None, lambda step: checkpointer.save(step, {"policy": trainable}, {}),
         logger, SHOWN, tr, cfg.trainer, cfg.eval.every)
     if cfg.trainer.export_hf:
