@@ -116,22 +116,20 @@ class BatchWorker:
     # ------------------------------------------------------------------ training
 
     def forward_backward(self, trainable, batch: Batch, loss_fn: LossFn, global_count: float,
-                         units: list[list[int]] | None = None) -> tuple[dict[str, list[float]], list[Batch]]:
+                         units: list[list[int]] | None = None,
+                         micro_batches: list[tuple[Batch, bool]] | None = None) -> tuple[dict[str, list[float]], list[Batch]]:
         """Accumulate `trainable`'s gradients over this rank's micro-batches of `batch`.
 
         `loss_fn(model, micro_batch)` returns the micro-batch's loss *summed* (over tokens, rows or
         pairs: whatever `global_count` counts over the whole batch) and its metrics. Returns the
         metrics of the real micro-batches (one entry each; `loss` is the scaled loss) and the
-        micro-batches run."""
-        if global_count <= 0:
-            raise ValueError(f"the loss's global count is {global_count}; the batch has nothing to train on")
-        micro = self.micro_batches(batch, units)
-        scale = self.world_size / global_count  # the loss scaling rule (module docstring)
+        micro-batches run. `micro_batches`: this batch's, made once for two models (PPO's actor and critic)."""
+        micro = micro_batches if micro_batches is not None else self.micro_batches(batch, units)
 
         def scaled(model, item):
             micro_batch, real = item
             loss, metrics = loss_fn(model, micro_batch)
-            return loss * (scale if real else 0.0), {**metrics, "real": float(real)}
+            return scale_loss(loss, global_count, self.world_size) * float(real), {**metrics, "real": float(real)}
 
         metrics = trainable.forward_backward(micro, scaled)
         real = metrics.pop("real")
@@ -148,6 +146,15 @@ class BatchWorker:
         totals = torch.tensor(values, dtype=torch.float64, device=self.device)
         self.all_reduce(totals)
         return totals.tolist()
+
+
+def scale_loss(loss_sum: torch.Tensor, global_count: float, dp_size: int) -> torch.Tensor:
+    """The loss scaling rule (module docstring): a rank's summed loss over the batch's *global* count,
+    times `dp_size` because FSDP averages gradients over ranks."""
+    if float(global_count) <= 0:
+        raise ValueError(f"the loss's global count is {float(global_count)}; the batch has nothing to train on "
+                         "(no trained token on any rank)")
+    return loss_sum / float(global_count) * dp_size
 
 
 def row_lengths(batch: Batch, real_only: bool) -> torch.Tensor:
