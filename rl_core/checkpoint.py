@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from rl_core.config import LoraSettings
-from workers import models
+from workers import loading
 from workers.fsdp import full_state_dict
 from workers.lora import with_lora
 
@@ -110,7 +110,7 @@ def export_hf(model, tokenizer, base_path: str, out_dir: Path, rank: int, lora: 
     state = full_state_dict(model)  # collective: every rank gathers
     if rank != 0:
         return
-    plain = models.load_causal_lm(base_path)
+    plain = loading.load_causal_lm(base_path)
     if len(tokenizer) > plain.get_input_embeddings().num_embeddings:
         plain.resize_token_embeddings(len(tokenizer))
     plain = with_lora(plain, lora)

@@ -48,7 +48,7 @@ def _is_user_error(err: BaseException) -> bool:
     from envs.pool import TooManyEnvFailures
     from rl_core.data import PromptDataError
     from workers.engines.client import EngineError
-    from workers.models import ModelPathError
+    from workers.loading import ModelPathError
     from workers.procs import ProcessStartError
 
     return isinstance(err, (JobError, ConfigError, PromptDataError, TooManyEnvFailures, EngineError,

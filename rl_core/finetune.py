@@ -54,7 +54,7 @@ class FinetuneTrainConfig:
     adam_betas: tuple = (0.9, 0.999)
     max_grad_norm: Optional[float] = 1.0
     max_tokens_per_device: int = 8192  # per micro-batch: its padded size, or with packing its real tokens
-    # Padding-free micro-batches (workers.models.pack): the model runs on the rows' real tokens back to
+    # Padding-free micro-batches (workers.layout.pack): the model runs on the rows' real tokens back to
     # back, attention kept inside each row; the same losses and gradients as padded rows.
     packing: bool = False
     log_every: int = 10

@@ -4,7 +4,7 @@ Three layouts of the same sequences, with the same number of micro-batches per r
 - equal-count: contiguous equal-count shards per rank, cut into equal-count micro-batches;
 - balanced, unsorted: Karmarkar-Karp token-balanced shares, micro-batches dealt out in no
   length order (what mixing long and short sequences costs in padding);
-- balanced, length-sorted (`rl_core.balance.micro_batch_plan`, what the trainers use).
+- balanced, length-sorted (`workers.balance.micro_batch_plan`, what the trainers use).
 Reports the most loaded rank over the mean (1.0 = perfect), padding waste if every micro-batch
 is padded to its longest sequence, and planning time. The last line is one JSON object.
 
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from rl_core.balance import micro_batch_plan
+from workers.balance import micro_batch_plan
 
 DP_SIZES = (2, 4, 8)
 

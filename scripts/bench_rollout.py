@@ -67,7 +67,7 @@ CORPUS = ["the old man walked to the market and felt happy.", "she smiled at the
 def bench_model(name: str, workdir: Path, context: int) -> str:
     """A model directory: the tiny assets policy, a random-init 86M GPT-2, or a given path."""
     from rl_core.tiny.assets import count_parameters, ensure_tiny_assets, init_tiny_gpt2
-    from workers.models import load_tokenizer
+    from workers.loading import load_tokenizer
 
     if name not in ("tiny", "gpt2-86m"):
         return name

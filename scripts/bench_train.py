@@ -76,7 +76,7 @@ def build_models(setting: Setting, workdir: Path) -> tuple[Path, str, Path]:
     """The bench policy (and a random-init reward model) on the tiny assets' tokenizer."""
     sys.path.insert(0, str(REPO))
     from rl_core.tiny.assets import count_parameters, ensure_tiny_assets, init_tiny_gpt2
-    from workers.models import init_reward_model, load_tokenizer
+    from workers.loading import init_reward_model, load_tokenizer
 
     paths = ensure_tiny_assets()
     tokenizer = load_tokenizer(str(paths.model_dir))
@@ -134,7 +134,7 @@ def update_floor_s(policy_dir: Path, setting: Setting, device: str, max_tokens: 
     """
     import torch
 
-    from workers.models import ValueModel, load_causal_lm
+    from workers.loading import ValueModel, load_causal_lm
 
     tokens = setting.query_length + setting.response_length
     models = [load_causal_lm(str(policy_dir)).to(device)]

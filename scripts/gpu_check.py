@@ -55,7 +55,9 @@ def packing_check(model_dir: Path, device: str) -> list[dict]:
     row through its varlen kernel, bf16: it has no fp32). ok: the largest gap within the dtype's tolerance."""
     import torch
 
-    from workers.models import laid_out, load_causal_lm, make_micro_batch, packing_layout, token_logprobs
+    from workers.forward import token_logprobs
+    from workers.layout import laid_out, make_micro_batch, packing_layout
+    from workers.loading import load_causal_lm
 
     generator = torch.Generator().manual_seed(0)
     rows = []

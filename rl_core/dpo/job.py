@@ -25,9 +25,11 @@ from rl_core.dpo.training import PreferencePair, heldout_metrics, to_pairs, trai
 from rl_core import finetune
 from rl_core.logger import MetricsLogger
 from rl_core.preferences import load_preference_splits
-from workers import models
+from workers import decode, forward, loading
+from workers.layout import make_micro_batch, packing_layout, to_device
 from workers.fsdp import shard_model
 from workers.lora import with_lora
+from workers.worker import BatchWorker
 
 
 def main(argv: list[str] | None = None, prepare=None) -> None:
@@ -38,21 +40,21 @@ def main(argv: list[str] | None = None, prepare=None) -> None:
 def train(cfg: DPOConfig, dp: DataParallel) -> None:
     tr, run_dir, beta, smoothing = cfg.train, Path(cfg.trainer.run_dir), cfg.dpo.beta, cfg.dpo.label_smoothing
     reference_path = cfg.model.reference_path or cfg.model.path
-    on_every_rank(lambda: [models.check_model_path(path, key) for key, path in
+    on_every_rank(lambda: [loading.check_model_path(path, key) for key, path in
                            (("model.path", cfg.model.path), ("model.reference_path", reference_path))])
-    tokenizer = models.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    tokenizer = loading.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
     train_examples, test_examples = load_preference_splits(cfg.data, cfg.data.train_path, cfg.data.test_path,
                                                            tokenizer, cfg.trainer.seed)
     train_pairs, test_pairs = to_pairs(train_examples), to_pairs(test_examples)[:cfg.data.eval_max_pairs]
     steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_pairs), "pairs", cfg.data.train_path)
     seed_everything(cfg.trainer.seed)
     attention = cfg.model.attn_implementation
-    policy = with_lora(models.load_causal_lm(cfg.model.path, attn_implementation=attention), cfg.model.lora)
+    policy = with_lora(loading.load_causal_lm(cfg.model.path, attn_implementation=attention), cfg.model.lora)
     shard_model(policy.to(dp.device), mixed_precision=cfg.model.mixed_precision)
-    reference = models.load_causal_lm(reference_path, attn_implementation=attention).to(dp.device).requires_grad_(False)
+    reference = loading.load_causal_lm(reference_path, attn_implementation=attention).to(dp.device).requires_grad_(False)
     shard_model(reference, mixed_precision=cfg.model.mixed_precision)
     trainable = finetune.trainable_model(policy, tr, total_steps)
-    layout = models.packing_layout(tr.packing, attention)
+    worker = BatchWorker(dp.rank, dp.size, dp.device, tr.max_tokens_per_device, packing_layout(tr.packing, attention))
     checkpointer = Checkpointer(run_dir / "checkpoints", dp.rank, keep_last=cfg.trainer.keep_last)
     start_step, _ = checkpointer.maybe_resume(cfg.trainer.resume, {"policy": trainable})
     scorer = RewardModelEval(cfg, tokenizer, test_pairs, dp) if cfg.eval.reward_model_path else None
@@ -64,17 +66,16 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
         print(f"[dpo] {len(train_pairs)} pairs, {total_steps} steps of {tr.batch_size} on {dp.size} rank(s)", flush=True)
 
     def evaluate() -> dict[str, float]:
-        metrics = heldout_metrics(policy, reference, test_pairs, dp, tr.max_tokens_per_device,
-                                  tokenizer.pad_token_id, beta, smoothing, layout)
+        metrics = heldout_metrics(policy, reference, worker, test_pairs, tokenizer.pad_token_id, beta, smoothing)
         return metrics if scorer is None else {**metrics, **scorer(policy)}
 
     if start_step == 0 and test_pairs:
         finetune.log_step(logger, 0, total_steps, evaluate(), SHOWN)
     finetune.run_steps(
         start_step, total_steps, steps_per_epoch,
-        lambda step: train_step(trainable, reference, finetune.step_rows(train_pairs, step, tr.batch_size,
-                                                                         cfg.trainer.seed),
-                                dp, tr.max_tokens_per_device, tokenizer.pad_token_id, beta, smoothing, layout),
+        lambda step: train_step(trainable, reference, worker,
+                                finetune.step_rows(train_pairs, step, tr.batch_size, cfg.trainer.seed),
+                                tokenizer.pad_token_id, beta, smoothing),
         evaluate if test_pairs else None, lambda step: checkpointer.save(step, {"policy": trainable}, {}),
         logger, SHOWN, tr, cfg.trainer, cfg.eval.every)
     if cfg.trainer.export_hf:
@@ -100,21 +101,21 @@ class RewardModelEval:
         self.padded = self.mine + [list(prompts[0])] * (per_rank - len(self.mine))  # equal collectives
         self.count = len(prompts)
         self.cfg, self.tokenizer, self.dp, self.seed = ev, tokenizer, dp, rank_seed(cfg.trainer.seed, dp.rank)
-        self.reward_model = models.load_reward_model(ev.reward_model_path,
+        self.reward_model = loading.load_reward_model(ev.reward_model_path,
                                                      pad_token_id=tokenizer.pad_token_id).to(dp.device).eval()
 
     @torch.no_grad()
     def __call__(self, policy) -> dict[str, float]:
         policy.eval()
         generator = torch.Generator().manual_seed(self.seed)
-        responses = models.decode(policy, self.padded, self.cfg.response_length, None, self.tokenizer.pad_token_id,
+        responses = decode.decode(policy, self.padded, self.cfg.response_length, None, self.tokenizer.pad_token_id,
                                   self.dp.device, temperature=self.cfg.temperature, generator=generator)
         rows = [{"input_ids": q + r, "action_mask": [0] * len(q) + [1] * len(r)}
                 for q, r in zip(self.mine, responses)]
         total = 0.0
         if rows:
-            batch = models.to_device(models.make_micro_batch(rows, self.tokenizer.pad_token_id), self.dp.device)
-            total = float(models.reward_scores(self.reward_model, batch).sum())
+            batch = to_device(make_micro_batch(rows, self.tokenizer.pad_token_id), self.dp.device)
+            total = float(forward.reward_scores(self.reward_model, batch).sum())
         (total,) = self.dp.sum([total])
         return {"eval/rm_score": total / self.count}
 

@@ -2,9 +2,8 @@
 `-log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`, with `pi`/`ref` the policy's and the
 frozen reference's log-likelihood of the response (prompt tokens excluded).
 
-A pair's two sequences share one micro-batch; pairs are balanced across ranks by tokens. Loss
-scaling as in every job: each rank sums its pairs' losses, divides by the global pair count and
-multiplies by `dp_size` (FSDP averages gradients over ranks).
+On the one batch worker (`workers.worker`): a pair's two sequences are one unit (one micro-batch),
+pairs are balanced across ranks by tokens, and the loss is the mean over the global batch's pairs.
 """
 
 from __future__ import annotations
@@ -14,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rl_core.balance import micro_batches_for_rank, with_stand_ins
-from rl_core.distributed import DataParallel
-from workers.models import laid_out, make_micro_batch, to_device, token_logprobs
+from workers.forward import token_logprobs
+from workers.layout import make_micro_batch
+from workers.worker import BatchWorker
 
 
 @dataclass
@@ -36,21 +35,22 @@ def to_pairs(examples) -> list[PreferencePair]:
             for ex in examples for other in range(len(ex.input_ids)) if other != ex.best]
 
 
-def collate(pairs: list[PreferencePair], pad_token_id: int, layout: str | None = None) -> dict[str, torch.Tensor]:
-    """Rows 0..n-1 the chosen sequences, n..2n-1 the rejected; `action_mask` marks response tokens;
-    packed in `layout` (`models.packing_layout`), the model runs on them without their padding."""
+def collate(pairs: list[PreferencePair], pad_token_id: int) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+    """The step's `[2n, T]` batch, each pair's chosen row then its rejected one (`chosen` 1 and 0), and the
+    pairs as the worker's units (a pair's two rows share a micro-batch); `action_mask` marks the response."""
     rows = [{"input_ids": ids, "action_mask": [0] * p.prompt_length + [1] * (len(ids) - p.prompt_length)}
-            for ids, p in [(p.chosen, p) for p in pairs] + [(p.rejected, p) for p in pairs]]
+            for p in pairs for ids in (p.chosen, p.rejected)]
     batch = make_micro_batch(rows, pad_token_id)
-    return laid_out(batch, layout)
+    batch["chosen"] = torch.tensor([1, 0] * len(pairs), dtype=torch.bool)
+    return batch, [[2 * i, 2 * i + 1] for i in range(len(pairs))]
 
 
 def response_logprobs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed response log-likelihood of the chosen and of the rejected rows: two `[pairs]` tensors."""
-    per_token = token_logprobs(model, batch).float() * batch["action_mask"].float()
+    per_token = token_logprobs(model, batch, actions_only=True).float() * batch["action_mask"].float()
     sums = per_token.sum(-1)
-    half = sums.shape[0] // 2
-    return sums[:half], sums[half:]
+    chosen = batch["chosen"].to(sums.device)
+    return sums[chosen], sums[~chosen]
 
 
 def dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float, label_smoothing: float):
@@ -62,62 +62,45 @@ def dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: f
     return losses, chosen_reward.detach(), rejected_reward.detach()
 
 
-def micro_batches(pairs: list[PreferencePair], dp: DataParallel, max_tokens: int, pad_token_id: int,
-                  layout: str | None = None):
-    """This rank's (batch, real) micro-batches of whole pairs, the same count on every rank."""
-    mine = micro_batches_for_rank([p.tokens for p in pairs], dp.rank, dp.size, max_tokens, packed=layout is not None)
-    return [(to_device(collate([pairs[i] for i in indices], pad_token_id, layout), dp.device), real)
-            for indices, real in with_stand_ins(mine)]
-
-
-def pair_sums(losses, chosen_reward, rejected_reward, policy_chosen, policy_rejected) -> list[float]:
-    return [float(losses.detach().sum()), float((chosen_reward > rejected_reward).float().sum()),
-            float((chosen_reward - rejected_reward).sum()), float(chosen_reward.sum()), float(rejected_reward.sum()),
-            float(policy_chosen.detach().sum()), float(policy_rejected.detach().sum())]
-
-
 METRIC_NAMES = ("loss", "reward_accuracy", "reward_margin", "reward_chosen", "reward_rejected",
                 "logps_chosen", "logps_rejected")
 
 
-def train_step(trainable, reference, pairs: list[PreferencePair], dp: DataParallel, max_tokens: int,
-               pad_token_id: int, beta: float, label_smoothing: float, layout: str | None = None) -> dict[str, float]:
+def pair_losses(model, reference, batch: dict[str, torch.Tensor], beta: float,
+                label_smoothing: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The micro-batch's pair losses summed, and the sums behind METRIC_NAMES."""
+    with torch.no_grad():
+        ref_chosen, ref_rejected = response_logprobs(reference, batch)
+    chosen, rejected = response_logprobs(model, batch)
+    losses, chosen_reward, rejected_reward = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta,
+                                                        label_smoothing)
+    sums = [losses.detach().sum(), (chosen_reward > rejected_reward).float().sum(),
+            (chosen_reward - rejected_reward).sum(), chosen_reward.sum(), rejected_reward.sum(),
+            chosen.detach().sum(), rejected.detach().sum()]
+    return losses.sum(), sums
+
+
+def train_step(trainable, reference, worker: BatchWorker, pairs: list[PreferencePair], pad_token_id: int,
+               beta: float, label_smoothing: float) -> dict[str, float]:
     """One optimizer step on `pairs` (every rank passes the same pairs); returns global means."""
-    sums = [0.0] * len(METRIC_NAMES)
+    batch, units = collate(pairs, pad_token_id)
 
-    def loss_fn(model, item):
-        batch, real = item
-        with torch.no_grad():
-            ref_chosen, ref_rejected = response_logprobs(reference, batch)
-        chosen, rejected = response_logprobs(model, batch)
-        losses, chosen_reward, rejected_reward = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta,
-                                                            label_smoothing)
-        weight = 1.0 if real else 0.0  # a stand-in runs the forward (FSDP collectives) and adds nothing
-        for i, value in enumerate(pair_sums(losses, chosen_reward, rejected_reward, chosen, rejected)):
-            sums[i] += value * weight
-        return losses.sum() * weight * dp.size / len(pairs), {}
+    def loss_fn(model, micro_batch):
+        loss, sums = pair_losses(model, reference, micro_batch, beta, label_smoothing)
+        return loss, dict(zip(METRIC_NAMES, sums))
 
-    trainable.forward_backward(micro_batches(pairs, dp, max_tokens, pad_token_id, layout), loss_fn)
+    metrics, _ = worker.forward_backward(trainable, batch, loss_fn, len(pairs), units)
     lr = trainable.current_lr()
     grad_norm = trainable.step()
-    totals = dp.sum(sums)
-    metrics = {f"train/{name}": value / len(pairs) for name, value in zip(METRIC_NAMES, totals)}
-    metrics.update({"train/grad_norm": grad_norm, "train/lr": lr})
-    return metrics
+    totals = worker.sum_over_ranks([sum(metrics[name]) for name in METRIC_NAMES])
+    out = {f"train/{name}": value / len(pairs) for name, value in zip(METRIC_NAMES, totals)}
+    out.update({"train/grad_norm": grad_norm, "train/lr": lr})
+    return out
 
 
-@torch.no_grad()
-def heldout_metrics(model, reference, pairs: list[PreferencePair], dp: DataParallel, max_tokens: int,
-                    pad_token_id: int, beta: float, label_smoothing: float, layout: str | None = None) -> dict[str, float]:
+def heldout_metrics(model, reference, worker: BatchWorker, pairs: list[PreferencePair], pad_token_id: int,
+                    beta: float, label_smoothing: float) -> dict[str, float]:
     model.eval()
-    sums = [0.0] * len(METRIC_NAMES)
-    for batch, real in micro_batches(pairs, dp, max_tokens, pad_token_id, layout):
-        ref_chosen, ref_rejected = response_logprobs(reference, batch)
-        chosen, rejected = response_logprobs(model, batch)
-        losses, chosen_reward, rejected_reward = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta,
-                                                            label_smoothing)
-        if real:
-            for i, value in enumerate(pair_sums(losses, chosen_reward, rejected_reward, chosen, rejected)):
-                sums[i] += value
-    totals = dp.sum(sums)
+    batch, units = collate(pairs, pad_token_id)
+    totals = worker.sums(batch, lambda b: pair_losses(model, reference, b, beta, label_smoothing)[1], units)
     return {f"eval/{name}": value / len(pairs) for name, value in zip(METRIC_NAMES, totals)}

@@ -273,7 +273,7 @@ def policy_loss(
     ``behaviour_weights`` (decoupled PPO) multiply the per-token loss; the ratio itself stays
     against ``old_logprobs`` recomputed by the trainer. Returns ``(per_token_loss, stats)``
     with detached ``clipfrac`` and ``approx_kl`` over masked tokens; aggregate the loss with
-    :func:`aggregate_loss`.
+    :func:`loss_sum`.
     """
     _check_same_shape(logprobs, mask)
     log_ratio = logprobs - old_logprobs
@@ -339,34 +339,16 @@ def global_denominator(mask: torch.Tensor, loss_agg: LossAgg, norm_length: int =
     return count.to(torch.int64)
 
 
-def aggregate_loss(
-    per_token_loss: torch.Tensor,
-    mask: torch.Tensor,
-    loss_agg: LossAgg,
-    global_denominator: int | float | torch.Tensor,
-    dp_size: int,
-) -> torch.Tensor:
-    """Reduce a micro-batch's per-token loss to the scalar to call ``backward`` on.
-
-    Ranks hold different numbers of sequences after balancing, so a per-rank mean would weight
-    ranks unequally. Each rank therefore sums its losses, divides by the *global* count (from
-    :func:`global_denominator`, all-reduced over ranks and summed over the minibatch's
-    micro-batches) and multiplies by ``dp_size`` because FSDP averages gradients over ranks:
-    the accumulated gradient equals the single-process gradient of the whole minibatch.
-    """
+def loss_sum(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_agg: LossAgg) -> torch.Tensor:
+    """A micro-batch's share of the loss before it is divided by the global count of
+    :func:`global_denominator` (the batch worker scales it: ``workers.worker``): the token sum for
+    ``token-mean`` and the ``seq-mean-token-sum`` modes, the sum of per-row token means for
+    ``seq-mean-token-mean``."""
     _check_loss_agg(loss_agg)
     _check_same_shape(per_token_loss, mask)
-    if dp_size < 1:
-        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
-    denominator = float(global_denominator)
-    if denominator <= 0:
-        raise ValueError(f"global_denominator must be > 0, got {denominator}; "
-                         "the minibatch has no action tokens on any rank")
     if loss_agg == "seq-mean-token-mean":
-        numerator = masked_mean(per_token_loss, mask, dim=-1).sum()
-    else:  # token sums: same numerator for token-mean and seq-mean-token-sum, different counts
-        numerator = masked_sum(per_token_loss, mask)
-    return numerator / denominator * dp_size
+        return masked_mean(per_token_loss, mask, dim=-1).sum()
+    return masked_sum(per_token_loss, mask)  # token sums: same numerator, different counts
 
 
 # --------------------------------------------------------------------------- group baselines

@@ -14,7 +14,7 @@ from rl_core.data import LONG_PROMPT_POLICIES
 from rl_core.ppo.algorithms import GROUP_KINDS, KL_KINDS, LOSS_AGG_MODES, ROLLOUT_CORRECTIONS
 from rl_core.rollout.rollout import RolloutSettings
 from rl_core.optim import OPTIMIZER_NAMES
-from workers.models import packs_into_one_row
+from workers.layout import packs_into_one_row
 from workers.router import POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -159,7 +159,7 @@ class AlgorithmConfig:
     nminibatches: int = 1
     noptepochs: int = 4
     max_tokens_per_device: int = 8192  # per micro-batch: its padded size, or with packing its real tokens
-    # Padding-free micro-batches (workers.models.pack): the model runs on the sequences' real tokens
+    # Padding-free micro-batches (workers.layout.pack): the model runs on the sequences' real tokens
     # back to back, attention kept inside each; the same losses and gradients as padded rows.
     packing: bool = False
     # With packing: the sequences of a micro-batch with the same prompt (a GRPO group) hold it once and

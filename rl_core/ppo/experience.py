@@ -1,83 +1,79 @@
 """From scored trajectories to training targets: reward-model inputs, KL-penalised rewards, advantages.
 
-One `Experience` per step holds the per-sequence quantities the trainer scored (1-D float
-tensors aligned to token positions, see workers/models.py). Advantages run per trajectory over
-the chain of all its generated tokens in order (multi-turn concatenation), so the maths works
-on `[n_trajectories, L]` rows (`Experience.rows`) and the results are split back per sequence.
+One `Experience` per step carries the batch as `[N, T]` tensors, one row per sequence, every
+per-token quantity aligned to token positions (see workers/forward.py). Advantages run per
+trajectory over the chain of all its generated tokens in order (multi-turn concatenation), so the
+maths works on `[n_trajectories, L]` rows (`Experience.rows`) and the results go back to the
+sequences' rows (`Experience.split`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from rl_core.ppo import algorithms as alg
 from rl_core.ppo.config import AlgorithmConfig, RewardConfig
 from rl_core.rewards.lm_human_preferences import truncated_ids
-from rl_core.rollout.trajectory import Sequence, Trajectory
+from rl_core.rollout.trajectory import TokenSequence, Trajectory
+from workers.layout import make_micro_batch
 
 
 @dataclass
 class Experience:
+    """One step's batch, built once at the rollout boundary: every sequence of every trajectory as a
+    row of `[N, T]` tensors in `batch` (`input_ids`, `attention_mask`, `position_ids`, `action_mask`,
+    `behaviour_logprobs`, `token_rewards`). Later stages add theirs (`old_logprobs`, `ref_logprobs`,
+    `values`, then `advantages`, `returns`) and select rows by index; nothing is re-collated."""
     trajectories: list[Trajectory]
-    sequences: list[Sequence]
-    traj_seqs: list[list[int]]  # sequence indices of every trajectory, in order
-    old_logprobs: list[torch.Tensor] = field(default_factory=list)
-    ref_logprobs: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
+    sequences: list[TokenSequence]
+    traj_seqs: list[list[int]]  # row (sequence) indices of every trajectory, in order
+    batch: dict[str, torch.Tensor]
+    chain: torch.Tensor  # [n_traj, L] flat index into [N, T] of each trajectory's tokens end to end; -1 after
     scores: torch.Tensor | None = None  # [n_traj] reward-model score after gain/bias (0 without a reward model)
     rejected: torch.Tensor | None = None  # [n_traj] no truncation token: gets the fixed penalty instead
 
     @classmethod
-    def from_trajectories(cls, trajectories: list[Trajectory]) -> "Experience":
+    def from_trajectories(cls, trajectories: list[Trajectory], pad_token_id: int = 0) -> "Experience":
         sequences, traj_seqs = [], []
         for traj in trajectories:
             traj_seqs.append(list(range(len(sequences), len(sequences) + len(traj.sequences))))
             sequences.extend(traj.sequences)
-        return cls(trajectories, sequences, traj_seqs)
-
-    def seq_row(self, i: int, **per_token: list[torch.Tensor]) -> dict[str, list]:
-        """Sequence `i` as a collatable row (see workers.models.make_micro_batch), plus named per-token lists."""
-        seq = self.sequences[i]
         # attention_mask: a left-padded query keeps its [PAD]s in the row but the engine never saw them.
-        row: dict[str, list] = {"input_ids": seq.input_ids, "action_mask": seq.action_mask,
-                                "attention_mask": seq.attention_mask}
-        for key, values in per_token.items():
-            row[key] = values[i].tolist()
-        return row
+        batch = make_micro_batch([{"input_ids": s.input_ids, "action_mask": s.action_mask,
+                                   "attention_mask": s.attention_mask, "behaviour_logprobs": s.behaviour_logprobs,
+                                   "token_rewards": s.token_rewards} for s in sequences], pad_token_id)
+        width = batch["input_ids"].shape[1]
+        chains = [torch.cat([s * width + torch.arange(len(sequences[s])) for s in seqs]) for seqs in traj_seqs]
+        chain = torch.full((len(chains), max(len(c) for c in chains)), -1, dtype=torch.long)
+        for t, positions in enumerate(chains):
+            chain[t, :len(positions)] = positions
+        return cls(trajectories, sequences, traj_seqs, batch, chain)
 
-    def rows(self, per_seq: list[torch.Tensor]) -> torch.Tensor:
-        """[n_traj, L]: each trajectory's sequences laid end to end (the GAE chain, prompts as holes)."""
-        rows = [torch.cat([per_seq[s] for s in seqs]) for seqs in self.traj_seqs]
-        out = torch.zeros(len(rows), max(len(r) for r in rows), dtype=rows[0].dtype)
-        for i, row in enumerate(rows):
-            out[i, : len(row)] = row
-        return out
+    def rows(self, per_token: torch.Tensor) -> torch.Tensor:
+        """`[N, T]` -> `[n_traj, L]`: each trajectory's sequences laid end to end (the GAE chain, prompts
+        as holes), 0 after its end."""
+        return per_token.flatten()[self.chain.clamp(min=0)].masked_fill(self.chain < 0, 0)
 
-    def split(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """Inverse of `rows`: one tensor per sequence."""
-        out: list[torch.Tensor] = [None] * len(self.sequences)  # type: ignore[list-item]
-        for t, seqs in enumerate(self.traj_seqs):
-            offset = 0
-            for s in seqs:
-                n = len(self.sequences[s])
-                out[s] = rows[t, offset: offset + n].clone()
-                offset += n
-        return out
+    def split(self, rows: torch.Tensor) -> torch.Tensor:
+        """Inverse of `rows`: `[n_traj, L]` -> `[N, T]`."""
+        out = torch.zeros(self.batch["input_ids"].numel(), dtype=rows.dtype)
+        kept = self.chain >= 0
+        out[self.chain[kept]] = rows[kept]
+        return out.view(self.batch["input_ids"].shape)
 
-    def action_mask_rows(self) -> torch.Tensor:
-        return self.rows([torch.tensor(s.action_mask, dtype=torch.float32) for s in self.sequences]).bool()
-
-    def env_reward_rows(self) -> torch.Tensor:
-        return self.rows([torch.tensor(s.token_rewards, dtype=torch.float32) for s in self.sequences])
+    def select(self, traj_ids: list[int]) -> dict[str, torch.Tensor]:
+        """The rows of trajectories `traj_ids` (a minibatch), every tensor of the batch."""
+        index = torch.tensor([s for t in traj_ids for s in self.traj_seqs[t]])
+        return {key: value[index] for key, value in self.batch.items()}
 
 
 @dataclass
 class Targets:
     """What the PPO epochs train towards, per sequence, plus the step's reward statistics."""
-    advantages: list[torch.Tensor]
-    returns: list[torch.Tensor]
+    advantages: torch.Tensor  # [N, T], like the batch's rows
+    returns: torch.Tensor
     stats: dict[str, float]
 
 
@@ -143,9 +139,10 @@ def compute_advantages(exp: Experience, scores: torch.Tensor, kl_coef: float, al
     """
     gamma, lam, kl_estimator, estimator = algo.gamma, algo.lam, algo.kl.estimator, algo.advantage_estimator
     kl_in_reward = algo.kl.placement == "reward"
-    mask = exp.action_mask_rows()
-    old, ref = exp.rows(exp.old_logprobs), exp.rows(exp.ref_logprobs)
-    env_rewards = exp.env_reward_rows()
+    batch = exp.batch
+    mask = exp.rows(batch["action_mask"]).bool()
+    old, ref = exp.rows(batch["old_logprobs"]), exp.rows(batch["ref_logprobs"])
+    env_rewards = exp.rows(batch["token_rewards"])
     kl = alg.kl_penalty(old, ref, kl_estimator) * mask
     kl_per_episode = kl.sum(dim=1)
     reward_kl_coef = kl_coef if kl_in_reward else 0.0
@@ -157,7 +154,7 @@ def compute_advantages(exp: Experience, scores: torch.Tensor, kl_coef: float, al
         # 2. reward whitening (scale only), 3. GAE over each trajectory's action tokens
         if algo.whiten_rewards:
             rewards = alg.whiten(rewards, shift_mean=False, mask=mask)
-        advantages, returns = alg.compute_gae(rewards, exp.rows(exp.values), gamma, lam, mask)
+        advantages, returns = alg.compute_gae(rewards, exp.rows(batch["values"]), gamma, lam, mask)
     else:
         # 3'. critic-free: one advantage per trajectory from its total reward (score + env, minus the
         # summed KL when it goes in the reward, as RLOO does), put on every one of its action tokens

@@ -33,7 +33,7 @@ from rl_core.rewards import load_reward_fn
 from rl_core.ppo.runtime import JobRuntime
 from rl_core.rollout.prompts import eval_samples, prompt_samples
 from rl_core.rollout.service import RolloutService
-from workers import models
+from workers import loading
 from workers.engines.client import EngineError
 from workers.engines.weights import probe_token_ids
 
@@ -134,8 +134,8 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
     for spec in cfg.reward.fns.values():
         load_reward_fn(spec["fn"])
     on_every_rank(lambda: check_model_paths(cfg))
-    tokenizer = models.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
-    max_positions = models.context_length(AutoConfig.from_pretrained(cfg.model.path))
+    tokenizer = loading.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    max_positions = loading.context_length(AutoConfig.from_pretrained(cfg.model.path))
     check_context_length(cfg, max_positions)
     seed_everything(rank_seed(cfg.trainer.seed, rt.rank))
     algo, run_dir = cfg.algorithm, Path(cfg.trainer.run_dir)
@@ -258,7 +258,7 @@ def check_model_paths(cfg: PPOConfig) -> None:
     for key, value in (("model.path", cfg.model.path), ("reward.model_path", cfg.reward.model_path),
                        ("model.tokenizer_path", cfg.model.tokenizer_path)):
         if value is not None:
-            models.check_model_path(value, key, need_config=key != "model.tokenizer_path")
+            loading.check_model_path(value, key, need_config=key != "model.tokenizer_path")
 
 
 def sample_rows(tokenizer, exp, scores, n: int) -> list[dict]:

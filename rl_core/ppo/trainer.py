@@ -1,9 +1,8 @@
 """The models of one rank (actor, reference, critic, reward model) and what they compute for PPO.
 
-Every rank holds the whole batch and works on its balanced share: forward passes for scoring,
-then per minibatch a gradient-accumulated update. Loss scaling: each rank sums its losses,
-divides by the *global* count of the minibatch and multiplies by `dp_size`, because FSDP
-averages gradients over ranks; the gradient then equals the single-process one.
+Every rank holds the whole batch (`Experience`, `[N, T]` rows) and works on its balanced share
+through the one batch worker (`workers.worker`): forward passes for scoring, then per minibatch a
+gradient-accumulated update whose loss the worker scales (global count, x dp_size).
 """
 
 from __future__ import annotations
@@ -12,18 +11,18 @@ import functools
 from typing import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
-from rl_core.balance import micro_batches_for_rank, minibatch_indices, with_stand_ins
+from workers.balance import minibatch_indices
 from rl_core.distributed import metrics_over_ranks
 from rl_core.optim import build_optimizer, linear_anneal_schedule
 from rl_core.ppo import algorithms as alg
 from rl_core.ppo.config import PPOConfig
 from rl_core.ppo.experience import Experience, Targets, reward_model_inputs
 from rl_core.rollout.trajectory import Trajectory
-from workers import models
+from workers import forward, layout, loading
 from workers.fsdp import TrainableModel, iter_full_tensors, shard_model
 from workers.lora import merged_weights, with_lora
+from workers.worker import BatchWorker
 
 
 class PPOTrainer:
@@ -36,7 +35,9 @@ class PPOTrainer:
         algo, model_cfg = cfg.algorithm, cfg.model
         dtype = getattr(torch, model_cfg.dtype)
         attention = model_cfg.attn_implementation  # every model runs the same (packed) micro-batches
-        self.layout = models.packing_layout(algo.packing, attention)  # of every micro-batch
+        # Every model runs the same micro-batches: balanced, length-sorted, packed when asked.
+        self.worker = BatchWorker(rank, world_size, device, algo.max_tokens_per_device,
+                                  layout.packing_layout(algo.packing, attention), algo.share_prompts)
         shard = functools.partial(shard_model, mixed_precision=model_cfg.mixed_precision,
                                   cpu_offload=model_cfg.cpu_offload)
         # The schedule counts optimizer steps: epochs x minibatches of every PPO step (OpenAI anneals to zero).
@@ -47,7 +48,7 @@ class PPOTrainer:
             return lambda m: build_optimizer([p for p in m.parameters() if p.requires_grad], algo.optimizer, lr=lr,
                                              eps=algo.adam_eps, weight_decay=algo.weight_decay)
 
-        actor = models.load_causal_lm(policy_path, dtype, attention)
+        actor = loading.load_causal_lm(policy_path, dtype, attention)
         if model_cfg.gradient_checkpointing:
             enable_gradient_checkpointing(actor)
         actor = with_lora(actor, model_cfg.lora, model_cfg.gradient_checkpointing)
@@ -58,112 +59,61 @@ class PPOTrainer:
         # With LoRA the reference is the actor with its adapters off: the same frozen base, held once.
         self.reference = None
         if self.uses_reference and not self.lora:
-            self.reference = shard(models.load_causal_lm(policy_path, dtype, attention)).requires_grad_(False)
+            self.reference = shard(loading.load_causal_lm(policy_path, dtype, attention)).requires_grad_(False)
         self.critic = None
         if algo.advantage_estimator == "gae":
-            critic = models.ValueModel.from_pretrained(policy_path, dtype, attention)
+            critic = loading.ValueModel.from_pretrained(policy_path, dtype, attention)
             if model_cfg.gradient_checkpointing:
                 enable_gradient_checkpointing(critic.backbone)
             critic = shard(critic)
             self.critic = TrainableModel(critic, optimizer_for(algo.critic_lr or algo.lr), schedule, algo.max_grad_norm)
         self.reward_model = None
         if reward_path is not None:
-            rm = models.load_reward_model(reward_path, dtype, tokenizer.pad_token_id, attention)
+            rm = loading.load_reward_model(reward_path, dtype, tokenizer.pad_token_id, attention)
             self.reward_model = shard(rm).requires_grad_(False)
         self.kl_ctl = (alg.AdaptiveKLController(algo.kl.init_coef, algo.kl.target, algo.kl.horizon)
                        if algo.kl.adaptive else alg.FixedKLController(algo.kl.init_coef))
         self.truncate_id = None
         if cfg.reward.truncate_token is not None and self.reward_model is not None:
-            self.truncate_id = models.single_token_id(tokenizer, cfg.reward.truncate_token, "reward.truncate_token")
-
-    # ------------------------------------------------------------------ micro-batches
-
-    def _micro_batches(self, rows: list[dict]) -> list[tuple[list[int], bool]]:
-        algo = self.cfg.algorithm
-        if algo.share_prompts:  # a group's rows stay together (one rank, one micro-batch) to share their prompt
-            units = prompt_units(rows, algo.max_tokens_per_device)
-            lengths = [tokens for _, tokens in units]
-            mine = micro_batches_for_rank(lengths, self.rank, self.world_size, algo.max_tokens_per_device, True)
-            return with_stand_ins([[row for unit in batch for row in units[unit][0]] for batch in mine])
-        # Packed, a micro-batch's budget is its real tokens (a left-padded query's [PAD]s are not run).
-        lengths = [sum(r["attention_mask"]) if algo.packing and "attention_mask" in r else len(r["input_ids"])
-                   for r in rows]
-        mine = micro_batches_for_rank(lengths, self.rank, self.world_size, algo.max_tokens_per_device, algo.packing)
-        return with_stand_ins(mine)
-
-    def _collate(self, rows: list[dict], indices: list[int], real: bool) -> dict[str, torch.Tensor]:
-        chosen = [rows[i] for i in indices]
-        if not real:  # a stand-in: same shapes, nothing to learn from
-            chosen = [{**chosen[0], "action_mask": [0] * len(chosen[0]["action_mask"])}]
-        batch = models.make_micro_batch(chosen, self.tokenizer.pad_token_id)
-        packed = models.laid_out(batch, self.layout, share_prompts=self.cfg.algorithm.share_prompts)
-        return models.to_device(packed, self.device)
-
-    def _distributed_map(self, rows: list[dict], fn: Callable) -> list[torch.Tensor]:
-        """Run `fn(micro_batch)` over this rank's balanced share; every rank gets every row's outputs.
-
-        `fn` returns a tuple of `[b, T]` (per token) or `[b]` (per row) tensors; the result holds
-        one `[len(rows), longest]` or `[len(rows)]` float tensor per output. Each row is computed by
-        exactly one rank into zero-filled buffers, so one sum over ranks gathers them (no pickling).
-        """
-        width = max(len(r["input_ids"]) for r in rows)
-        outputs: list[torch.Tensor] | None = None
-        for indices, real in self._micro_batches(rows):
-            with torch.no_grad():
-                results = fn(self._collate(rows, indices, real))
-            if outputs is None:
-                outputs = [torch.zeros((len(rows), width) if r.dim() == 2 else (len(rows),), device=self.device)
-                           for r in results]
-            if real:
-                index = torch.tensor(indices, device=self.device)
-                for out, result in zip(outputs, results):
-                    if result.dim() == 2:
-                        out[index, :result.shape[1]] = result.float()
-                    else:
-                        out[index] = result.float()
-        if self.world_size > 1:
-            for out in outputs:
-                dist.all_reduce(out)
-        return [out.cpu() for out in outputs]
+            self.truncate_id = loading.single_token_id(tokenizer, cfg.reward.truncate_token, "reward.truncate_token")
 
     # ------------------------------------------------------------------ scoring (forward only)
 
     def score(self, trajectories: list[Trajectory], old_from_engine: bool = False) -> Experience:
-        """Old and reference logprobs, values, and reward-model scores (query + truncated response).
+        """The step's batch (`Experience`, `[N, T]` rows) with old and reference logprobs and values added,
+        and the reward-model scores (query + truncated response).
 
         `old_from_engine`: pi_old is the engine's sampling logprobs (the caller checked that engine and
         trainer agree), so only the reference and the critic run here, and nothing when neither exists."""
-        exp = Experience.from_trajectories(trajectories)
-        temperature = self.cfg.rollout.temperature
-        wanted = {"old": not old_from_engine, "ref": self.uses_reference, "values": self.critic is not None}
+        exp = Experience.from_trajectories(trajectories, self.tokenizer.pad_token_id)
+        batch, temperature = exp.batch, self.cfg.rollout.temperature
+        wanted = {"old_logprobs": not old_from_engine, "ref_logprobs": self.uses_reference,
+                  "values": self.critic is not None}
 
-        def forward(batch):
+        def scoring_pass(micro_batch):
             outputs = []
-            if wanted["old"]:
-                outputs.append(models.token_logprobs(self.actor.model, batch, temperature, actions_only=True))
-            if wanted["ref"]:
-                outputs.append(self._reference_logprobs(batch, temperature))
+            if wanted["old_logprobs"]:
+                outputs.append(forward.token_logprobs(self.actor.model, micro_batch, temperature, actions_only=True))
+            if wanted["ref_logprobs"]:
+                outputs.append(self._reference_logprobs(micro_batch, temperature))
             if wanted["values"]:
-                outputs.append(models.token_values(self.critic.model, batch))
+                outputs.append(forward.token_values(self.critic.model, micro_batch))
             return tuple(outputs)
 
-        lengths = [len(seq) for seq in exp.sequences]
-        computed = {}
-        if any(wanted.values()):
-            outputs = self._distributed_map([exp.seq_row(i) for i in range(len(exp.sequences))], forward)
-            names = [name for name, needed in wanted.items() if needed]
-            computed = {name: [out[i, :n] for i, n in enumerate(lengths)] for name, out in zip(names, outputs)}
-        exp.old_logprobs = computed.get("old") or [torch.tensor(s.behaviour_logprobs) for s in exp.sequences]
-        exp.ref_logprobs = computed.get("ref") or [old.clone() for old in exp.old_logprobs]  # no KL: KL 0
-        exp.values = computed.get("values") or [torch.zeros(n) for n in lengths]
+        names = [name for name, needed in wanted.items() if needed]
+        if names:
+            batch.update(zip(names, self.worker.gather(batch, scoring_pass)))
+        batch.setdefault("old_logprobs", batch["behaviour_logprobs"].clone())
+        batch.setdefault("ref_logprobs", batch["old_logprobs"].clone())  # no KL: KL 0
+        batch.setdefault("values", torch.zeros_like(batch["old_logprobs"]))
         exp.scores, exp.rejected = self.reward_model_scores(trajectories)
         return exp
 
     def _reference_logprobs(self, batch, temperature: float) -> torch.Tensor:
         if self.reference is not None:
-            return models.token_logprobs(self.reference, batch, temperature, actions_only=True)
+            return forward.token_logprobs(self.reference, batch, temperature, actions_only=True)
         with self.actor.model.disable_adapter():
-            return models.token_logprobs(self.actor.model, batch, temperature, actions_only=True)
+            return forward.token_logprobs(self.actor.model, batch, temperature, actions_only=True)
 
     def reward_model_scores(self, trajectories: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
         """Reward-model score of each trajectory (0 without a reward model) and whether it gets the
@@ -174,11 +124,9 @@ class PPOTrainer:
             return scores, rejected
         rm_ids, rejected = reward_model_inputs(trajectories, self.truncate_id, self.cfg.reward.truncate_after)
 
-        def rm_forward(batch):
-            return (models.reward_scores(self.reward_model, batch),)
-
-        rm_rows = [{"input_ids": ids, "action_mask": [0] * len(ids)} for ids in rm_ids]
-        return self._distributed_map(rm_rows, rm_forward)[0], rejected
+        rm_batch = layout.make_micro_batch([{"input_ids": ids, "action_mask": [0] * len(ids)} for ids in rm_ids],
+                                           self.tokenizer.pad_token_id)
+        return self.worker.gather(rm_batch, lambda b: (forward.reward_scores(self.reward_model, b),))[0], rejected
 
     # ------------------------------------------------------------------ PPO epochs
 
@@ -189,12 +137,13 @@ class PPOTrainer:
         kl_coef = self.kl_ctl.value
         # Same permutation on every rank: ranks must agree on each minibatch's contents.
         generator = torch.Generator().manual_seed(self.cfg.trainer.seed * 1_000_003 + step)
+        exp.batch.update(advantages=targets.advantages, returns=targets.returns)
         history: dict[str, list[float]] = {}
         for _epoch in range(algo.noptepochs):
             # Advantages were computed over whole groups before this point, so any split is safe; a batch
             # short of failed trajectories gives minibatches that differ in size by at most one.
             for minibatch in minibatch_indices(n_traj, algo.nminibatches, generator):
-                for key, value in self._train_minibatch(exp, targets, minibatch).items():
+                for key, value in self._train_minibatch(exp, minibatch).items():
                     history.setdefault(key, []).append(value)
         # Adaptive KL (OpenAI): steer the per-episode KL of this batch towards the target.
         self.kl_ctl.update(targets.stats["kl/mean"], n_traj)
@@ -207,35 +156,30 @@ class PPOTrainer:
         out["policy/optimizer_steps"] = len(history["policy/loss"])
         return out
 
-    def _train_minibatch(self, exp: Experience, targets: Targets, traj_ids: list[int]) -> dict[str, float]:
+    def _train_minibatch(self, exp: Experience, traj_ids: list[int]) -> dict[str, float]:
         algo = self.cfg.algorithm
-        seq_ids = [s for t in traj_ids for s in exp.traj_seqs[t]]
-        behaviour = [torch.tensor(s.behaviour_logprobs) for s in exp.sequences]
-        extra = {"ref_logprobs": exp.ref_logprobs} if algo.kl.placement == "loss" else {}
-        rows = [exp.seq_row(s, old_logprobs=exp.old_logprobs, advantages=targets.advantages, returns=targets.returns,
-                            values=exp.values, behaviour_logprobs=behaviour, **extra) for s in seq_ids]
-        # Loss scaling: every rank divides by the *global* count of this minibatch (all ranks hold it).
+        rows = exp.select(traj_ids)  # every rank holds the whole minibatch; the worker takes its share
+        # The loss is divided by the minibatch's *global* count (the worker's scaling rule).
         norm_length = self.cfg.rollout.response_length * self.cfg.rollout.max_turns  # Dr. GRPO's constant
-        denominator = sum(alg.global_denominator(torch.tensor(r["action_mask"])[None], algo.loss_agg,
-                                                 norm_length).item() for r in rows)
-        micro = [self._collate(rows, indices, real) for indices, real in self._micro_batches(rows)]
-        metrics = self.actor.forward_backward(micro, functools.partial(self._policy_loss, denominator=denominator))
+        count = alg.global_denominator(rows["action_mask"], algo.loss_agg, norm_length).item()
+        micro = self.worker.micro_batches(rows)
+        metrics, ran = self.worker.forward_backward(self.actor, rows, self._policy_loss, count, micro_batches=micro)
         out = {k: reduce_metric(k, v) for k, v in metrics.items() if k != "loss"}
-        out["perf/padding_fraction"] = sum(models.padding_fraction(b) for b in micro) / len(micro)
-        out["perf/train_grid_tokens"] = sum(models.grid_tokens(b) for b in micro)  # positions a rank ran per minibatch
+        out["perf/padding_fraction"] = sum(layout.padding_fraction(b) for b in ran) / max(len(ran), 1)
+        out["perf/train_grid_tokens"] = sum(layout.grid_tokens(b) for b in ran)  # positions a rank ran per minibatch
         out["policy/loss"] = sum(metrics["loss"])
         out["policy/grad_norm"] = self.actor.step()
         if self.critic is not None:
-            metrics = self.critic.forward_backward(micro, functools.partial(self._value_loss, denominator=denominator))
+            metrics, _ = self.worker.forward_backward(self.critic, rows, self._value_loss, count, micro_batches=micro)
             out.update({k: sum(v) / len(v) for k, v in metrics.items() if k != "loss"})
             out["value/grad_norm"] = self.critic.step()
         return out
 
-    def _policy_loss(self, model, batch: dict[str, torch.Tensor], denominator: float):
+    def _policy_loss(self, model, batch: dict[str, torch.Tensor]):
         """Clipped surrogate (+ entropy bonus, + KL to the reference when it goes in the loss), each token
         weighted for the engine-trainer mismatch (algorithm.rollout_correction), sync and async alike."""
         algo = self.cfg.algorithm
-        logprobs, entropy = models.token_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
+        logprobs, entropy = forward.token_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
                                                               entropy_grad=bool(algo.entropy_coef), actions_only=True)
         mask = batch["action_mask"]
         rc = algo.rollout_correction  # the engine sampled (pi_behaviour); the ratio is against the trainer's pi_old
@@ -245,26 +189,25 @@ class PPOTrainer:
         per_token, stats = alg.policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask,
                                            low, behaviour_weights=weights, cliprange_high=algo.cliprange_high,
                                            sequence_ratio=algo.importance_ratio == "sequence")
-        loss = alg.aggregate_loss(per_token, mask, algo.loss_agg, denominator, self.world_size)
+        loss = alg.loss_sum(per_token, mask, algo.loss_agg)
         if algo.entropy_coef:
-            loss = loss - algo.entropy_coef * alg.aggregate_loss(entropy, mask, algo.loss_agg, denominator,
-                                                                 self.world_size)
+            loss = loss - algo.entropy_coef * alg.loss_sum(entropy, mask, algo.loss_agg)
         metrics = {"policy/clipfrac": stats["clipfrac"], "policy/approx_kl": stats["approx_kl"],
                    "policy/entropy": alg.masked_mean(entropy.detach(), mask),
                    **{f"rollout_correction/{k}": v for k, v in correction.items()}}
         if algo.kl.placement == "loss":  # GRPO: the KL to the reference in the loss, with gradient (use k3)
             kl = alg.kl_penalty(logprobs, batch["ref_logprobs"], algo.kl.estimator)
-            loss = loss + self.kl_ctl.value * alg.aggregate_loss(kl, mask, algo.loss_agg, denominator, self.world_size)
+            loss = loss + self.kl_ctl.value * alg.loss_sum(kl, mask, algo.loss_agg)
             metrics["policy/kl_loss"] = alg.masked_mean(kl.detach(), mask)
         return loss, metrics
 
-    def _value_loss(self, model, batch: dict[str, torch.Tensor], denominator: float):
+    def _value_loss(self, model, batch: dict[str, torch.Tensor]):
         """Clipped value loss, weighted by vf_coef."""
         algo = self.cfg.algorithm
         mask = batch["action_mask"]
-        per_token, stats = alg.value_loss(models.token_values(model, batch), batch["values"], batch["returns"], mask,
+        per_token, stats = alg.value_loss(forward.token_values(model, batch), batch["values"], batch["returns"], mask,
                                           algo.cliprange_value)
-        loss = algo.vf_coef * alg.aggregate_loss(per_token, mask, algo.loss_agg, denominator, self.world_size)
+        loss = algo.vf_coef * alg.loss_sum(per_token, mask, algo.loss_agg)
         return loss, {"value/vf_clipfrac": stats["vf_clipfrac"],
                       "value/loss": alg.masked_mean(per_token.detach(), mask)}
 
@@ -282,33 +225,11 @@ class PPOTrainer:
 
     def probe_logprobs(self, probe_ids: list[int]) -> list[float]:
         """The actor's logprob of each probe token after the first, from raw logits (as SGLang reports them)."""
-        batch = self._collate([{"input_ids": probe_ids, "action_mask": [1] * len(probe_ids)}], [0], real=True)
+        probe = layout.make_micro_batch([{"input_ids": probe_ids, "action_mask": [1] * len(probe_ids)}],
+                                        self.tokenizer.pad_token_id)
         with torch.no_grad():
-            return models.token_logprobs(self.actor.model, batch, temperature=1.0)[0, 1:].float().cpu().tolist()
-
-
-def prompt_units(rows: list[dict], max_tokens: int) -> list[tuple[list[int], int]]:
-    """`(row indices, tokens run)` per unit of balancing with shared prompts: the rows with the same
-    prompt (real tokens before the first action), packed as the prompt once plus each row's rest,
-    cut into consecutive chunks of at most `max_tokens`; a row without actions is a unit alone."""
-    groups: dict[tuple[int, ...] | int, list[tuple[int, int]]] = {}  # keyed by the prompt, or the row alone
-    for index, row in enumerate(rows):
-        kept = row.get("attention_mask") or [1] * len(row["input_ids"])
-        real = [token for token, keep in zip(row["input_ids"], kept) if keep]
-        prompt = models.prompt_of(real, [action for action, keep in zip(row["action_mask"], kept) if keep])
-        groups.setdefault(index if prompt is None else prompt, []).append((index, len(real)))
-    units: list[tuple[list[int], int]] = []
-    for key, members in groups.items():
-        prompt = len(key) if isinstance(key, tuple) else 0
-        chunk, tokens = [], prompt
-        for index, length in members:
-            if chunk and tokens + length - prompt > max_tokens:
-                units.append((chunk, tokens))
-                chunk, tokens = [], prompt
-            chunk.append(index)
-            tokens += length - prompt
-        units.append((chunk, tokens))
-    return units
+            logprobs = forward.token_logprobs(self.actor.model, self.worker.micro_batch(probe, [0]), temperature=1.0)
+        return logprobs[0, 1:].float().cpu().tolist()
 
 
 def reduce_metric(key: str, values: list[float]) -> float:
@@ -339,8 +260,8 @@ def score_metrics(exp: Experience, old_from_engine: bool = False) -> dict[str, f
                "reward/rejected_frac": exp.rejected.float().mean().item(),
                "reward/env_mean": sum(t.env_reward for t in exp.trajectories) / max(n_traj, 1)}
     if not old_from_engine:
-        gaps = [(old - torch.tensor(seq.behaviour_logprobs)).abs()[torch.tensor(seq.action_mask, dtype=torch.bool)]
-                for old, seq in zip(exp.old_logprobs, exp.sequences)]
-        gap = torch.cat(gaps) if gaps else torch.zeros(0)
+        batch = exp.batch
+        acting = batch["action_mask"].bool()
+        gap = (batch["old_logprobs"] - batch["behaviour_logprobs"]).abs()[acting]
         metrics["rollout/behaviour_logprob_gap"] = gap.mean().item() if gap.numel() else 0.0
     return metrics

@@ -46,7 +46,7 @@ class RMTrainConfig:
     adam_eps: float = 1e-5
     max_grad_norm: Optional[float] = None
     max_tokens_per_device: int = 4096  # real tokens per micro-batch (a comparison's responses stay together)
-    packing: bool = False  # padding-free micro-batches (workers.models.pack): the same loss, less compute
+    packing: bool = False  # padding-free micro-batches (workers.layout.pack): the same loss, less compute
     log_every: int = 10
 
 

@@ -33,7 +33,7 @@ from rl_core.reward_model.training import (Log, build_reward_model, export_rewar
                                            fit_reward_model)
 from rl_core.preferences import load_preference_splits
 from rl_core.run_dir import RunDirLock
-from workers.models import check_model_path, context_length, load_causal_lm, load_tokenizer
+from workers.loading import check_model_path, context_length, load_causal_lm, load_tokenizer
 
 
 def resolve_inputs(cfg: RMConfig, labeler) -> dict:

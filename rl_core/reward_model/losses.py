@@ -50,8 +50,8 @@ def preference_loss(scores: torch.Tensor, best: torch.Tensor,
     return best_of_n_loss(scores, best)
 
 
-def preference_accuracy(scores: torch.Tensor, best: torch.Tensor) -> float:
-    """Fraction of examples whose preferred response scores strictly above every other one.
+def preference_correct(scores: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """``[examples]`` 1 where the preferred response scores strictly above every other one.
 
     Ties count as wrong, so an untrained constant model scores 0 rather than 1/N.
     """
@@ -59,8 +59,8 @@ def preference_accuracy(scores: torch.Tensor, best: torch.Tensor) -> float:
     best = best.long().to(scores.device)
     best_score = scores.gather(1, best[:, None])
     others = scores.masked_fill(F.one_hot(best, scores.shape[1]).bool(), float("-inf"))
-    correct = (best_score > others).all(dim=1)
-    return correct.float().mean().item()
+    return (best_score > others).all(dim=1).float()
+
 
 
 def _check_scores(scores: torch.Tensor, best: torch.Tensor) -> None:

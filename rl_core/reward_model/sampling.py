@@ -9,7 +9,7 @@ import torch
 
 from rl_core.rewards.lm_human_preferences import truncated_ids
 from rl_core.reward_model.config import NormalizeConfig
-from workers.models import single_token_id
+from workers.loading import single_token_id
 
 
 def load_queries(path: str, text_key: str, tokenizer, query_length: int) -> list[list[int]]:

@@ -1,6 +1,7 @@
-"""Reward-model training on the FSDP2 worker: balanced micro-batches of whole comparisons, the
-global loss-scaling rule, one epoch with the LR annealed to zero, and OpenAI's gain/bias
-normalisation on reference-policy samples before and after training."""
+"""Reward-model training on the one batch worker (`workers.worker`): a comparison's responses are
+one unit and the loss is the mean over the global batch's comparisons; one epoch with the LR
+annealed to zero, and OpenAI's gain/bias normalisation on reference-policy samples before and
+after training."""
 
 from __future__ import annotations
 
@@ -10,18 +11,18 @@ from typing import Callable
 
 import torch
 
-from rl_core.balance import micro_batches_for_rank as balanced_micro_batches
-from rl_core.balance import with_stand_ins
 from rl_core.distributed import DataParallel, rank_seed
 from rl_core.logger import progress_bar
 from rl_core.optim import build_optimizer, linear_anneal_schedule
 from rl_core.rewards.lm_human_preferences import reward_gain_bias
 from rl_core.reward_model.config import NormalizeConfig, RMConfig, RMTrainConfig
-from rl_core.reward_model.losses import preference_accuracy, preference_loss, spearman
+from rl_core.reward_model.losses import preference_correct, preference_loss, spearman
 from rl_core.reward_model.sampling import pick_queries, sample_truncated
 from workers.fsdp import TrainableModel, full_state_dict, shard_model
-from workers.models import (init_reward_model, laid_out, load_reward_model, make_micro_batch, packing_layout,
-                            raw_reward_scores, reward_scores, set_reward_gain_bias, to_device)
+from workers.forward import raw_reward_scores, reward_scores
+from workers.layout import make_micro_batch, packing_layout, to_device
+from workers.loading import init_reward_model, load_reward_model, set_reward_gain_bias
+from workers.worker import BatchWorker
 
 Log = Callable[[str], None]
 
@@ -64,113 +65,74 @@ def score_sequences(model, sequences: list[list[int]], pad_id: int, device: torc
     return torch.cat(out)
 
 
-def example_tokens(example) -> int:
-    """Balancing weight of a comparison: all its responses go to one micro-batch together."""
-    return sum(len(ids) for ids in example.input_ids)
-
-
-def collate_examples(examples: list, pad_id: int, weight: float = 1.0, layout: str | None = None) -> dict[str, torch.Tensor]:
-    """One micro-batch: every response row of every example, plus best index, margin and weight; packed
-    in `layout` (`models.packing_layout`), the model runs on the rows without their padding."""
+def collate(examples: list, pad_id: int) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+    """The step's batch: every response row of every comparison, in order, each row carrying its
+    comparison's best index and margin; and the comparisons as the worker's units (all responses of one
+    comparison share a micro-batch)."""
     sizes = {len(example.input_ids) for example in examples}
     if len(sizes) != 1:
         raise ValueError(f"examples with different numbers of responses {sorted(sizes)} in one batch; "
                          "use one preference format per file")
+    (responses,) = sizes
     rows = [{"input_ids": ids, "action_mask": [1] * len(ids)} for example in examples for ids in example.input_ids]
-    batch = laid_out(make_micro_batch(rows, pad_id), layout)
-    batch["best"] = torch.tensor([example.best for example in examples], dtype=torch.long)
-    batch["margin"] = torch.tensor([example.margin for example in examples], dtype=torch.float32)
-    batch["weight"] = torch.tensor(weight, dtype=torch.float32)
-    return batch
+    batch = make_micro_batch(rows, pad_id)
+    batch["best"] = torch.tensor([example.best for example in examples]).repeat_interleave(responses)
+    batch["margin"] = torch.tensor([float(example.margin) for example in examples]).repeat_interleave(responses)
+    batch["responses"] = torch.tensor(responses)  # one number for the batch: how to view scores per comparison
+    return batch, [list(range(i * responses, (i + 1) * responses)) for i in range(len(examples))]
 
 
-def micro_batches_for_rank(examples: list, dp: DataParallel, max_tokens: int, pad_id: int,
-                           layout: str | None = None) -> list[dict]:
-    """This rank's token-balanced micro-batches of whole comparisons (at most `max_tokens` real tokens).
-
-    An empty partition still runs a zero-weight forward/backward on a stand-in example:
-    FSDP's collectives need every rank to do the same number of passes.
-    """
-    weights = [example_tokens(example) for example in examples]
-    if max(weights) > max_tokens:
-        raise ValueError(f"a comparison has {max(weights)} tokens (all its responses together) but "
-                         f"train.max_tokens_per_device={max_tokens}; raise it or lower data.max_length")
-    parts = balanced_micro_batches(weights, dp.rank, dp.size, max_tokens)
-    return [to_device(collate_examples([examples[i] for i in indices], pad_id, float(real), layout), dp.device)
-            for indices, real in with_stand_ins(parts)]
+def comparison_losses(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per comparison: the preference loss of its normalised rewards (the gain scales the loss,
+    OpenAI-style), and 1 where the best response scored highest."""
+    scores = reward_scores(model, batch).view(-1, int(batch["responses"]))
+    best = batch["best"].view(scores.shape)[:, 0]
+    margin = batch["margin"].view(scores.shape)[:, 0]
+    losses = preference_loss(scores, best, margin if bool(margin.ne(0).any()) else None)
+    return losses, preference_correct(scores.detach(), best)
 
 
-def comparison_scores(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``[examples, responses]`` normalised rewards (the gain scales the loss, OpenAI-style)."""
-    scores = reward_scores(model, batch)
-    return scores.view(batch["best"].shape[0], -1)
+def loss_and_sums(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    losses, correct = comparison_losses(model, batch)
+    return losses.sum(), [losses.detach().sum(), correct.sum()]
 
 
-def _margin(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    return batch["margin"] if bool(batch["margin"].ne(0).any()) else None
-
-
-def _correct(scores: torch.Tensor, best: torch.Tensor) -> float:
-
-    return preference_accuracy(scores.detach(), best) * best.shape[0]
-
-
-def preference_loss_fn(global_count: int, dp_size: int):
-    """Loss for ``TrainableModel.forward_backward``.
-
-    Loss scaling (design invariant): ranks hold different numbers of comparisons, so each rank
-    sums its per-example losses, divides by the *global* count and multiplies by dp_size,
-    because FSDP averages gradients over ranks.
-    """
-    def loss_fn(model, batch):
-        scores = comparison_scores(model, batch)
-        losses = preference_loss(scores, batch["best"], _margin(batch))
-        weight = batch["weight"]
-        loss = losses.sum() * weight / global_count * dp_size
-        return loss, {"loss_sum": losses.detach().sum() * weight,
-                      "correct": _correct(scores, batch["best"]) * float(weight)}
-
-    return loss_fn
-
-
-@torch.no_grad()
-def heldout_metrics(model, examples: list, dp: DataParallel, max_tokens: int, pad_id: int,
-                    layout: str | None = None) -> dict[str, float]:
+def heldout_metrics(model, worker: BatchWorker, examples: list, pad_id: int) -> dict[str, float]:
     """Pairwise (best-of-N) accuracy and mean loss over ``examples``, summed over ranks."""
     model.eval()
-    correct = loss_sum = 0.0
-    for batch in micro_batches_for_rank(examples, dp, max_tokens, pad_id, layout):
-        scores = comparison_scores(model, batch)
-        weight = float(batch["weight"])
-        loss_sum += float(preference_loss(scores, batch["best"], _margin(batch)).sum()) * weight
-        correct += _correct(scores, batch["best"]) * weight
-    correct, loss_sum = dp.sum([correct, loss_sum])
+    batch, units = collate(examples, pad_id)
+    loss_sum, correct = worker.sums(batch, lambda b: loss_and_sums(model, b)[1], units)
     return {"accuracy": correct / len(examples), "loss": loss_sum / len(examples)}
 
 
 # ----------------------------------------------------------------------------- training
 
 
-def train_one_epoch(trainable, examples: list, cfg: RMTrainConfig, dp: DataParallel, pad_id: int,
-                    seed: int, log: Log, progress: bool = False, layout: str | None = None) -> dict[str, float]:
+def train_one_epoch(trainable, worker: BatchWorker, examples: list, cfg: RMTrainConfig, pad_id: int,
+                    seed: int, log: Log, progress: bool = False) -> dict[str, float]:
     """One shuffled pass; the last incomplete minibatch is dropped (every step has batch_size examples)."""
     steps = len(examples) // cfg.batch_size
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
     loss_sum = correct = 0.0
+
+    def loss_fn(model, micro_batch):
+        loss, (losses, hits) = loss_and_sums(model, micro_batch)
+        return loss, {"loss_sum": losses, "correct": hits}
+
     for step in progress_bar(range(steps), desc="[train_rm] training the reward model", unit="step",
                              enabled=progress):
         minibatch = [examples[i] for i in order[step * cfg.batch_size:(step + 1) * cfg.batch_size]]
-        micro_batches = micro_batches_for_rank(minibatch, dp, cfg.max_tokens_per_device, pad_id, layout)
-        metrics = trainable.forward_backward(micro_batches, preference_loss_fn(len(minibatch), dp.size))
+        batch, units = collate(minibatch, pad_id)
+        metrics, _ = worker.forward_backward(trainable, batch, loss_fn, len(minibatch), units)
         lr = trainable.current_lr()
         grad_norm = trainable.step()
         loss_sum += sum(metrics["loss_sum"])
         correct += sum(metrics["correct"])
         if (step + 1) % cfg.log_every == 0 or step + 1 == steps:
-            seen = (step + 1) * cfg.batch_size / dp.size
+            seen = (step + 1) * cfg.batch_size / worker.world_size
             log(f"[train_rm] step {step + 1}/{steps} lr {lr:.2e} grad_norm {grad_norm:.3f} "
-                f"loss {loss_sum / seen:.4f} acc {correct / seen:.3f} (rank {dp.rank} running means)")
-    loss_sum, correct = dp.sum([loss_sum, correct])
+                f"loss {loss_sum / seen:.4f} acc {correct / seen:.3f} (rank {worker.rank} running means)")
+    loss_sum, correct = worker.sum_over_ranks([loss_sum, correct])
     seen = steps * cfg.batch_size
     return {"train_loss": loss_sum / seen, "train_accuracy": correct / seen, "train_steps": steps}
 
@@ -237,7 +199,7 @@ def fit_reward_model(model, policy, tokenizer, train_examples: list, test_exampl
                          f"(train.batch_size={cfg.train.batch_size}); lower train.batch_size or add data")
     if dp.sharded:
         shard_model(model.to(dp.device), mixed_precision=cfg.model.mixed_precision)
-    pad_id, max_tokens = tokenizer.pad_token_id, cfg.train.max_tokens_per_device
+    pad_id = tokenizer.pad_token_id
     trainable = TrainableModel(
         model,
         build_optimizer=lambda m: build_optimizer(m.parameters(), cfg.train.optimizer, cfg.train.lr,
@@ -253,12 +215,13 @@ def fit_reward_model(model, policy, tokenizer, train_examples: list, test_exampl
     # OpenAI: normalise before training too, so the loss sees rewards at unit scale from step one.
     gain_before, _ = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed, dp,
                                       bar("sampling to normalise before training"))
-    layout = packing_layout(cfg.train.packing, cfg.model.attn_implementation)
-    before = heldout_metrics(model, test_examples, dp, max_tokens, pad_id, layout)
+    worker = BatchWorker(dp.rank, dp.size, dp.device, cfg.train.max_tokens_per_device,
+                         packing_layout(cfg.train.packing, cfg.model.attn_implementation))
+    before = heldout_metrics(model, worker, test_examples, pad_id)
     log(f"[train_rm] {len(train_examples)} train / {len(test_examples)} held-out comparisons, {steps} steps "
         f"on {dp.size} rank(s); held-out accuracy before training {before['accuracy']:.3f}")
-    stats = train_one_epoch(trainable, train_examples, cfg.train, dp, pad_id, cfg.trainer.seed, log, show, layout)
-    after = heldout_metrics(model, test_examples, dp, max_tokens, pad_id, layout)
+    stats = train_one_epoch(trainable, worker, train_examples, cfg.train, pad_id, cfg.trainer.seed, log, show)
+    after = heldout_metrics(model, worker, test_examples, pad_id)
     gain, bias = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed + 1, dp,
                                   bar("sampling to normalise after training"))
     check = fresh_sample_check(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed + 2, dp, labeler,

@@ -23,9 +23,11 @@ from rl_core.rewards import load_reward_fn
 from rl_core.sft.config import SFTConfig, validate
 from rl_core.sft.data import encode_rows, load_rows
 from rl_core.sft.training import generation_accuracy, heldout_metrics, train_step
-from workers import models
+from workers import loading
+from workers.layout import packing_layout
 from workers.fsdp import shard_model
 from workers.lora import with_lora
+from workers.worker import BatchWorker
 
 
 def main(argv: list[str] | None = None, prepare=None) -> None:
@@ -39,15 +41,14 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
     tr, run_dir = cfg.train, Path(cfg.trainer.run_dir)
     reward_fn = load_reward_fn(cfg.eval.reward_fn) if cfg.eval.reward_fn else None
     if dp.sharded:
-        on_every_rank(lambda: models.check_model_path(cfg.model.path, "model.path"))
+        on_every_rank(lambda: loading.check_model_path(cfg.model.path, "model.path"))
     else:  # alone, maybe inside another job's process group: no collective
-        models.check_model_path(cfg.model.path, "model.path")
-    tokenizer = models.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+        loading.check_model_path(cfg.model.path, "model.path")
+    tokenizer = loading.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
     train_rows, eval_rows = load_data(cfg, tokenizer, dp.rank)
     steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_rows), "usable rows", cfg.data.train_path)
     seed_everything(cfg.trainer.seed)  # the same initial weights on every rank
-    model = models.load_causal_lm(cfg.model.path, attn_implementation=cfg.model.attn_implementation)
-    layout = models.packing_layout(tr.packing, cfg.model.attn_implementation)
+    model = loading.load_causal_lm(cfg.model.path, attn_implementation=cfg.model.attn_implementation)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # a [PAD] the tokenizer gained
     if cfg.model.gradient_checkpointing:
@@ -57,6 +58,8 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
     if dp.sharded:
         shard_model(model, mixed_precision=cfg.model.mixed_precision)
     trainable = finetune.trainable_model(model, tr, total_steps, sharded=dp.sharded)
+    worker = BatchWorker(dp.rank, dp.size, dp.device, tr.max_tokens_per_device,
+                         packing_layout(tr.packing, cfg.model.attn_implementation))
     checkpointer = Checkpointer(run_dir / "checkpoints", dp.rank, keep_last=cfg.trainer.keep_last)
     start_step, _ = checkpointer.maybe_resume(cfg.trainer.resume, {"model": trainable})
     logger = None
@@ -67,7 +70,7 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
         print(f"[sft] {len(train_rows)} rows, {total_steps} steps of {tr.batch_size} on {dp.size} rank(s)", flush=True)
 
     def evaluate() -> dict[str, float]:
-        metrics = heldout_metrics(model, eval_rows, dp, tr.max_tokens_per_device, tokenizer.pad_token_id, layout)
+        metrics = heldout_metrics(model, worker, eval_rows, tokenizer.pad_token_id)
         if reward_fn is not None:
             metrics.update(generation_accuracy(model, eval_rows[:cfg.eval.generate_rows], reward_fn, tokenizer, dp,
                                                cfg.eval.max_new_tokens))
@@ -77,8 +80,8 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
         finetune.log_step(logger, 0, total_steps, evaluate(), SHOWN)
     finetune.run_steps(
         start_step, total_steps, steps_per_epoch,
-        lambda step: train_step(trainable, finetune.step_rows(train_rows, step, tr.batch_size, cfg.trainer.seed), dp,
-                                tr.max_tokens_per_device, tokenizer.pad_token_id, layout),
+        lambda step: train_step(trainable, worker, finetune.step_rows(train_rows, step, tr.batch_size, cfg.trainer.seed),
+                                tokenizer.pad_token_id),
         evaluate if eval_rows else None, lambda step: checkpointer.save(step, {"model": trainable}, {}),
         logger, SHOWN, tr, cfg.trainer, cfg.eval.every)
     if cfg.trainer.export_hf:

@@ -1,10 +1,6 @@
-"""SFT on the FSDP2 worker: rows balanced across ranks by tokens, length-sorted micro-batches, and
-a loss that is the mean over every trained token of the global batch.
-
-Loss scaling: each rank divides its token sum by the *global* count of trained tokens in the
-step and multiplies by `dp_size`, because FSDP averages gradients over ranks; the gradient is
-then that of the global token mean whatever the split (the rule the PPO job uses).
-"""
+"""SFT's loss on the one batch worker (`workers.worker`): the mean over every trained token of the
+global batch, whatever the split across ranks and micro-batches (the worker scales each rank's
+token sum by `dp_size` / the global token count)."""
 
 from __future__ import annotations
 
@@ -14,76 +10,51 @@ from typing import Callable
 
 import torch
 
-from rl_core.balance import micro_batches_for_rank, with_stand_ins
 from rl_core.distributed import DataParallel
 from rl_core.sft.data import SFTExample
-from workers.models import decode, laid_out, logprobs_from_logits, make_micro_batch, model_inputs, to_rows
+from workers.decode import decode
+from workers.forward import token_logprobs_and_hits
+from workers.layout import grid_tokens, make_micro_batch
+from workers.worker import BatchWorker
 
 
-def collate(examples: list[SFTExample], pad_token_id: int, layout: str | None = None) -> dict[str, torch.Tensor]:
-    """Padded rows, or packed in `layout` (`models.packing_layout`): the model runs without their padding."""
-    rows = [{"input_ids": e.input_ids, "action_mask": e.loss_mask} for e in examples]
-    batch = make_micro_batch(rows, pad_token_id)
-    return laid_out(batch, layout)
+def collate(examples: list[SFTExample], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """The step's `[N, T]` batch: `action_mask` marks the trained tokens."""
+    return make_micro_batch([{"input_ids": e.input_ids, "action_mask": e.loss_mask} for e in examples], pad_token_id)
 
 
 def token_sums(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(negative log-likelihood summed over trained tokens, how many the argmax got right, how many)."""
-    inputs = model_inputs(batch)
-    logits = model(**inputs).logits[:, :-1].float()
-    labels = inputs["input_ids"][:, 1:]
-    logprobs = to_rows(batch, logprobs_from_logits(logits, labels))[:, 1:]
-    hits = to_rows(batch, (logits.argmax(-1) == labels).float())[:, 1:]
-    mask = batch["action_mask"][:, 1:].to(logits.device).float()  # a first token is never predicted
+    logprobs, hits = token_logprobs_and_hits(model, batch)  # about each trained token (0 elsewhere)
+    mask = batch["action_mask"][:, 1:].to(logprobs.device).float()  # a first token is never predicted
+    logprobs, hits = logprobs[:, 1:], hits[:, 1:]
     return -(logprobs * mask).sum(), (hits * mask).sum().detach(), mask.sum()
 
 
-def micro_batches(examples: list[SFTExample], dp: DataParallel, max_tokens: int, pad_token_id: int,
-                  layout: str | None = None):
-    """This rank's micro-batches of `examples` (the whole step's rows, the same list on every rank):
-    (batch, real) pairs, the same count on every rank (a stand-in with `real` False when a rank has none).
-    `max_tokens` bounds the padded size, or packed (`layout`) the real tokens."""
-    lengths = [len(e.input_ids) for e in examples]
-    mine = micro_batches_for_rank(lengths, dp.rank, dp.size, max_tokens, packed=layout is not None)
-    return [(collate([examples[i] for i in indices], pad_token_id, layout), real)
-            for indices, real in with_stand_ins(mine)]
-
-
-def train_step(trainable, examples: list[SFTExample], dp: DataParallel, max_tokens: int,
-               pad_token_id: int, layout: str | None = None) -> dict[str, float]:
+def train_step(trainable, worker: BatchWorker, examples: list[SFTExample], pad_token_id: int) -> dict[str, float]:
     """One optimizer step on `examples` (every rank passes the same rows); returns global metrics."""
-    global_tokens = sum(sum(e.loss_mask[1:]) for e in examples)
-    batches = micro_batches(examples, dp, max_tokens, pad_token_id, layout)
+    batch = collate(examples, pad_token_id)
+    global_tokens = float(batch["action_mask"][:, 1:].sum())
 
-    def loss_fn(model, item):
-        batch, real = item
-        nll, correct, count = token_sums(model, {k: v.to(dp.device) for k, v in batch.items()})
-        weight = 1.0 if real else 0.0  # a stand-in runs the forward (FSDP collectives) and adds nothing
-        return nll * weight * dp.size / global_tokens, {"nll": nll.detach() * weight, "correct": correct * weight}
+    def loss_fn(model, micro_batch):
+        nll, correct, _ = token_sums(model, micro_batch)
+        return nll, {"nll": nll.detach(), "correct": correct}
 
-    metrics = trainable.forward_backward(batches, loss_fn)
+    metrics, micro = worker.forward_backward(trainable, batch, loss_fn, global_tokens)
     lr = trainable.current_lr()
     grad_norm = trainable.step()
-    nll, correct = dp.sum([sum(metrics["nll"]), sum(metrics["correct"])])
-    mine = [batch for batch, real in batches if real]
-    grid = sum((batch["packed_input_ids"] if "packed_index" in batch else batch["input_ids"]).numel() for batch in mine)
-    real_tokens = sum(int(batch["attention_mask"].sum()) for batch in mine)
+    nll, correct = worker.sum_over_ranks([sum(metrics["nll"]), sum(metrics["correct"])])
+    grid = sum(grid_tokens(b) for b in micro)
+    real_tokens = sum(int(b["attention_mask"].sum()) for b in micro)
     return {"train/loss": nll / global_tokens, "train/token_accuracy": correct / global_tokens,
             "train/tokens": global_tokens, "train/grad_norm": grad_norm, "train/lr": lr,
             "perf/padding_fraction": 1.0 - real_tokens / max(grid, 1)}  # this rank's
 
 
-@torch.no_grad()
-def heldout_metrics(model, examples: list[SFTExample], dp: DataParallel, max_tokens: int,
-                    pad_token_id: int, layout: str | None = None) -> dict[str, float]:
+def heldout_metrics(model, worker: BatchWorker, examples: list[SFTExample], pad_token_id: int) -> dict[str, float]:
     """Loss and token accuracy over held-out rows, every rank scoring its share."""
     model.eval()
-    nll = correct = count = 0.0
-    for batch, real in micro_batches(examples, dp, max_tokens, pad_token_id, layout):
-        n, c, k = token_sums(model, {key: v.to(dp.device) for key, v in batch.items()})
-        if real:
-            nll, correct, count = nll + float(n), correct + float(c), count + float(k)
-    nll, correct, count = dp.sum([nll, correct, count])
+    nll, correct, count = worker.sums(collate(examples, pad_token_id), lambda b: token_sums(model, b))
     return {"eval/loss": nll / count, "eval/token_accuracy": correct / count}
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 from rl_core.tiny import ARITHMETIC
-from workers.models import check_model_path
+from workers.loading import check_model_path
 
 Log = Callable[[str], None]
 

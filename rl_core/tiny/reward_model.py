@@ -30,7 +30,7 @@ from rl_core.reward_model.training import (Log, build_reward_model, export_rewar
 from rl_core.preferences import load_preference_splits
 from rl_core.tiny.assets import file_lock, read_build_facts, settings_match, staged_directory, torch_threads
 from rl_core.tiny.labeler import get_labeler
-from workers.models import context_length, load_causal_lm, load_tokenizer, single_token_id
+from workers.loading import context_length, load_causal_lm, load_tokenizer, single_token_id
 
 RM_BUILD_FORMAT = 2
 

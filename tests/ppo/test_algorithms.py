@@ -7,6 +7,7 @@ import torch
 
 from rl_core.ppo import algorithms as alg
 from rl_core.rewards.lm_human_preferences import reward_gain_bias, truncated_ids
+from workers.worker import scale_loss
 
 SEED_REWARDS = torch.tensor([[1.2, 1.3, 1.4], [1.5, 1.6, 1.7], [1.8, 1.9, 2.0]], dtype=torch.float64)
 
@@ -224,13 +225,13 @@ def test_masked_helpers_and_aggregation_modes():
     assert alg.global_denominator(mask, "token-mean").item() == 3
     assert alg.global_denominator(mask, "seq-mean-token-sum").item() == 2
     # denominators as if another rank held 5 more tokens / 2 more sequences, dp_size 2
-    assert alg.aggregate_loss(loss, mask, "token-mean", 8, 2).item() == pytest.approx(7 / 8 * 2)
-    assert alg.aggregate_loss(loss, mask, "seq-mean-token-sum", 4, 2).item() == pytest.approx(7 / 4 * 2)
-    assert alg.aggregate_loss(loss, mask, "seq-mean-token-mean", 4, 2).item() == pytest.approx(5.5 / 4 * 2)
+    assert scale_loss(alg.loss_sum(loss, mask, "token-mean"), 8, 2).item() == pytest.approx(7 / 8 * 2)
+    assert scale_loss(alg.loss_sum(loss, mask, "seq-mean-token-sum"), 4, 2).item() == pytest.approx(7 / 4 * 2)
+    assert scale_loss(alg.loss_sum(loss, mask, "seq-mean-token-mean"), 4, 2).item() == pytest.approx(5.5 / 4 * 2)
     with pytest.raises(ValueError, match="loss_agg"):
-        alg.aggregate_loss(loss, mask, "sum", 1, 1)
-    with pytest.raises(ValueError, match="global_denominator"):
-        alg.aggregate_loss(loss, mask, "token-mean", 0, 1)
+        alg.loss_sum(loss, mask, "sum")
+    with pytest.raises(ValueError, match="global count"):
+        scale_loss(alg.loss_sum(loss, mask, "token-mean"), 0, 1)
 
 
 # --------------------------------------------------------------------------- group baselines

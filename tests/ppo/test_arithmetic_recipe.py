@@ -74,7 +74,7 @@ def test_gradient_checkpointing_recomputes_without_changing_gradients(tiny_model
     import torch
 
     from rl_core.ppo.trainer import enable_gradient_checkpointing
-    from workers.models import load_causal_lm
+    from workers.loading import load_causal_lm
 
     ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
     grads = []

@@ -59,9 +59,10 @@ def test_gae_runs_over_both_sequences_of_a_trajectory_in_order(gamma, lam):
     trajectories = [Trajectory([first, second], sample={}), Trajectory([other], sample={})]
     exp = Experience.from_trajectories(trajectories)
     numbers = [first_numbers, second_numbers, other_numbers]
-    exp.old_logprobs = [torch.tensor(n["old"]) for n in numbers]
-    exp.ref_logprobs = [torch.tensor(n["ref"]) for n in numbers]
-    exp.values = [torch.tensor(n["values"]) for n in numbers]
+    for key, name in (("old_logprobs", "old"), ("ref_logprobs", "ref"), ("values", "values")):
+        exp.batch[key] = torch.zeros(exp.batch["input_ids"].shape)
+        for row, n in enumerate(numbers):
+            exp.batch[key][row, :len(n[name])] = torch.tensor(n[name])
     scores, kl_coef = torch.tensor([0.8, -1.2]), 0.15
 
     algo = AlgorithmConfig(gamma=gamma, lam=lam, whiten_rewards=True, advantage_estimator="gae",

@@ -12,6 +12,7 @@ import torch
 
 from rl_core.ppo import algorithms as alg
 from rl_core.ppo.config import AlgorithmConfig, KLConfig, RewardConfig
+from workers.worker import scale_loss
 from rl_core.ppo.experience import Experience, compute_advantages, task_scores
 from rl_core.ppo.experience import apply_group_rule, has_reward_variance
 from rl_core.rollout.trajectory import TokenSequence, Trajectory
@@ -87,7 +88,7 @@ def test_gspo_uses_one_length_normalised_ratio_per_sequence():
     s0, s1 = math.exp((0.1 - 0.3) / 2), math.exp(0.2)  # 0.9048 (inside [0.8, 1.2]) and 1.2214
     # row 0: -A s on every real token; row 1 (A < 0, s > 1.2): max(s, 1.2) = s, not clipped
     torch.testing.assert_close(loss * mask, torch.tensor([[-2 * s0, -2 * s0, 0.0], [s1, s1, s1]]))
-    alg.aggregate_loss(loss, mask, "seq-mean-token-mean", 2, 1).backward()
+    scale_loss(alg.loss_sum(loss, mask, "seq-mean-token-mean"), 2, 1).backward()
     # d/d logprob_t of mean_seq(mean_t(-A s)) = -A s / |y| / n_seq, the same for every token of a sequence
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-2 * s0 / 2 / 2, -2 * s0 / 2 / 2, 0.0],
                                                             [s1 / 3 / 2] * 3]))
@@ -105,7 +106,7 @@ def test_dr_grpo_constant_length_normaliser():
     # 2 sequences x a generation budget of 4 tokens = 8, whatever their own lengths
     denominator = alg.global_denominator(mask, "seq-mean-token-sum-norm", norm_length=4)
     assert denominator.item() == 8
-    assert alg.aggregate_loss(loss, mask, "seq-mean-token-sum-norm", denominator, 1).item() == pytest.approx(7 / 8)
+    assert scale_loss(alg.loss_sum(loss, mask, "seq-mean-token-sum-norm"), denominator, 1).item() == pytest.approx(7 / 8)
     # a longer answer of the same sequence now weighs more (token-mean would weigh by its share)
     assert alg.global_denominator(mask, "token-mean").item() == 3
 
@@ -134,16 +135,18 @@ def make_traj(group, response_len, fn_reward=0.0, finish="stop", env_reward=0.0)
 
 def scored(trajs, kl_per_token=0.0):
     exp = Experience.from_trajectories(trajs)
-    exp.old_logprobs = [torch.full((len(s),), kl_per_token) for s in exp.sequences]  # log(pi/ref) = kl_per_token
-    exp.ref_logprobs = [torch.zeros(len(s)) for s in exp.sequences]
-    exp.values = [torch.zeros(len(s)) for s in exp.sequences]
+    real = exp.batch["attention_mask"].float()
+    exp.batch["old_logprobs"] = kl_per_token * real  # log(pi/ref) = kl_per_token
+    exp.batch["ref_logprobs"] = torch.zeros_like(real)
+    exp.batch["values"] = torch.zeros_like(real)
     exp.scores = torch.zeros(len(trajs))
     exp.rejected = torch.zeros(len(trajs), dtype=torch.bool)
     return exp
 
 
-def first_advantage(targets):
-    return [round(a[-1].item(), 5) for a in targets.advantages]
+def first_advantage(targets, trajs):
+    """Each one-sequence trajectory's advantage on its last token (rows are right-padded to the longest)."""
+    return [round(row[traj.num_tokens - 1].item(), 5) for row, traj in zip(targets.advantages, trajs)]
 
 
 def test_advantages_are_computed_by_group_before_minibatching_with_a_failed_trajectory():
@@ -157,13 +160,15 @@ def test_advantages_are_computed_by_group_before_minibatching_with_a_failed_traj
     # prompt 8: [1, 0, 1] mean 2/3, std sqrt(1/3); prompt 7 (2 left): [1, 0] mean 1/2, std sqrt(1/2)
     s8, s7 = math.sqrt(1 / 3), math.sqrt(1 / 2)
     expected = [(1 / 3) / s8, 0.5 / s7, (-2 / 3) / s8, -0.5 / s7, (1 / 3) / s8]
-    assert first_advantage(targets) == pytest.approx(expected, abs=1e-4)
+    assert first_advantage(targets, trajs) == pytest.approx(expected, abs=1e-4)
     for adv, traj in zip(targets.advantages, trajs):  # the same advantage on every generated token, 0 on the prompt
-        assert adv[:2].abs().sum() == 0 and torch.allclose(adv[2:], adv[-1].expand(traj.num_action_tokens))
+        last = traj.num_tokens - 1
+        assert adv[:2].abs().sum() == 0 and torch.allclose(adv[2:last + 1], adv[last].expand(traj.num_action_tokens))
+        assert adv[last + 1:].abs().sum() == 0
     assert targets.stats["groups/zero_variance_frac"] == 0.0
     # nminibatches = 2 cuts the 5 trajectories 3 + 2 at random; the advantages were fixed above over
     # whole groups, so whatever minibatch a response lands in, it trains with the value computed here.
-    from rl_core.balance import minibatch_indices
+    from workers.balance import minibatch_indices
 
     parts = minibatch_indices(len(trajs), 2, torch.Generator().manual_seed(0))
     assert sorted(len(p) for p in parts) == [2, 3] and sorted(sum(parts, [])) == list(range(5))
@@ -181,10 +186,10 @@ def test_kl_in_the_reward_for_rloo_and_left_to_the_loss_for_grpo():
     scores, _ = task_scores(exp, RewardConfig(), ALGO, RESPONSE_LENGTH)
     in_reward = compute_advantages(exp, scores, 0.5, algorithm(advantage_estimator="rloo", placement="reward"))
     # totals: 1 - 0.5 * 0.2 = 0.9 and 1 - 0.5 * 0.4 = 0.8; RLOO: 0.9 - 0.8, 0.8 - 0.9
-    assert first_advantage(in_reward) == pytest.approx([0.1, -0.1], abs=1e-6)
+    assert first_advantage(in_reward, trajs) == pytest.approx([0.1, -0.1], abs=1e-6)
     assert in_reward.stats["reward/non_score_mean"] == pytest.approx(-0.5 * 0.3)
     in_loss = compute_advantages(exp, scores, 0.5, algorithm(advantage_estimator="grpo", placement="loss"))
-    assert first_advantage(in_loss) == [0.0, 0.0] and in_loss.stats["reward/non_score_mean"] == 0.0
+    assert first_advantage(in_loss, trajs) == [0.0, 0.0] and in_loss.stats["reward/non_score_mean"] == 0.0
     assert in_loss.stats["kl/mean"] == pytest.approx(0.3)  # still measured (adaptive controller, logs)
     # k3 with gradient, as the trainer adds it to the loss: d/dlogp [exp(ref - logp) - (ref - logp) - 1] = 1 - exp(ref - logp)
     logp = torch.tensor([0.1, -0.2], requires_grad=True)

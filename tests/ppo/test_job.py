@@ -23,7 +23,7 @@ REQUIRED_METRICS = ("step", "reward/score_mean", "reward/total_mean", "kl/mean",
 def small_job(tmp_path_factory):
     """Small offline assets and a randomly initialised reward model (the plumbing, not the learning)."""
     from rl_core.tiny.assets import ensure_tiny_assets
-    from workers.models import init_reward_model, load_tokenizer
+    from workers.loading import init_reward_model, load_tokenizer
 
     root = tmp_path_factory.mktemp("train_assets")
     paths = ensure_tiny_assets(root=root, small=True, log=lambda *_: None)

@@ -15,7 +15,7 @@ def test_merged_weights_equal_peft_merge_and_unload(tmp_path):
     from rl_core.config import LoraSettings
     from rl_core.tiny.assets import ensure_tiny_assets
     from workers.lora import merged_weights, with_lora
-    from workers.models import load_causal_lm
+    from workers.loading import load_causal_lm
 
     model_dir = ensure_tiny_assets(root=tmp_path, small=True, log=lambda *_: None).model_dir
     settings = LoraSettings(rank=4, alpha=8.0, target_modules=["c_attn", "c_proj", "c_fc"])

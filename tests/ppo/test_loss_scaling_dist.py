@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rl_core.ppo.algorithms import LOSS_AGG_MODES, aggregate_loss, global_denominator
+from rl_core.ppo.algorithms import LOSS_AGG_MODES, global_denominator, loss_sum
+from workers.worker import scale_loss
 from rl_core.optim import TFAdam
-from workers.models import logprobs_from_logits
+from workers.forward import logprobs_from_logits
 from workers.procs import free_port
 
 VOCAB, WIDTH, WORLD_SIZE = 13, 6, 2
@@ -71,9 +72,9 @@ def accumulate(model, micro_batches, loss_agg, dp_size, denominator=None):
         loss = per_token_loss(model, inputs, labels)
         if denominator is None:
             local_count = sum(global_denominator(padded(mb)[2], loss_agg) for mb in micro_batches)
-            aggregate_loss(loss, mask, loss_agg, local_count, dp_size=1).backward()
+            scale_loss(loss_sum(loss, mask, loss_agg), local_count, dp_size=1).backward()
         else:
-            aggregate_loss(loss, mask, loss_agg, denominator, dp_size).backward()
+            scale_loss(loss_sum(loss, mask, loss_agg), denominator, dp_size).backward()
 
 
 def full_grads(model) -> dict[str, torch.Tensor]:
@@ -116,7 +117,7 @@ def single_process_grads(loss_agg: str) -> dict[str, torch.Tensor]:
     model = build_model()
     everything = list(range(len(SEQ_LENGTHS)))
     inputs, labels, mask = padded(everything)
-    loss = aggregate_loss(per_token_loss(model, inputs, labels), mask, loss_agg, global_denominator(mask, loss_agg), 1)
+    loss = scale_loss(loss_sum(per_token_loss(model, inputs, labels), mask, loss_agg), global_denominator(mask, loss_agg), 1)
     loss.backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 

@@ -89,7 +89,7 @@ def test_checkpoint_loads_and_is_normalised_on_fresh_samples(rm_run, tiny_model_
 
     from rl_core.reward_model.sampling import load_queries, sample_responses
     from rl_core.reward_model.training import score_sequences
-    from workers.models import load_causal_lm, load_reward_model, load_tokenizer
+    from workers.loading import load_causal_lm, load_reward_model, load_tokenizer
 
     metrics, _, tmp = rm_run
     out = Path(metrics["output_dir"])

@@ -11,7 +11,7 @@ from rl_core.reward_model.losses import (
     average_ranks,
     best_of_n_loss,
     pairwise_loss,
-    preference_accuracy,
+    preference_correct,
     preference_loss,
     spearman,
 )
@@ -94,9 +94,9 @@ def test_bad_shapes_and_indices_are_explained():
 def test_accuracy_counts_strict_wins_only():
     scores = torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.5, 0.5], [0.1, 0.7]])
     best = torch.tensor([0, 0, 1, 1])
-    assert preference_accuracy(scores, best) == pytest.approx(2 / 4)  # rows 0 and 3; tie is wrong
+    assert preference_correct(scores, best).mean() == pytest.approx(2 / 4)  # rows 0 and 3; tie is wrong
     four = torch.tensor([[0.1, 0.7, 0.3, 0.0], [1.0, 0.0, 1.0, 0.0]])
-    assert preference_accuracy(four, torch.tensor([1, 0])) == pytest.approx(0.5)
+    assert preference_correct(four, torch.tensor([1, 0])).mean() == pytest.approx(0.5)
 
 
 def test_average_ranks_share_ties():

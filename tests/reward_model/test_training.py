@@ -6,17 +6,21 @@ import torch
 
 def test_micro_batches_keep_comparisons_whole_and_ranks_even():
     from rl_core.preferences import TokenizedPreference
-    from rl_core.distributed import DataParallel
-    from rl_core.reward_model.training import micro_batches_for_rank
+    from rl_core.reward_model.training import collate
+    from workers.worker import BatchWorker
 
     examples = [TokenizedPreference([[5] * (3 + i % 7), [6] * (2 + i % 5)], 1, i % 2, 0.0) for i in range(13)]
-    per_rank = [micro_batches_for_rank(examples, DataParallel(rank, 2), 40, pad_id=0) for rank in (0, 1)]
+    batch, units = collate(examples, pad_id=0)
+    workers = [BatchWorker(rank, 2, torch.device("cpu"), max_tokens=40) for rank in (0, 1)]
+    per_rank = [worker.micro_batches(batch, units) for worker in workers]
     assert len(per_rank[0]) == len(per_rank[1]), "every rank runs the same number of passes"
-    rows = sum(int(batch["weight"]) * batch["input_ids"].shape[0] for batches in per_rank for batch in batches)
-    best = sorted(b for batches in per_rank for batch in batches if batch["weight"] for b in batch["best"].tolist())
-    assert rows == 2 * len(examples), "each example's two responses land in one micro-batch, once"
+    real = [micro for batches in per_rank for micro, is_real in batches if is_real]
+    assert sum(micro["input_ids"].shape[0] for micro in real) == 2 * len(examples), "each response once"
+    for micro in real:  # a comparison's two responses side by side, carrying its best index
+        assert torch.equal(micro["best"][0::2], micro["best"][1::2])
+        assert int(micro["input_ids"].shape[0] * micro["input_ids"].shape[1]) <= 40
+    best = sorted(b for micro in real for b in micro["best"][0::2].tolist())
     assert best == sorted(e.best for e in examples)
-    assert all(int(batch["attention_mask"].sum(1).max()) <= 40 for batches in per_rank for batch in batches)
 
 
 def test_normalisation_samples_are_cut_at_the_truncate_token_or_left_out(tiny_model_dir):
@@ -25,7 +29,7 @@ def test_normalisation_samples_are_cut_at_the_truncate_token_or_left_out(tiny_mo
     from rl_core.reward_model.config import NormalizeConfig
     from rl_core.reward_model.sampling import sample_responses, sample_truncated
     from rl_core.reward_model.training import _mark_invalid, _valid_only
-    from workers.models import load_causal_lm, load_tokenizer
+    from workers.loading import load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir)
     policy = load_causal_lm(tiny_model_dir).eval()

@@ -6,7 +6,7 @@ import pytest
 
 from rl_core.sft.data import SFTDataError, encode_messages, encode_prompt_response, encode_rows
 from rl_core.tiny.arithmetic import CHAT_TEMPLATE
-from workers.models import load_tokenizer
+from workers.loading import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,8 @@ def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir, layout):
 
     from rl_core.sft.data import SFTExample
     from rl_core.sft.training import collate, token_sums
-    from workers.models import load_causal_lm
+    from workers.layout import laid_out
+    from workers.loading import load_causal_lm
 
     generator = torch.Generator().manual_seed(0)
     examples = []
@@ -103,7 +104,7 @@ def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir, layout):
     results = []
     for packing in (None, layout):
         model.zero_grad()
-        batch = collate(examples, pad_token_id=0, layout=packing)
+        batch = laid_out(collate(examples, pad_token_id=0), packing)
         nll, correct, count = token_sums(model, batch)
         nll.backward()
         grads = {name: p.grad.clone() for name, p in model.named_parameters()}

@@ -17,7 +17,7 @@ FIRST_RUN_BARS = ("pretraining the tiny policy", "sampling train continuations",
 def test_tiny_reward_model_is_built_once_and_cached_and_shows_progress(tmp_path, capsys):
     from rl_core.tiny.assets import ensure_tiny_assets
     from rl_core.tiny.reward_model import ensure_tiny_reward_model
-    from workers.models import load_reward_model
+    from workers.loading import load_reward_model
 
     paths = ensure_tiny_assets(tmp_path, small=True, log=lambda *_: None)
     logged: list[str] = []

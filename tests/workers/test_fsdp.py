@@ -31,7 +31,7 @@ def _rows(tokenizer) -> list[dict]:
 
 def _loss_fn(global_tokens: int, dp_size: int):
     """Token-mean NLL scaled per the rule: sum on this rank / global count * dp_size."""
-    from workers.models import token_logprobs
+    from workers.forward import token_logprobs
 
     def loss_fn(model, batch):
         logprobs = token_logprobs(model, batch, temperature=0.9)
@@ -53,7 +53,7 @@ def _build_trainable(model):
 
 
 def _micro_batches(tokenizer, groups):
-    from workers.models import make_micro_batch
+    from workers.layout import make_micro_batch
 
     rows = _rows(tokenizer)
     return [make_micro_batch([rows[i] for i in group], tokenizer.pad_token_id) for group in groups]
@@ -66,7 +66,8 @@ def _global_tokens(tokenizer) -> int:
 def _scorer_outputs(tokenizer, model_dir: str, shard: bool) -> dict:
     """Critic values and reward scores on all rows; sharded or not, they must agree."""
     from workers.fsdp import shard_model
-    from workers.models import ValueModel, init_reward_model, raw_reward_scores, token_values
+    from workers.forward import raw_reward_scores, token_values
+    from workers.loading import ValueModel, init_reward_model
 
     critic = ValueModel.from_pretrained(model_dir)
     torch.nn.init.normal_(critic.head.weight, generator=torch.Generator().manual_seed(3))
@@ -86,7 +87,7 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
 
     from rl_core.distributed import init_distributed
     from workers.fsdp import full_state_dict, shard_model
-    from workers.models import load_causal_lm, load_tokenizer
+    from workers.loading import load_causal_lm, load_tokenizer
 
     init_distributed(timeout_s=60)
     try:
@@ -137,7 +138,7 @@ def distributed_results(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def single_process_step(tiny_model_dir):
     """The reference: one process, all rows, dp_size 1."""
-    from workers.models import load_causal_lm, load_tokenizer
+    from workers.loading import load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir)
     trainable = _build_trainable(load_causal_lm(tiny_model_dir))
@@ -155,7 +156,7 @@ def _assert_state_dicts_close(actual, expected, atol=1e-6):
 
 @pytest.mark.timeout(180)
 def test_full_state_dict_on_every_rank_equals_unsharded(distributed_results, tiny_model_dir):
-    from workers.models import load_causal_lm
+    from workers.loading import load_causal_lm
 
     unsharded = load_causal_lm(tiny_model_dir).state_dict()
     for results in distributed_results:
@@ -187,7 +188,7 @@ def test_dcp_checkpoint_round_trip(distributed_results):
 
 @pytest.mark.timeout(180)
 def test_sharded_critic_and_reward_model_match_unsharded(distributed_results, tiny_model_dir):
-    from workers.models import load_tokenizer
+    from workers.loading import load_tokenizer
 
     expected = _scorer_outputs(load_tokenizer(tiny_model_dir), tiny_model_dir, shard=False)
     assert expected["values"].abs().sum() > 0
@@ -209,7 +210,7 @@ def test_single_process_without_torchrun(tiny_model_dir, monkeypatch):
 
     from rl_core.distributed import init_distributed, rank_seed
     from workers.fsdp import full_state_dict, shard_model
-    from workers.models import load_causal_lm
+    from workers.loading import load_causal_lm
 
     keys = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     for key in keys:

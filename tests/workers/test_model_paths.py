@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from workers.models import ModelPathError, check_model_path
+from workers.loading import ModelPathError, check_model_path
 
 
 def test_a_local_model_directory_passes(tiny_model_dir):

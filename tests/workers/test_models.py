@@ -6,23 +6,9 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
 
-from workers.models import (
-    ValueModel,
-    entropy_from_logits,
-    logprobs_from_logits,
-    init_reward_model,
-    load_causal_lm,
-    load_reward_model,
-    load_tokenizer,
-    make_micro_batch,
-    padding_fraction,
-    raw_reward_scores,
-    reward_scores,
-    set_reward_gain_bias,
-    token_logprobs,
-    token_logprobs_and_entropy,
-    token_values,
-)
+from workers.forward import entropy_from_logits, logprobs_from_logits, raw_reward_scores, reward_scores, token_logprobs, token_logprobs_and_entropy, token_values
+from workers.layout import make_micro_batch, padding_fraction
+from workers.loading import ValueModel, init_reward_model, load_causal_lm, load_reward_model, load_tokenizer, set_reward_gain_bias
 
 
 @pytest.fixture(scope="module")

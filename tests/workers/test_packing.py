@@ -1,11 +1,12 @@
-"""Padding-free micro-batches (models.pack): the model runs on the rows' real tokens back to back, and
+"""Padding-free micro-batches (layout.pack): the model runs on the rows' real tokens back to back, and
 every per-token quantity the jobs train on comes back to the padded rows equal to the padded path's."""
 
 import pytest
 import torch
 
-from workers.models import (ValueModel, load_causal_lm, make_micro_batch, model_inputs, pack, packs_into_one_row,
-                            padding_fraction, to_rows, token_logprobs, token_logprobs_and_entropy, token_values)
+from workers.forward import token_logprobs, token_logprobs_and_entropy, token_values
+from workers.layout import make_micro_batch, model_inputs, pack, packs_into_one_row, padding_fraction
+from workers.loading import ValueModel, load_causal_lm
 
 
 def ppo_rows(seed: int = 0) -> list[dict]:
@@ -51,8 +52,6 @@ def test_shared_prompts_are_packed_once_per_group():
     prompt = (batch["attention_mask"] == 1) & (batch["action_mask"] == 0)
     assert index[5][prompt[5]].tolist() == index[6][prompt[6]].tolist() == index[7][prompt[7]].tolist()
     assert index[8][prompt[8]].tolist() == index[9][prompt[9]].tolist() != index[5][prompt[5]][:3].tolist()
-    with pytest.raises(ValueError, match="rows_about_tokens"):
-        to_rows(shared, torch.zeros(shared["packed_input_ids"].shape[0], shared["packed_input_ids"].shape[1] - 1))
 
 
 def test_pack_keeps_every_real_token_once_and_drops_the_padding():
@@ -128,7 +127,8 @@ def test_packed_logprobs_entropy_values_and_gradients_equal_the_padded_ones(tiny
 
 @pytest.mark.parametrize("one_row", [False, True])
 def test_packed_reward_scores_and_gradients_equal_the_padded_ones(tiny_model_dir, one_row):
-    from workers.models import init_reward_model, raw_reward_scores
+    from workers.forward import raw_reward_scores
+    from workers.loading import init_reward_model
 
     reward_model = init_reward_model(tiny_model_dir, pad_token_id=0, seed=0)
     padded = make_micro_batch([{k: r[k] for k in ("input_ids", "attention_mask", "action_mask")} for r in ppo_rows(1)],

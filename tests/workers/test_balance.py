@@ -1,4 +1,4 @@
-"""Invariants and balance quality of rl_core.balance."""
+"""Invariants and balance quality of workers.balance."""
 
 import math
 import time
@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from rl_core.balance import micro_batch_plan, micro_batches_for_rank, minibatch_indices
+from workers.balance import micro_batch_plan, micro_batches_for_rank, minibatch_indices
 
 
 def lognormal_lengths(n: int, seed: int, mean_tokens: float = 300.0, sigma: float = 1.0) -> list[int]:

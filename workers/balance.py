@@ -1,4 +1,4 @@
-"""Sequence balancing across data-parallel ranks, and the minibatch shuffle (PPO and reward-model jobs).
+"""Sequence balancing across data-parallel ranks (`workers.worker` uses it for every job), and the minibatch shuffle.
 
 Every rank holds the whole batch; each one trains on its share:
 

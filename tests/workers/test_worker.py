@@ -1,4 +1,5 @@
-"""Scoring's gather: 2 gloo ranks each compute their balanced share of rows; every rank gets every row.
+"""The one batch worker: 2 gloo ranks each compute their balanced share of rows, and every rank gets
+every row (`BatchWorker.gather`, PPO's scoring).
 
 Rows of different lengths, some with a left-padded query (attention_mask 0 inside the row): each
 row's per-token output must come back whole (one value per token of the row) and in row order,
@@ -6,15 +7,15 @@ on both ranks, with no pickling of results.
 """
 
 import datetime
-import types
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rl_core.ppo.trainer import PPOTrainer
+from workers.layout import make_micro_batch
 from workers.procs import free_port
+from workers.worker import BatchWorker
 
 WORLD_SIZE = 2
 LENGTHS = [5, 12, 3, 9, 7, 7, 2, 11, 4]
@@ -36,24 +37,22 @@ def per_token_and_per_row(batch):
     return ids * batch["attention_mask"], ids[:, 0]
 
 
-def scorer(rank: int, layout: str) -> PPOTrainer:
-    """The trainer's map without models: only what `_distributed_map` reads."""
-    trainer = object.__new__(PPOTrainer)
-    algorithm = types.SimpleNamespace(max_tokens_per_device=24, packing=layout != "padded", share_prompts=layout == "shared")
-    trainer.cfg = types.SimpleNamespace(algorithm=algorithm)
-    trainer.layout = None if layout == "padded" else "rows"
-    trainer.tokenizer = types.SimpleNamespace(pad_token_id=0)
-    trainer.device, trainer.rank, trainer.world_size = torch.device("cpu"), rank, WORLD_SIZE
-    return trainer
+def batch() -> dict[str, torch.Tensor]:
+    return make_micro_batch(rows(), pad_token_id=0)
+
+
+def make_worker(rank: int, layout: str) -> BatchWorker:
+    return BatchWorker(rank, WORLD_SIZE, torch.device("cpu"), max_tokens=24,
+                       layout=None if layout == "padded" else "rows", share_prompts=layout == "shared")
 
 
 def worker(rank: int, port: int, out_dir: str, layout: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
                            timeout=datetime.timedelta(seconds=60))
     try:
-        trainer = scorer(rank, layout)
-        mine = [i for indices, real in trainer._micro_batches(rows()) if real for i in indices]
-        torch.save({"outputs": trainer._distributed_map(rows(), per_token_and_per_row), "mine": mine},
+        worker = make_worker(rank, layout)
+        mine = [i for indices, real in worker.plan(batch()) if real for i in indices]
+        torch.save({"outputs": worker.gather(batch(), per_token_and_per_row), "mine": mine},
                    f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -73,3 +72,30 @@ def test_every_rank_gets_every_rows_outputs(tmp_path, layout):
             expected = torch.tensor(row["input_ids"], dtype=torch.float32) * torch.tensor(row["attention_mask"])
             assert torch.equal(per_token[i, :n], expected)  # whole row, padded query included
             assert per_row[i] == row["input_ids"][0]
+
+
+def test_rows_that_stay_together_share_a_micro_batch_and_every_rank_runs_as_many():
+    units = [[0, 1], [2, 3], [4], [5, 6], [7], [8]]  # e.g. DPO pairs, reward-model comparisons
+    plans = [make_worker(rank, "padded").plan(batch(), units) for rank in range(WORLD_SIZE)]
+    assert len(plans[0]) == len(plans[1])
+    placed = [indices for plan in plans for indices, real in plan if real]
+    assert sorted(i for indices in placed for i in indices) == list(range(len(LENGTHS)))
+    for unit in units:
+        assert any(set(unit) <= set(indices) for indices in placed), unit
+
+
+def test_a_unit_longer_than_a_micro_batch_is_one_line_naming_the_key():
+    with pytest.raises(ValueError, match="max_tokens_per_device=24"):
+        make_worker(0, "padded").plan(batch(), [list(range(len(LENGTHS)))])
+
+
+@pytest.mark.timeout(120)
+def test_a_micro_batch_is_its_rows_selected_and_trimmed_not_recollated():
+    worker = make_worker(0, "padded")
+    whole = batch()
+    for indices, real in worker.plan(whole):
+        micro = worker.micro_batch(whole, indices)
+        expected = make_micro_batch([rows()[i] for i in indices], pad_token_id=0)
+        assert set(expected) <= set(micro)
+        for key, value in expected.items():
+            assert torch.equal(micro[key], value), key

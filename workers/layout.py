@@ -1,0 +1,241 @@
+"""Batch layout: rows collated into right-padded `[b, T]` tensors, and the padding-free (packed)
+layout the model may run on instead.
+
+Convention every worker relies on: a micro-batch is a dict of ``[b, T]`` tensors with right-padded
+rows: ``input_ids``, ``attention_mask`` (1 on real tokens), ``position_ids`` (exclusive cumsum of
+``attention_mask``) and ``action_mask`` (1 on engine-generated or trained tokens). Packed, it also
+holds the ``packed_*`` tensors (`pack`); `model_inputs` gives what the model runs on either way, and
+`workers.forward` brings the outputs back to the padded rows.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+REQUIRED_BATCH_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def prepare_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model inputs of a micro-batch, with pad positions' ids replaced by 0.
+
+    OpenAI detail: the pad id may lie outside the pretrained vocabulary, so it must never reach
+    the embedding; pad positions are masked out anyway.
+    """
+    missing = [key for key in REQUIRED_BATCH_KEYS if key not in batch]
+    if missing:
+        raise ValueError(f"micro-batch lacks {missing}; build it with make_micro_batch()")
+    attention_mask = batch["attention_mask"]
+    input_ids = batch["input_ids"].masked_fill(~attention_mask.bool(), 0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": batch["position_ids"]}
+
+
+def exclusive_cumsum(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that skip padding anywhere in a row (OpenAI detail: pads don't shift positions)."""
+    mask = attention_mask.long()
+    return mask.cumsum(dim=-1) - mask
+
+
+def _pad_rows(rows: Sequence[Sequence[float]], length: int, value: float, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.full((len(rows), length), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.as_tensor(row, dtype=dtype)
+    return out
+
+
+def make_micro_batch(rows: list[dict[str, list]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Collate rows into right-padded ``[b, T]`` tensors.
+
+    Each row needs ``input_ids`` and ``action_mask`` (same length); any other key is a per-token
+    float list of the same length (``old_logprobs``, ``advantages``, ...) and is padded with 0.
+    ``attention_mask`` may be given per row (e.g. a left-padded query inside the row); otherwise
+    every listed token is real.
+    """
+    if not rows:
+        raise ValueError("make_micro_batch got no rows; a micro-batch needs at least one sequence")
+    keys = set(rows[0])
+    for i, row in enumerate(rows):
+        if set(row) != keys:
+            raise ValueError(f"row {i} has keys {sorted(row)} but row 0 has {sorted(keys)}; all rows need the same keys")
+        if "input_ids" not in row or "action_mask" not in row:
+            raise ValueError(f"row {i} needs 'input_ids' and 'action_mask'")
+        length = len(row["input_ids"])
+        bad = [key for key in row if len(row[key]) != length]
+        if length == 0 or bad:
+            raise ValueError(f"row {i}: every per-token list must have len(input_ids)={length} > 0; wrong: {bad}")
+    length = max(len(row["input_ids"]) for row in rows)
+    batch = {"input_ids": _pad_rows([r["input_ids"] for r in rows], length, pad_token_id, torch.long)}
+    for key in ("action_mask", "attention_mask"):
+        if key in keys:
+            batch[key] = _pad_rows([r[key] for r in rows], length, 0, torch.long)
+    if "attention_mask" not in batch:
+        batch["attention_mask"] = _pad_rows([[1] * len(r["input_ids"]) for r in rows], length, 0, torch.long)
+    batch["action_mask"] = batch["action_mask"] * batch["attention_mask"]
+    batch["position_ids"] = exclusive_cumsum(batch["attention_mask"])
+    for key in sorted(keys - set(batch)):
+        batch[key] = _pad_rows([r[key] for r in rows], length, 0.0, torch.float32)
+    return batch
+
+
+
+def grid_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Token positions the model runs on for this micro-batch: the padded or the packed rows' size."""
+    return (batch["packed_input_ids"] if "packed_index" in batch else batch["input_ids"]).numel()
+
+
+def padding_fraction(batch: dict[str, torch.Tensor]) -> float:
+    """Share of the grid the model runs on (the packed rows when packed) that is padding (wasted compute)."""
+    if "packed_index" in batch:  # a shared prompt is one run of tokens however many sequences read it
+        return 1.0 - (batch["packed_segment_ids"] >= 0).sum().item() / batch["packed_segment_ids"].numel()
+    return 1.0 - batch["attention_mask"].sum().item() / batch["attention_mask"].numel()
+
+
+# --------------------------------------------------------------------------- padding-free micro-batches
+
+
+def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False, one_row: bool = False) -> dict[str, torch.Tensor]:
+    """`batch` (from `make_micro_batch`) plus the layout the model then runs on: each row's real tokens
+    back to back in as few rows as hold them (first fit, longest first, each row as long as the
+    longest unit, so attention costs about what it did padded and only the padding goes).
+
+    `one_row`: every sequence in a single row, no padding at all: the layout flash-attention's varlen
+    kernel reads (`models.packs_into_one_row`); with a dense mask it would cost (all tokens)^2.
+
+    A unit is one sequence, or with `share_prompts` every sequence of the micro-batch with the same
+    prompt (its real tokens before the first action): the prompt once, then each sequence's rest,
+    which attends to the shared prompt and to itself (a GRPO group's responses are computed on one
+    copy of their prompt; exact, as the rest of a sequence only ever reads the prompt's keys and values).
+
+    Adds `packed_input_ids`, `packed_position_ids` (each sequence's own positions, the same as the
+    padded rows' `exclusive_cumsum`), `packed_segment_ids` (-1 for padding), `packed_context_ids` (the
+    segment a position may read besides its own: the shared prompt's, else its own) and `packed_index`
+    (where each padded position went, as a flat index into the packed rows; -1 for padding; a shared
+    prompt's tokens are one place for all its sequences). The loss side keeps the padded `[b, T]`
+    rows: `workers.forward.rows_about_tokens` brings outputs back to them.
+    """
+    if share_prompts and one_row:
+        raise ValueError("a shared prompt is read by other sequences, which flash-attention's varlen kernel cannot "
+                         "express; pack with share_prompts or one_row, not both")
+    real = batch["attention_mask"].bool()
+    columns = [real[row].nonzero().squeeze(1) for row in range(real.shape[0])]
+    units = _packing_units(batch, columns, share_prompts)  # (shared prompt length, rows)
+    sizes = [prompt + sum(len(columns[row]) - prompt for row in rows) for prompt, rows in units]
+    longest = sum(sizes) if one_row else max(sizes)
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for unit in sorted(range(len(units)), key=lambda u: -sizes[u]):
+        fits = next((b for b, load in enumerate(loads) if load + sizes[unit] <= longest), None)
+        if fits is None:
+            bins.append([unit])
+            loads.append(sizes[unit])
+        else:
+            bins[fits].append(unit)
+            loads[fits] += sizes[unit]
+    width = max(loads)
+    ids = torch.zeros(len(bins), width, dtype=torch.long)  # id 0 under padding (OpenAI detail, prepare_inputs)
+    positions = torch.zeros(len(bins), width, dtype=torch.long)
+    segments = torch.full((len(bins), width), -1, dtype=torch.long)
+    contexts = torch.full((len(bins), width), -1, dtype=torch.long)
+    index = torch.full(real.shape, -1, dtype=torch.long)
+    segment = 0
+    for packed_row, members in enumerate(bins):
+        start = 0
+        for unit in members:
+            prompt, rows = units[unit]
+            prompt_segment = segment
+            if prompt:  # the shared prompt, once
+                span = torch.arange(start, start + prompt)
+                first = rows[0]
+                ids[packed_row, span] = batch["input_ids"][first, columns[first][:prompt]]
+                positions[packed_row, span] = torch.arange(prompt)
+                segments[packed_row, span] = contexts[packed_row, span] = segment
+                for row in rows:
+                    index[row, columns[row][:prompt]] = packed_row * width + span
+                start, segment = start + prompt, segment + 1
+            for row in rows:  # each sequence's own tokens (all of them when nothing is shared)
+                own = columns[row][prompt:]
+                span = torch.arange(start, start + len(own))
+                ids[packed_row, span] = batch["input_ids"][row, own]
+                positions[packed_row, span] = torch.arange(prompt, prompt + len(own))
+                segments[packed_row, span] = segment
+                contexts[packed_row, span] = prompt_segment if prompt else segment
+                index[row, own] = packed_row * width + span
+                start, segment = start + len(own), segment + 1
+    out = {**batch, "packed_input_ids": ids, "packed_position_ids": positions, "packed_segment_ids": segments,
+           "packed_context_ids": contexts, "packed_index": index}
+    if one_row:
+        out["packed_one_row"] = torch.tensor(1)  # marker: `model_inputs` passes no mask
+    return out
+
+
+def packs_into_one_row(attn_implementation: str | None) -> bool:
+    """Whether packed micro-batches go to the model as one row without a mask (flash-attention: its
+    varlen kernel attends within each sequence) rather than as rows with a block-diagonal mask (sdpa, eager)."""
+    return "flash" in (attn_implementation or "")  # flash_attention_2/3 and the hub kernels (kernels-community/flash-attn*)
+
+
+def packing_layout(packing: bool, attn_implementation: str | None) -> str | None:
+    """How a job's micro-batches reach the model: None (padded rows), "rows" (`pack`: rows with a
+    block-diagonal mask) or "one_row" (`pack(one_row=True)`: flash-attention's varlen layout)."""
+    if not packing:
+        return None
+    return "one_row" if packs_into_one_row(attn_implementation) else "rows"
+
+
+def laid_out(batch: dict[str, torch.Tensor], layout: str | None, share_prompts: bool = False) -> dict[str, torch.Tensor]:
+    """`batch` (from `make_micro_batch`) in the `packing_layout` the job runs."""
+    return batch if layout is None else pack(batch, share_prompts=share_prompts, one_row=layout == "one_row")
+
+
+def prompt_of(real_ids: list[int], real_actions: list[int]) -> tuple[int, ...] | None:
+    """The part of a sequence that other sequences may share: its real tokens before its first action;
+    None when it has no action or starts with one. Packing and the balancing of shared prompts use it."""
+    first = next((position for position, action in enumerate(real_actions) if action), 0)
+    return tuple(real_ids[:first]) if first else None
+
+
+def _packing_units(batch: dict[str, torch.Tensor], columns: list[torch.Tensor],
+                   share_prompts: bool) -> list[tuple[int, list[int]]]:
+    """`(prompt length, rows)`: rows whose first `prompt length` real tokens are packed once (0: none)."""
+    if not share_prompts:
+        return [(0, [row]) for row in range(len(columns))]
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    units: list[tuple[int, list[int]]] = []
+    for row, real_columns in enumerate(columns):
+        prompt = prompt_of(batch["input_ids"][row, real_columns].tolist(), batch["action_mask"][row, real_columns].tolist())
+        if prompt is None:
+            units.append((0, [row]))
+        else:
+            by_prompt.setdefault(prompt, []).append(row)
+    for prompt, rows in by_prompt.items():
+        units.append((len(prompt) if len(rows) > 1 else 0, rows))
+    return units
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the model runs on: the padded rows (`prepare_inputs`), or the packed ones with a
+    block-diagonal causal mask (a token sees the earlier tokens of its own sequence, and of its shared
+    prompt; padding sees itself), exact with any attention kernel that takes a 4-D boolean mask (sdpa, eager)."""
+    if "packed_index" not in batch:
+        return prepare_inputs(batch)
+    if "packed_one_row" in batch:
+        # No mask: transformers' flash path finds each sequence where position_ids restart (`cu_seqlens` for
+        # the varlen kernel), and sdpa/eager build the same block-diagonal mask from them; both only without
+        # a KV cache, so none is made.
+        return {"input_ids": batch["packed_input_ids"], "position_ids": batch["packed_position_ids"],
+                "use_cache": False}
+    segments = batch["packed_segment_ids"]
+    contexts = batch.get("packed_context_ids", segments)
+    length = segments.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
+    same = (segments[:, :, None] == segments[:, None, :]) | (contexts[:, :, None] == segments[:, None, :])
+    mask = causal[None] & same
+    return {"input_ids": batch["packed_input_ids"], "attention_mask": mask[:, None],
+            "position_ids": batch["packed_position_ids"]}
+
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A collated micro-batch on `device`."""
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}

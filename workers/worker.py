@@ -1,0 +1,205 @@
+"""One rank's path from a step's batch to its models, the same for every job (PPO, SFT, DPO, reward model).
+
+A job builds one tensor batch per step (`layout.make_micro_batch` of all its rows: `[N, T]` token
+tensors, any `[N]` per-row tensors) that every rank holds whole. The worker then:
+
+1. balances rows across ranks by tokens and cuts this rank's share into length-sorted micro-batches,
+   the same count on every rank (`workers.balance`); rows that must stay together (a DPO pair, a
+   reward-model comparison, with `share_prompts` a group's responses to one prompt) are one unit;
+2. selects each micro-batch from the batch by index (no re-collation), trims it to its longest row
+   and lays it out (padded rows, or packed: `layout.laid_out`), on the rank's device;
+3. runs a stand-in (row 0, weight 0) where a rank has fewer units than micro-batches, since FSDP's
+   forwards are collectives;
+4. applies the loss scaling rule, here and nowhere else: each rank sums its losses, divides by the
+   *global* count and multiplies by `dp_size`, because FSDP averages gradients over ranks; the
+   accumulated gradient then equals the single-process gradient of the global mean.
+
+A job supplies only its loss (`loss_fn(model, micro_batch) -> (summed loss, metrics)`) or, forward
+only, what to compute (`gather`, `sums`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from workers.balance import micro_batches_for_rank, with_stand_ins
+from workers.layout import laid_out, prompt_of, to_device
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[torch.nn.Module, Batch], tuple[torch.Tensor, dict[str, float]]]
+
+
+class BatchWorker:
+    """Micro-batches of one rank: `max_tokens` bounds each one's padded size (packed: its real tokens);
+    `layout` is `layout.packing_layout`'s; `share_prompts` packs a group's prompt once."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, max_tokens: int,
+                 layout: str | None = None, share_prompts: bool = False):
+        if share_prompts and layout != "rows":
+            raise ValueError("share_prompts needs packed rows with a mask (packing on, a non-flash attention kernel)")
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.max_tokens, self.layout, self.share_prompts = max_tokens, layout, share_prompts
+
+    # ------------------------------------------------------------------ planning
+
+    def plan(self, batch: Batch, units: list[list[int]] | None = None) -> list[tuple[list[int], bool]]:
+        """This rank's micro-batches as `(row indices, real)`; `units` (default: each row alone) stay whole."""
+        lengths = row_lengths(batch, real_only=self.layout is not None)
+        if self.share_prompts:
+            unit_rows, unit_tokens = shared_prompt_units(batch, units, self.max_tokens)
+        elif units is None:
+            unit_rows, unit_tokens = [[row] for row in range(len(lengths))], lengths.tolist()
+        else:  # packed, a unit costs its real tokens; padded, its rows x its longest row
+            unit_rows = units
+            unit_tokens = [int(lengths[unit].sum()) if self.layout is not None else len(unit) * int(lengths[unit].max())
+                           for unit in units]
+        too_long = max(unit_tokens)
+        if too_long > self.max_tokens:
+            raise ValueError(f"one micro-batch must hold {too_long} tokens (a sequence, or rows that stay together) "
+                             f"but max_tokens_per_device={self.max_tokens}; raise it or shorten the data")
+        mine = micro_batches_for_rank(unit_tokens, self.rank, self.world_size, self.max_tokens,
+                                      packed=self.layout is not None)
+        return [(indices, real) for indices, real in
+                with_stand_ins([[row for unit in batch_units for row in unit_rows[unit]] for batch_units in mine])]
+
+    def micro_batch(self, batch: Batch, indices: list[int]) -> Batch:
+        """Rows `indices` of `batch`, trimmed to their longest, laid out, on this rank's device."""
+        index = torch.tensor(indices)
+        width = int(row_lengths(batch, real_only=False)[index].max())
+        rows = {key: select(value, index, width) for key, value in batch.items()}
+        return to_device(laid_out(rows, self.layout, share_prompts=self.share_prompts), self.device)
+
+    def micro_batches(self, batch: Batch, units: list[list[int]] | None = None) -> list[tuple[Batch, bool]]:
+        return [(self.micro_batch(batch, indices), real) for indices, real in self.plan(batch, units)]
+
+    # ------------------------------------------------------------------ forward only
+
+    @torch.no_grad()
+    def gather(self, batch: Batch, fn: Callable[[Batch], tuple[torch.Tensor, ...]],
+               units: list[list[int]] | None = None) -> list[torch.Tensor]:
+        """`fn(micro_batch)` over this rank's share; every rank gets every row's outputs.
+
+        `fn` returns `[b, T]` (per token) or `[b]` (per row) tensors; the result holds one `[N, T]` or
+        `[N]` float tensor per output, on the CPU. Each row is computed by exactly one rank into
+        zero-filled buffers, so one sum over ranks gathers them (no pickling)."""
+        n, width = batch["input_ids"].shape
+        outputs: list[torch.Tensor] | None = None
+        for indices, real in self.plan(batch, units):
+            results = fn(self.micro_batch(batch, indices))
+            if outputs is None:
+                outputs = [torch.zeros((n, width) if r.dim() == 2 else (n,), device=self.device) for r in results]
+            if real:
+                index = torch.tensor(indices, device=self.device)
+                for out, result in zip(outputs, results):
+                    if result.dim() == 2:
+                        out[index, :result.shape[1]] = result.float()
+                    else:
+                        out[index] = result.float()
+        for out in outputs:
+            self.all_reduce(out)
+        return [out.cpu() for out in outputs]
+
+    @torch.no_grad()
+    def sums(self, batch: Batch, fn: Callable[[Batch], list[float]], units: list[list[int]] | None = None) -> list[float]:
+        """`fn(micro_batch)`'s numbers summed over the real micro-batches of every rank (held-out metrics)."""
+        totals: list[float] | None = None
+        for micro, real in self.micro_batches(batch, units):
+            values = fn(micro)
+            totals = totals or [0.0] * len(values)
+            if real:
+                totals = [total + float(value) for total, value in zip(totals, values)]
+        return self.sum_over_ranks(totals)
+
+    # ------------------------------------------------------------------ training
+
+    def forward_backward(self, trainable, batch: Batch, loss_fn: LossFn, global_count: float,
+                         units: list[list[int]] | None = None,
+                         micro_batches: list[tuple[Batch, bool]] | None = None) -> tuple[dict[str, list[float]], list[Batch]]:
+        """Accumulate `trainable`'s gradients over this rank's micro-batches of `batch`.
+
+        `loss_fn(model, micro_batch)` returns the micro-batch's loss *summed* (over tokens, rows or
+        pairs: whatever `global_count` counts over the whole batch) and its metrics. Returns the
+        metrics of the real micro-batches (one entry each; `loss` is the scaled loss) and the
+        micro-batches run. `micro_batches`: this batch's, made once for two models (PPO's actor and critic)."""
+        micro = micro_batches if micro_batches is not None else self.micro_batches(batch, units)
+
+        def scaled(model, item):
+            micro_batch, real = item
+            loss, metrics = loss_fn(model, micro_batch)
+            return scale_loss(loss, global_count, self.world_size) * float(real), {**metrics, "real": float(real)}
+
+        metrics = trainable.forward_backward(micro, scaled)
+        real = metrics.pop("real")
+        return {key: [v for v, keep in zip(values, real) if keep] for key, values in metrics.items()}, \
+            [micro_batch for micro_batch, keep in micro if keep]
+
+    # ------------------------------------------------------------------ collectives
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+
+    def sum_over_ranks(self, values: list[float]) -> list[float]:
+        totals = torch.tensor(values, dtype=torch.float64, device=self.device)
+        self.all_reduce(totals)
+        return totals.tolist()
+
+
+def scale_loss(loss_sum: torch.Tensor, global_count: float, dp_size: int) -> torch.Tensor:
+    """The loss scaling rule (module docstring): a rank's summed loss over the batch's *global* count,
+    times `dp_size` because FSDP averages gradients over ranks."""
+    if float(global_count) <= 0:
+        raise ValueError(f"the loss's global count is {float(global_count)}; the batch has nothing to train on "
+                         "(no trained token on any rank)")
+    return loss_sum / float(global_count) * dp_size
+
+
+def row_lengths(batch: Batch, real_only: bool) -> torch.Tensor:
+    """`[N]` tokens per row: its real ones (`real_only`: what a packed layout runs), else up to its last
+    real token (what a padded row costs; a left-padded query's pads count)."""
+    attention = batch["attention_mask"]
+    if real_only:
+        return attention.sum(dim=1)
+    columns = torch.arange(1, attention.shape[1] + 1)
+    return (columns * attention.bool()).max(dim=1).values
+
+
+def select(value: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows `index` of a `[N, T]` (first `width` columns) or `[N]` tensor; anything else as it is."""
+    if value.dim() == 0:
+        return value
+    rows = value[index]
+    return rows[:, :width] if value.dim() >= 2 else rows
+
+
+def shared_prompt_units(batch: Batch, units: list[list[int]] | None,
+                        max_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """Units of balancing with shared prompts, and the tokens each runs: the rows with the same prompt
+    (`layout.prompt_of`), packed as the prompt once plus each row's rest, cut into consecutive chunks
+    of at most `max_tokens`; a row without actions is a unit alone."""
+    if units is not None:
+        raise ValueError("share_prompts groups rows by their prompt; it cannot take other units too")
+    groups: dict[tuple[int, ...] | int, list[tuple[int, int]]] = {}  # keyed by the prompt, or the row alone
+    for row, (ids, kept, actions) in enumerate(zip(batch["input_ids"].tolist(), batch["attention_mask"].tolist(),
+                                                   batch["action_mask"].tolist())):
+        real = [token for token, keep in zip(ids, kept) if keep]
+        prompt = prompt_of(real, [action for action, keep in zip(actions, kept) if keep])
+        groups.setdefault(row if prompt is None else prompt, []).append((row, len(real)))
+    unit_rows: list[list[int]] = []
+    unit_tokens: list[int] = []
+    for key, members in groups.items():
+        prompt = len(key) if isinstance(key, tuple) else 0
+        chunk, tokens = [], prompt
+        for row, length in members:
+            if chunk and tokens + length - prompt > max_tokens:
+                unit_rows.append(chunk)
+                unit_tokens.append(tokens)
+                chunk, tokens = [], prompt
+            chunk.append(row)
+            tokens += length - prompt
+        unit_rows.append(chunk)
+        unit_tokens.append(tokens)
+    return unit_rows, unit_tokens
