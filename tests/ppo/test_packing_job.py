@@ -2,7 +2,6 @@
 
 import pytest
 
-from rl_core.ppo.trainer import prompt_units
 from tests.ppo.test_job import read_metrics, run_job, small_job  # noqa: F401  (fixture)
 
 SAME = ("policy/loss", "value/loss", "policy/approx_kl", "policy/clipfrac", "kl/mean", "reward/score_mean",
@@ -35,16 +34,3 @@ def test_packed_ppo_step_equals_the_padded_one_with_less_padding(small_job, tmp_
     # a group's prompt once instead of 4 times: fewer positions run than packing alone
     grid = {name: step["perf/train_grid_tokens"] for name, step in steps.items()}
     assert grid["shared"] < grid["packed"] < grid["padded"], grid
-
-
-def test_rows_with_one_prompt_are_balanced_as_one_unit_within_the_budget():
-    def row(prompt, response, pads=0):
-        return {"input_ids": [0] * pads + prompt + response, "attention_mask": [0] * pads + [1] * (len(prompt) + len(response)),
-                "action_mask": [0] * (pads + len(prompt)) + [1] * len(response)}
-
-    rows = [row([5, 6, 7], [8, 9]), row([1, 2], [3]), row([5, 6, 7], [4], pads=2), row([5, 6, 7], [9, 9, 9]),
-            {"input_ids": [4, 4], "action_mask": [0, 0]}]  # no actions (a reward-model row): alone
-    units = sorted(prompt_units(rows, max_tokens=100))
-    assert units == [([0, 2, 3], 3 + 2 + 1 + 3), ([1], 3), ([4], 2)]
-    # a group over the budget is cut into chunks that each fit, every chunk with its own copy of the prompt
-    assert sorted(prompt_units(rows, max_tokens=7)) == [([0, 2], 3 + 2 + 1), ([1], 3), ([3], 3 + 3), ([4], 2)]

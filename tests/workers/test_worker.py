@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from workers.layout import make_micro_batch
 from workers.procs import free_port
-from workers.worker import BatchWorker
+from workers.worker import BatchWorker, shared_prompt_units
 
 WORLD_SIZE = 2
 LENGTHS = [5, 12, 3, 9, 7, 7, 2, 11, 4]
@@ -99,3 +99,20 @@ def test_a_micro_batch_is_its_rows_selected_and_trimmed_not_recollated():
         assert set(expected) <= set(micro)
         for key, value in expected.items():
             assert torch.equal(micro[key], value), key
+
+
+def test_rows_with_one_prompt_are_balanced_as_one_unit_within_the_budget():
+    def row(prompt, response, pads=0):
+        return {"input_ids": [0] * pads + prompt + response, "attention_mask": [0] * pads + [1] * (len(prompt) + len(response)),
+                "action_mask": [0] * (pads + len(prompt)) + [1] * len(response)}
+
+    rows = [row([5, 6, 7], [8, 9]), row([1, 2], [3]), row([5, 6, 7], [4], pads=2), row([5, 6, 7], [9, 9, 9]),
+            {"input_ids": [4, 4], "attention_mask": [1, 1], "action_mask": [0, 0]}]  # no actions (a reward-model row)
+
+    def prompt_units(rows, max_tokens):
+        return list(zip(*shared_prompt_units(make_micro_batch(rows, pad_token_id=0), None, max_tokens)))
+
+    units = sorted(prompt_units(rows, max_tokens=100))
+    assert units == [([0, 2, 3], 3 + 2 + 1 + 3), ([1], 3), ([4], 2)]
+    # a group over the budget is cut into chunks that each fit, every chunk with its own copy of the prompt
+    assert sorted(prompt_units(rows, max_tokens=7)) == [([0, 2], 3 + 2 + 1), ([1], 3), ([3], 3 + 3), ([4], 2)]
