@@ -21,7 +21,7 @@ import functools
 from typing import Callable, Iterator
 
 from rl_core.ppo.config import PPOConfig
-from rl_core.ppo.experience import has_reward_variance
+from rl_core.ppo.step import Scoring, has_reward_variance
 from rl_core.rollout.rollout import RolloutResult
 from rl_core.rollout.service import RolloutService
 
@@ -31,7 +31,9 @@ class SyncCollector:
     pauses_in_place = False
 
     def __init__(self, cfg: PPOConfig, prompts):
-        self.algo, self.reward, self.response_length = cfg.algorithm, cfg.reward, cfg.rollout.response_length
+        self.algo = cfg.algorithm
+        # The score as in training (no reward model: it scores after the rollout) decides DAPO's filter.
+        self.scoring = Scoring.from_config(cfg.reward, cfg.algorithm, cfg.rollout.response_length)
         self.prompts = prompts
         self.service: RolloutService | None = None
 
@@ -45,8 +47,7 @@ class SyncCollector:
             return self.service.collect(next(self.prompts), version), 0
         # DAPO dynamic sampling: a group whose rewards are all equal has no signal; sample more prompts
         n_groups = algo.batch_size // algo.group_size
-        varied = functools.partial(has_reward_variance, reward=self.reward, algo=algo,
-                                   response_length=self.response_length)
+        varied = functools.partial(has_reward_variance, scoring=self.scoring)
         max_groups = max(n_groups, int(algo.filter_max_groups_factor * n_groups))
         return self.service.collect_groups(self.prompts.groups(), n_groups, varied, max_groups, version), 0
 

@@ -8,13 +8,14 @@ steps and at the end; this module turns those trajectories into `eval/*` metrics
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Callable
 from math import comb
 
 import torch
 
 from rl_core.distributed import broadcast_object
 from rl_core.ppo.config import PPOConfig, sampling_params
-from rl_core.ppo.experience import trajectory_scores
+from rl_core.ppo.step import Scoring, trajectory_scores
 from rl_core.rollout.trajectory import Trajectory
 
 
@@ -80,23 +81,26 @@ def eval_rows(cfg: PPOConfig, tokenizer, trajectories: list[Trajectory], scores:
     return rows
 
 
-def evaluate(cfg: PPOConfig, rank: int, service, trainer, tokenizer, held_out, version: int):
+def evaluate(cfg: PPOConfig, rank: int, service, reward_model: Callable | None, tokenizer, held_out, version: int):
     """Generate on the held-out prompts (rank 0, eval sampling) and score them; returns (metrics, table
-    rows) on rank 0. Every rank joins when a reward model scores (a collective forward)."""
+    rows) on rank 0. `reward_model(trajectories) -> (scores, rejected)` is a collective forward when there
+    is one (None: no reward model), so then every rank joins."""
     trajectories = None
     if rank == 0:
         samples, _ = held_out
         trajectories = service.evaluate(samples, eval_sampling_params(cfg), version).trajectories
-    if trainer.reward_model is not None:
+    if reward_model is not None:
         trajectories = broadcast_object(trajectories)
-    rm_scores, rejected = trainer.reward_model_scores(trajectories) if trajectories else (None, None)
+        rm_scores, rejected = reward_model(trajectories) if trajectories else (None, None)
+    elif trajectories:
+        rm_scores, rejected = torch.zeros(len(trajectories)), torch.zeros(len(trajectories), dtype=torch.bool)
     if rank != 0:
         return {}, []
     samples, skipped = held_out
     scores = torch.zeros(0)
     if trajectories:  # the training score (penalties and shaping included), plus the env's rewards
-        scores, _ = trajectory_scores(trajectories, rm_scores, rejected, cfg.reward, cfg.algorithm,
-                                      cfg.eval.response_length or cfg.rollout.response_length)
+        scoring = Scoring.from_config(cfg.reward, cfg.algorithm, cfg.eval.response_length or cfg.rollout.response_length)
+        scores, _ = trajectory_scores(trajectories, rm_scores, rejected, scoring)
         scores = scores + torch.tensor([t.env_reward for t in trajectories], dtype=scores.dtype)
     metrics = eval_metrics(cfg, samples, trajectories, scores, skipped)
     return metrics, eval_rows(cfg, tokenizer, trajectories, scores, cfg.eval.log_samples)

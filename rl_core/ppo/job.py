@@ -27,15 +27,18 @@ from rl_core.logger import MetricsLogger, StepTimer, print_step
 from rl_core.ppo.collect import AsyncCollector, SyncCollector, make_collector
 from rl_core.ppo.config import PPOConfig, check_context_length, rollout_settings, validate
 from rl_core.ppo.evaluation import evaluate, print_eval
-from rl_core.ppo.experience import apply_group_rule, compute_advantages, task_scores
-from rl_core.ppo.trainer import PPOTrainer, score_metrics
+from rl_core.ppo import algorithms as alg
+from rl_core.ppo.models import PPOModels
+from rl_core.ppo.step import (Experience, StepSettings, apply_group_rule, compute_advantages, ppo_epochs,
+                              reward_model_scores, score, score_metrics, task_scores)
 from rl_core.rewards import load_reward_fn
 from rl_core.ppo.runtime import JobRuntime
 from rl_core.rollout.prompts import eval_samples, prompt_samples
 from rl_core.rollout.service import RolloutService
-from workers import loading
+from workers import layout, loading
 from workers.engines.client import EngineError
 from workers.engines.weights import probe_token_ids
+from workers.worker import BatchWorker
 
 
 def main(argv: list[str] | None = None, prepare: Callable[[PPOConfig, Callable[[str], None]], PPOConfig] | None = None,
@@ -55,9 +58,9 @@ def _main(argv: list[str] | None, prepare) -> None:
 
 def train(cfg: PPOConfig, rt: JobRuntime) -> None:
     job = start_job(cfg, rt)  # checks, prompts, engines, models, resume, logger, first push, rollout service
-    trainer, collector, logger = job.trainer, job.collector, job.logger
+    models, worker, settings, collector, logger = job.models, job.worker, job.settings, job.collector, job.logger
     if job.eval_due(0) and job.start_step == 0:  # the baseline every later evaluation compares with
-        evaluation, eval_rows = evaluate(cfg, rt.rank, job.service, trainer, job.tokenizer, job.held_out, 0)
+        evaluation, eval_rows = evaluate(cfg, rt.rank, job.service, job.reward_model(), job.tokenizer, job.held_out, 0)
         log_step(job, 0, evaluation, eval_rows, sample_rows=None)
     version = job.start_step
     for step in range(job.start_step, job.total_steps):
@@ -67,20 +70,23 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
         with timer("inference"):
             if collector.engines_idle_while_training:
                 rt.release_engine_memory()  # 2. sync mode: engines free their KV cache and weights
-            # 3. old/ref logprobs, values, reward-model scores; pi_old is the engine's own logprobs when
-            #    they are the trainer's (sync, probe gap within algorithm.old_logprobs_max_gap): no recompute
+            # 3. the step's batch as [N, T] tensors, once; old/ref logprobs, values, reward-model scores.
+            #    pi_old is the engine's own logprobs when they are the trainer's (sync, probe gap within
+            #    algorithm.old_logprobs_max_gap): no recompute
             old_from_engine = old_logprobs_from_engine(cfg, job.probe_gap)
-            exp = trainer.score(trajectories, old_from_engine)
+            exp = Experience.from_trajectories(trajectories, job.tokenizer.pad_token_id)
+            score(exp, models, worker, settings, old_from_engine)
             metrics.update(score_metrics(exp, old_from_engine))
             metrics["perf/old_logprobs_from_engine"] = float(old_from_engine)
         with timer("train"):
             # 4. scores: reward model (OpenAI rejection penalty: no period after token 16 -> fixed score)
             #    + reward functions, truncation penalty, overlong shaping
-            scores, stats = task_scores(exp, cfg.reward, cfg.algorithm, cfg.rollout.response_length)
+            scores, stats = task_scores(exp, settings.scoring)
             metrics.update(stats)
             # 5. KL-penalised rewards, reward whitening, GAE (or group baselines by group id), advantage whitening
-            targets = compute_advantages(exp, scores, trainer.kl_ctl.value, cfg.algorithm)
-            metrics.update(trainer.update(exp, targets, step))  # 6. PPO epochs x minibatches, adaptive KL
+            targets = compute_advantages(exp, scores, job.kl_ctl.value, cfg.algorithm)
+            # 6. PPO epochs x minibatches x micro-batches, then the adaptive KL step
+            metrics.update(ppo_epochs(exp, targets, models, worker, settings, job.kl_ctl, step))
         with timer("sync"):  # 7. new weights into every engine, checked by version and probe logprobs
             version = step + 1
             metrics.update(push_weights(rt, job, version))
@@ -88,7 +94,8 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
         eval_rows = None
         if job.eval_due(step + 1):  # 8. held-out prompts with the new weights (not in perf/step_s)
             started = time.perf_counter()
-            evaluation, eval_rows = evaluate(cfg, rt.rank, job.service, trainer, job.tokenizer, job.held_out, version)
+            evaluation, eval_rows = evaluate(cfg, rt.rank, job.service, job.reward_model(), job.tokenizer, job.held_out,
+                                             version)
             metrics.update(evaluation, **{"perf/eval_s": time.perf_counter() - started})
         log_step(job, step + 1, metrics, eval_rows, sample_rows(job.tokenizer, exp, scores, n=4))
         # Saved after the step is logged: a run killed in between resumes from the previous checkpoint
@@ -99,7 +106,7 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
     dist.barrier()
     rt.stop_node_watch()  # other nodes may finish first and stop their engines
     if cfg.trainer.export_hf:
-        export_hf(trainer.actor.model, job.tokenizer, cfg.model.path, Path(cfg.trainer.run_dir) / "final", rt.rank,
+        export_hf(models.actor.model, job.tokenizer, cfg.model.path, Path(cfg.trainer.run_dir) / "final", rt.rank,
                   cfg.model.lora)
     if logger is not None:
         logger.close()
@@ -110,7 +117,10 @@ class Job:
     """What the steps use, set up once by `start_job`; rank 0 alone has prompts, logger and service."""
     cfg: PPOConfig
     tokenizer: object
-    trainer: PPOTrainer
+    models: PPOModels
+    worker: BatchWorker  # every model's micro-batches on this rank
+    settings: StepSettings
+    kl_ctl: object  # alg.AdaptiveKLController or alg.FixedKLController
     collector: SyncCollector | AsyncCollector
     checkpointer: Checkpointer
     probe: list[int]  # token ids whose logprobs engine and trainer must agree on after each push
@@ -121,6 +131,12 @@ class Job:
     logger: MetricsLogger | None = None
     service: RolloutService | None = None
     probe_gap: float = float("inf")  # the last push's, max over ranks (see old_logprobs_from_engine)
+
+    def reward_model(self):
+        """Held-out trajectories -> (reward-model scores, rejected), or None without a reward model."""
+        if self.models.reward_model is None:
+            return None
+        return lambda trajectories: reward_model_scores(trajectories, self.models, self.worker, self.settings.scoring)
 
     def eval_due(self, step: int) -> bool:
         every = self.cfg.trainer.eval_every
@@ -148,16 +164,23 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
                                                  cfg.eval.max_prompts))
     collector = make_collector(cfg, prompts)
     rt.start_engines(cfg.model.path, collector.pauses_in_place)
-    trainer = PPOTrainer(cfg, tokenizer, cfg.model.path, cfg.reward.model_path or None, total_steps, rt.device,
-                         rt.rank, rt.world_size)
+    models = PPOModels(cfg.model, algo, cfg.reward.model_path or None, tokenizer.pad_token_id, total_steps)
+    # Every model runs the same micro-batches: balanced, length-sorted, packed when asked.
+    worker = BatchWorker(rt.rank, rt.world_size, rt.device, algo.max_tokens_per_device,
+                         layout.packing_layout(algo.packing, cfg.model.attn_implementation), algo.share_prompts)
+    truncate_id = None  # OpenAI rejection sampling's truncation token, when a reward model scores
+    if cfg.reward.truncate_token is not None and models.reward_model is not None:
+        truncate_id = loading.single_token_id(tokenizer, cfg.reward.truncate_token, "reward.truncate_token")
+    kl_ctl = (alg.AdaptiveKLController(algo.kl.init_coef, algo.kl.target, algo.kl.horizon)
+              if algo.kl.adaptive else alg.FixedKLController(algo.kl.init_coef))
     checkpointer = Checkpointer(run_dir / "checkpoints", rt.rank, keep_last=cfg.trainer.keep_last)
-    start_step, saved = checkpointer.maybe_resume(cfg.trainer.resume, trainer.models())
+    start_step, saved = checkpointer.maybe_resume(cfg.trainer.resume, models.trained())
     if saved:
-        trainer.kl_ctl.load_state_dict(saved["kl_controller"])
+        kl_ctl.load_state_dict(saved["kl_controller"])
         if prompts is not None and saved.get("prompts") is not None:
             prompts.load_state_dict(saved["prompts"])
-    job = Job(cfg, tokenizer, trainer, collector, checkpointer, probe_token_ids(tokenizer), start_step, total_steps,
-              prompts, held_out)
+    job = Job(cfg, tokenizer, models, worker, StepSettings.from_config(cfg, truncate_id), kl_ctl, collector,
+              checkpointer, probe_token_ids(tokenizer), start_step, total_steps, prompts, held_out)
     push_weights(rt, job, start_step)  # the engines start from the trainer's (maybe resumed) weights
     if rt.rank == 0:
         # Rows after the checkpoint's step (written by the interrupted run) are dropped: each step once.
@@ -175,9 +198,9 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
 
 def push_weights(rt: JobRuntime, job: Job, version: int) -> dict[str, float]:
     """Every rank's engine gets the trainer's weights as `version`, checked by the probe's logprobs."""
-    trainer, collector = job.trainer, job.collector
+    models, collector = job.models, job.collector
     with collector.weight_push():
-        stats = rt.sync_weights(trainer.actor_weights(), version, job.probe, trainer.probe_logprobs(job.probe),
+        stats = rt.sync_weights(models.actor_weights(), version, job.probe, models.probe_logprobs(job.probe, job.worker),
                                 collector.pauses_in_place)
     job.probe_gap = max_over_ranks(stats["weight_sync/probe_gap"])  # every rank decides the same
     return stats
@@ -198,8 +221,8 @@ def save_checkpoint(job: Job, step: int, rank: int) -> None:
     """Collective: models and optimizers, and rank 0's KL controller and prompt position."""
     state = None
     if rank == 0:
-        state = {"kl_controller": job.trainer.kl_ctl.state_dict(), "prompts": job.collector.resume_state()}
-    job.checkpointer.save(step, job.trainer.models(), state)
+        state = {"kl_controller": job.kl_ctl.state_dict(), "prompts": job.collector.resume_state()}
+    job.checkpointer.save(step, job.models.trained(), state)
 
 
 def collect_batch(collector, rt: JobRuntime, algo, version: int) -> tuple[list, dict]:

@@ -13,8 +13,8 @@ import torch
 from rl_core.ppo import algorithms as alg
 from rl_core.ppo.config import AlgorithmConfig, KLConfig, RewardConfig
 from workers.worker import scale_loss
-from rl_core.ppo.experience import Experience, compute_advantages, task_scores
-from rl_core.ppo.experience import apply_group_rule, has_reward_variance
+from rl_core.ppo.step import Experience, Scoring, compute_advantages, task_scores
+from rl_core.ppo.step import apply_group_rule, has_reward_variance
 from rl_core.rollout.trajectory import TokenSequence, Trajectory
 
 RESPONSE_LENGTH = 24
@@ -155,7 +155,7 @@ def test_advantages_are_computed_by_group_before_minibatching_with_a_failed_traj
     trajs = [make_traj(8, 3, fn_reward=1.0), make_traj(7, 2, fn_reward=1.0), make_traj(8, 4, fn_reward=0.0),
              make_traj(7, 3, fn_reward=0.0), make_traj(8, 2, fn_reward=1.0)]
     exp = scored(trajs)
-    scores, _ = task_scores(exp, RewardConfig(), ALGO, RESPONSE_LENGTH)
+    scores, _ = task_scores(exp, Scoring.from_config(RewardConfig(), ALGO, RESPONSE_LENGTH))
     targets = compute_advantages(exp, scores, 0.0, algorithm(advantage_estimator="grpo"))
     # prompt 8: [1, 0, 1] mean 2/3, std sqrt(1/3); prompt 7 (2 left): [1, 0] mean 1/2, std sqrt(1/2)
     s8, s7 = math.sqrt(1 / 3), math.sqrt(1 / 2)
@@ -183,7 +183,7 @@ def test_kl_in_the_reward_for_rloo_and_left_to_the_loss_for_grpo():
     # log(pi/ref) = 0.1 on every token, k1: a response of n tokens has KL 0.1 n
     trajs = [make_traj(0, 2, fn_reward=1.0), make_traj(0, 4, fn_reward=1.0)]
     exp = scored(trajs, kl_per_token=0.1)
-    scores, _ = task_scores(exp, RewardConfig(), ALGO, RESPONSE_LENGTH)
+    scores, _ = task_scores(exp, Scoring.from_config(RewardConfig(), ALGO, RESPONSE_LENGTH))
     in_reward = compute_advantages(exp, scores, 0.5, algorithm(advantage_estimator="rloo", placement="reward"))
     # totals: 1 - 0.5 * 0.2 = 0.9 and 1 - 0.5 * 0.4 = 0.8; RLOO: 0.9 - 0.8, 0.8 - 0.9
     assert first_advantage(in_reward, trajs) == pytest.approx([0.1, -0.1], abs=1e-6)
@@ -202,17 +202,17 @@ def test_task_scores_add_reward_functions_penalise_truncation_and_shape_overlong
              make_traj(0, 9, fn_reward=0.0)]
     exp = scored(trajs)
     exp.scores = torch.tensor([0.5, 0.5, 0.5])  # as if a reward model scored them too
-    scores, stats = task_scores(exp, RewardConfig(), ALGO, 10)
+    scores, stats = task_scores(exp, Scoring.from_config(RewardConfig(), ALGO, 10))
     torch.testing.assert_close(scores, torch.tensor([1.5, 1.5, 0.5]))
     truncating = RewardConfig(truncated_penalty=-2.0)
-    scores, _ = task_scores(exp, truncating, ALGO, 10)
+    scores, _ = task_scores(exp, Scoring.from_config(truncating, ALGO, 10))
     torch.testing.assert_close(scores, torch.tensor([1.5, -2.0, 0.5]))
     shaping = algorithm(overlong_buffer=4)
-    scores, stats = task_scores(exp, RewardConfig(), shaping, 10)
+    scores, stats = task_scores(exp, Scoring.from_config(RewardConfig(), shaping, 10))
     torch.testing.assert_close(scores, torch.tensor([1.5, 0.5, -0.25]))  # 10 tokens: -1; 9 tokens: -0.75
     assert stats["reward/overlong_penalty_mean"] == pytest.approx(-1.75 / 3)
     # dynamic sampling keeps a group only when its rewards differ, by the same score as training
-    assert has_reward_variance(trajs, RewardConfig(), ALGO, 10)
-    assert not has_reward_variance(trajs[:2], RewardConfig(), ALGO, 10)
-    assert has_reward_variance(trajs[:2], truncating, ALGO, 10)  # the truncated one scores -2 now
-    assert has_reward_variance(trajs[:2], RewardConfig(), shaping, 10)  # and the overlong one less
+    assert has_reward_variance(trajs, Scoring.from_config(RewardConfig(), ALGO, 10))
+    assert not has_reward_variance(trajs[:2], Scoring.from_config(RewardConfig(), ALGO, 10))
+    assert has_reward_variance(trajs[:2], Scoring.from_config(truncating, ALGO, 10))  # the truncated one scores -2 now
+    assert has_reward_variance(trajs[:2], Scoring.from_config(RewardConfig(), shaping, 10))  # and the overlong one less

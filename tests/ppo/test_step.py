@@ -1,4 +1,5 @@
-"""compute_advantages on multi-sequence trajectories against a plain-Python reference."""
+"""The step after the rollout: compute_advantages on multi-sequence trajectories against a plain-Python
+reference, and the reward model's inputs."""
 
 import math
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from rl_core.ppo.config import AlgorithmConfig, KLConfig
-from rl_core.ppo.experience import Experience, compute_advantages, reward_model_inputs
+from rl_core.ppo.step import Experience, compute_advantages, reward_model_inputs
 from rl_core.rollout.trajectory import TokenSequence, Trajectory
 
 

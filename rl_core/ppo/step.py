@@ -1,0 +1,417 @@
+"""One PPO / GRPO step after the rollout, in the order it runs; `rl_core/ppo/job.py` calls these in turn.
+
+1. The batch (`Experience`): the rollout's trajectories become one set of `[N, T]` tensors, a row per
+   sequence, built once; every later stage adds its `[N, T]` results and selects rows by index.
+2. Score (`score`, `reward_model_scores`): old and reference logprobs, values and reward-model
+   scores, forward only through the batch worker (`workers/worker.py`).
+3. Rewards (`trajectory_scores`): the one definition of a trajectory's score before the KL.
+4. Advantages (`compute_advantages`): KL-penalised per-token rewards, whitening, GAE, or group
+   baselines, once over the whole batch.
+5. PPO epochs (`ppo_epochs`): epochs x minibatches x micro-batches of the clipped losses, then the
+   adaptive KL step. Weight sync follows in the job.
+
+Every per-token quantity is aligned to token positions (see workers/forward.py). Multi-turn
+trajectories hold several sequences; advantages run over the chain of all their generated tokens in
+order (`Experience.rows`), and the results go back to the sequences' rows (`Experience.split`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rl_core.distributed import metrics_over_ranks
+from rl_core.ppo import algorithms as alg
+from rl_core.ppo.config import AlgorithmConfig, PPOConfig, RewardConfig
+from rl_core.ppo.models import PPOModels
+from rl_core.rewards.lm_human_preferences import truncated_ids
+from rl_core.rollout.trajectory import TokenSequence, Trajectory
+from workers import forward, layout
+from workers.balance import minibatch_indices
+from workers.layout import make_micro_batch
+from workers.worker import BatchWorker
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How a trajectory's score is made (`trajectory_scores`), resolved once from the config."""
+    penalty: float  # OpenAI rejection penalty: the score of a response with no truncation token
+    truncate_id: int | None  # that token (None: no rejection), at or after index `truncate_after`
+    truncate_after: int
+    truncated_penalty: float | None  # a response cut by the length limit scores this instead
+    response_length: int
+    overlong_buffer: int  # DAPO overlong shaping (0: off)
+    overlong_penalty_factor: float
+
+    @classmethod
+    def from_config(cls, reward: RewardConfig, algo: AlgorithmConfig, response_length: int,
+                    truncate_id: int | None = None) -> "Scoring":
+        return cls(reward.penalty, truncate_id, reward.truncate_after, reward.truncated_penalty, response_length,
+                   algo.overlong_buffer, algo.overlong_penalty_factor)
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What the step reads of the config, resolved once."""
+    algo: AlgorithmConfig
+    scoring: Scoring
+    temperature: float  # OpenAI detail: logprobs at the sampling temperature, as the engine sampled
+    norm_length: int  # Dr. GRPO's constant loss normaliser: the generation budget of a trajectory
+    seed: int
+
+    @classmethod
+    def from_config(cls, cfg: PPOConfig, truncate_id: int | None) -> "StepSettings":
+        ro = cfg.rollout
+        return cls(cfg.algorithm, Scoring.from_config(cfg.reward, cfg.algorithm, ro.response_length, truncate_id),
+                   ro.temperature, ro.response_length * ro.max_turns, cfg.trainer.seed)
+
+
+# --------------------------------------------------------------------------- 1. the batch
+
+
+@dataclass
+class Experience:
+    """One step's batch, built once at the rollout boundary: every sequence of every trajectory as a
+    row of `[N, T]` tensors in `batch` (`input_ids`, `attention_mask`, `position_ids`, `action_mask`,
+    `behaviour_logprobs`, `token_rewards`). Later stages add theirs (`old_logprobs`, `ref_logprobs`,
+    `values`, then `advantages`, `returns`) and select rows by index; nothing is re-collated."""
+    trajectories: list[Trajectory]
+    sequences: list[TokenSequence]
+    traj_seqs: list[list[int]]  # row (sequence) indices of every trajectory, in order
+    batch: dict[str, torch.Tensor]
+    chain: torch.Tensor  # [n_traj, L] flat index into [N, T] of each trajectory's tokens end to end; -1 after
+    scores: torch.Tensor | None = None  # [n_traj] reward-model score after gain/bias (0 without a reward model)
+    rejected: torch.Tensor | None = None  # [n_traj] no truncation token: gets the fixed penalty instead
+
+    @classmethod
+    def from_trajectories(cls, trajectories: list[Trajectory], pad_token_id: int = 0) -> "Experience":
+        sequences, traj_seqs = [], []
+        for traj in trajectories:
+            traj_seqs.append(list(range(len(sequences), len(sequences) + len(traj.sequences))))
+            sequences.extend(traj.sequences)
+        # attention_mask: a left-padded query keeps its [PAD]s in the row but the engine never saw them.
+        batch = make_micro_batch([{"input_ids": s.input_ids, "action_mask": s.action_mask,
+                                   "attention_mask": s.attention_mask, "behaviour_logprobs": s.behaviour_logprobs,
+                                   "token_rewards": s.token_rewards} for s in sequences], pad_token_id)
+        width = batch["input_ids"].shape[1]
+        chains = [torch.cat([s * width + torch.arange(len(sequences[s])) for s in seqs]) for seqs in traj_seqs]
+        chain = torch.full((len(chains), max(len(c) for c in chains)), -1, dtype=torch.long)
+        for t, positions in enumerate(chains):
+            chain[t, :len(positions)] = positions
+        return cls(trajectories, sequences, traj_seqs, batch, chain)
+
+    def rows(self, per_token: torch.Tensor) -> torch.Tensor:
+        """`[N, T]` -> `[n_traj, L]`: each trajectory's sequences laid end to end (the GAE chain, prompts
+        as holes), 0 after its end."""
+        return per_token.flatten()[self.chain.clamp(min=0)].masked_fill(self.chain < 0, 0)
+
+    def split(self, rows: torch.Tensor) -> torch.Tensor:
+        """Inverse of `rows`: `[n_traj, L]` -> `[N, T]`."""
+        out = torch.zeros(self.batch["input_ids"].numel(), dtype=rows.dtype)
+        kept = self.chain >= 0
+        out[self.chain[kept]] = rows[kept]
+        return out.view(self.batch["input_ids"].shape)
+
+    def select(self, traj_ids: list[int]) -> dict[str, torch.Tensor]:
+        """The rows of trajectories `traj_ids` (a minibatch), every tensor of the batch."""
+        index = torch.tensor([s for t in traj_ids for s in self.traj_seqs[t]])
+        return {key: value[index] for key, value in self.batch.items()}
+
+
+def group_ids(trajectories: list[Trajectory]) -> list:
+    """Each trajectory's prompt group (`group_id`, set by the prompt stream and carried in its sample)."""
+    ids = [t.sample.get("group_id") for t in trajectories]
+    if any(g is None for g in ids):
+        raise ValueError("a group advantage estimator needs 'group_id' in every sample (rl_core.rollout.prompts "
+                         "sets it); a custom prompt stream must give the responses of one prompt the same id")
+    return ids
+
+
+def apply_group_rule(trajectories: list[Trajectory], group_size: int, rule: str) -> tuple[list, dict[str, float]]:
+    """Groups short of members (a failed or stale-dropped trajectory): counted, and dropped when
+    `rule` is "drop"; with "keep" their baseline comes from the members present."""
+    sizes: dict = {}
+    for group in group_ids(trajectories):
+        sizes[group] = sizes.get(group, 0) + 1
+    incomplete = {g for g, n in sizes.items() if n < group_size}
+    if rule == "drop" and len(incomplete) < len(sizes):  # never drop the whole batch
+        trajectories = [t for t in trajectories if t.sample["group_id"] not in incomplete]
+    return trajectories, {"groups/count": len(sizes), "groups/incomplete": len(incomplete),
+                          "groups/singleton": sum(1 for n in sizes.values() if n == 1)}
+
+
+# --------------------------------------------------------------------------- 2. score
+
+
+def score(exp: Experience, models: PPOModels, worker: BatchWorker, settings: StepSettings,
+          old_from_engine: bool) -> None:
+    """Adds `old_logprobs`, `ref_logprobs` and `values` to the batch, and the reward-model scores.
+
+    `old_from_engine`: pi_old is the engine's sampling logprobs (the caller checked that engine and
+    trainer agree), so only the reference and the critic run, and nothing when neither exists."""
+    batch, temperature = exp.batch, settings.temperature
+    wanted = {"old_logprobs": not old_from_engine, "ref_logprobs": models.uses_reference,
+              "values": models.critic is not None}
+
+    def scoring_pass(micro_batch):
+        outputs = []
+        if wanted["old_logprobs"]:
+            outputs.append(forward.token_logprobs(models.actor.model, micro_batch, temperature, actions_only=True))
+        if wanted["ref_logprobs"]:
+            outputs.append(models.reference_logprobs(micro_batch, temperature))
+        if wanted["values"]:  # OpenAI detail: the value of the state before each token, from query + response
+            outputs.append(forward.token_values(models.critic.model, micro_batch))
+        return tuple(outputs)
+
+    names = [name for name, needed in wanted.items() if needed]
+    if names:
+        batch.update(zip(names, worker.gather(batch, scoring_pass)))
+    batch.setdefault("old_logprobs", batch["behaviour_logprobs"].clone())
+    batch.setdefault("ref_logprobs", batch["old_logprobs"].clone())  # no KL: KL 0
+    batch.setdefault("values", torch.zeros_like(batch["old_logprobs"]))
+    exp.scores, exp.rejected = reward_model_scores(exp.trajectories, models, worker, settings.scoring)
+
+
+def reward_model_scores(trajectories: list[Trajectory], models: PPOModels, worker: BatchWorker,
+                        scoring: Scoring) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reward-model score of each trajectory (0 without a reward model) and whether it gets the
+    rejection penalty instead. Collective when there is a reward model."""
+    scores = torch.zeros(len(trajectories))
+    rejected = torch.zeros(len(trajectories), dtype=torch.bool)
+    if models.reward_model is None:
+        return scores, rejected
+    rm_ids, rejected = reward_model_inputs(trajectories, scoring.truncate_id, scoring.truncate_after)
+    # OpenAI detail: the reward model reads query + response, and its score is the last token's.
+    rm_batch = make_micro_batch([{"input_ids": ids, "action_mask": [0] * len(ids)} for ids in rm_ids],
+                                models.pad_token_id)
+    return worker.gather(rm_batch, lambda b: (forward.reward_scores(models.reward_model, b),))[0], rejected
+
+
+def reward_model_inputs(trajectories: list[Trajectory], truncate_token: int | None,
+                        truncate_after: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Query+response ids the reward model scores, and which rows get the rejection penalty.
+
+    OpenAI rejection sampling: the response is cut after the first `truncate_token` at or after
+    index `truncate_after`; the reward model reads query + truncated response, and a response
+    with no such token gets a fixed penalty instead of its score. The policy still trains on the
+    full sampled response.
+    """
+    inputs, rejected = [], []
+    for traj in trajectories:
+        context, response = traj.final_response()
+        kept = None if truncate_token is None else truncated_ids(response, truncate_token, truncate_after)
+        rejected.append(truncate_token is not None and kept is None)
+        inputs.append(list(context) + list(response if kept is None else kept))
+    return inputs, torch.tensor(rejected, dtype=torch.bool)
+
+
+def score_metrics(exp: Experience, old_from_engine: bool = False) -> dict[str, float]:
+    """Reward and behaviour-policy statistics of a scored batch (the gap between recomputed old
+    logprobs and the engine's only when they were recomputed: it is 0 by construction otherwise)."""
+    n_traj = len(exp.trajectories)
+    metrics = {"reward/score_mean": exp.scores.mean().item(),
+               "reward/score_std": exp.scores.std().item() if n_traj > 1 else 0.0,
+               "reward/rejected_frac": exp.rejected.float().mean().item(),
+               "reward/env_mean": sum(t.env_reward for t in exp.trajectories) / max(n_traj, 1)}
+    if not old_from_engine:
+        batch = exp.batch
+        acting = batch["action_mask"].bool()
+        gap = (batch["old_logprobs"] - batch["behaviour_logprobs"]).abs()[acting]
+        metrics["rollout/behaviour_logprob_gap"] = gap.mean().item() if gap.numel() else 0.0
+    return metrics
+
+
+# --------------------------------------------------------------------------- 3. rewards
+
+
+def trajectory_scores(trajectories: list[Trajectory], model_scores: torch.Tensor, rejected: torch.Tensor,
+                      scoring: Scoring) -> tuple[torch.Tensor, dict[str, float]]:
+    """The one definition of a trajectory's score before the KL, for training, evaluation and DAPO's
+    filter: the reward-model score (OpenAI rejection penalty: no truncation token at/after
+    `truncate_after` gives `reward.penalty`), plus the weighted reward functions; a response cut by
+    the length limit gets `reward.truncated_penalty` instead when set; DAPO's overlong shaping on top.
+    Env rewards are not in it: they sit on their own tokens."""
+    scores = alg.penalize_rejected(model_scores, rejected, scoring.penalty)
+    stats: dict[str, float] = {}
+    if any(t.reward_components for t in trajectories):
+        scores = scores + torch.tensor([t.fn_reward for t in trajectories], dtype=scores.dtype)
+    if scoring.truncated_penalty is not None:  # cut by the length limit: this score instead of a partial answer's
+        truncated = torch.tensor([t.truncated for t in trajectories])
+        scores = torch.where(truncated, torch.full_like(scores, scoring.truncated_penalty), scores)
+    if scoring.overlong_buffer:
+        lengths = torch.tensor([len(t.final_response()[1]) for t in trajectories])
+        shaping = alg.overlong_penalty(lengths, scoring.response_length, scoring.overlong_buffer,
+                                       scoring.overlong_penalty_factor)
+        scores = scores + shaping.to(scores.dtype)
+        stats["reward/overlong_penalty_mean"] = shaping.mean().item()
+    return scores, stats
+
+
+def task_scores(exp: Experience, scoring: Scoring) -> tuple[torch.Tensor, dict[str, float]]:
+    """`trajectory_scores` of a scored batch."""
+    return trajectory_scores(exp.trajectories, exp.scores, exp.rejected, scoring)
+
+
+def has_reward_variance(group: list[Trajectory], scoring: Scoring) -> bool:
+    """DAPO dynamic sampling's filter: the group's rewards are not all equal. The score as in
+    training, but for the reward model, which scores after the rollout, plus the env's rewards."""
+    no_model = torch.zeros(len(group))
+    scores, _ = trajectory_scores(group, no_model, no_model.bool(), scoring)
+    return len({s + t.env_reward for s, t in zip(scores.tolist(), group)}) > 1
+
+
+# --------------------------------------------------------------------------- 4. advantages
+
+
+@dataclass
+class Targets:
+    """What the PPO epochs train towards, per sequence, plus the step's reward statistics."""
+    advantages: torch.Tensor  # [N, T], like the batch's rows
+    returns: torch.Tensor
+    stats: dict[str, float]
+
+
+def compute_advantages(exp: Experience, scores: torch.Tensor, kl_coef: float, algo: AlgorithmConfig) -> Targets:
+    """Advantages and returns of the whole batch, computed once per step before minibatching.
+
+    `scores` are the per-trajectory scores of `task_scores`. OpenAI details: the KL penalty is
+    folded into per-token rewards with the score on the last action token; rewards are whitened
+    without shifting their mean; GAE with gamma=1, lambda=0.95; advantages whitened. (OpenAI
+    whitens per minibatch; with the recipe's one minibatch that is the same.) Group baselines
+    (GRPO/RLOO/REINFORCE) replace GAE for critic-free recipes: groups are found by `group_id`, so
+    order and missing members do not matter. With the KL in the loss (`algo.kl.placement`), it is
+    left out of the rewards.
+    """
+    gamma, lam, kl_estimator, estimator = algo.gamma, algo.lam, algo.kl.estimator, algo.advantage_estimator
+    kl_in_reward = algo.kl.placement == "reward"
+    batch = exp.batch
+    mask = exp.rows(batch["action_mask"]).bool()
+    old, ref = exp.rows(batch["old_logprobs"]), exp.rows(batch["ref_logprobs"])
+    env_rewards = exp.rows(batch["token_rewards"])
+    kl = alg.kl_penalty(old, ref, kl_estimator) * mask
+    kl_per_episode = kl.sum(dim=1)
+    reward_kl_coef = kl_coef if kl_in_reward else 0.0
+    stats = {}
+    if estimator == "gae":
+        # 1. per-token rewards: -kl_coef * KL on every action token, the score on the last one, env rewards
+        rewards = alg.add_kl_penalty(scores, old, ref, mask, reward_kl_coef, kl_estimator) + env_rewards
+        total_reward = (rewards * mask).sum(dim=1)  # per episode, before whitening, for logging
+        # 2. reward whitening (scale only), 3. GAE over each trajectory's action tokens
+        if algo.whiten_rewards:
+            rewards = alg.whiten(rewards, shift_mean=False, mask=mask)
+        advantages, returns = alg.compute_gae(rewards, exp.rows(batch["values"]), gamma, lam, mask)
+    else:
+        # 3'. critic-free: one advantage per trajectory from its total reward (score + env, minus the
+        # summed KL when it goes in the reward, as RLOO does), put on every one of its action tokens
+        total_reward = scores + env_rewards.sum(dim=1) - reward_kl_coef * kl_per_episode
+        ids = group_ids(exp.trajectories)
+        advantages = alg.group_advantages(total_reward, ids, estimator, normalize_std=algo.normalize_group_std)
+        advantages = advantages[:, None] * mask
+        returns = advantages.clone()
+        stats = {"groups/zero_variance_frac": alg.zero_variance_groups(total_reward, ids).float().mean().item()}
+    # 4. advantage whitening
+    if algo.whiten_advantages:
+        advantages = alg.whiten(advantages, mask=mask)
+    stats.update({"kl/mean": kl_per_episode.mean().item(), "reward/total_mean": total_reward.mean().item(),
+                  "reward/non_score_mean": (-reward_kl_coef * kl_per_episode).mean().item()})
+    return Targets(exp.split(advantages), exp.split(returns), stats)
+
+
+# --------------------------------------------------------------------------- 5. PPO epochs
+
+
+def ppo_epochs(exp: Experience, targets: Targets, models: PPOModels, worker: BatchWorker, settings: StepSettings,
+           kl_ctl, step: int) -> dict[str, float]:
+    """`noptepochs` passes over freshly shuffled minibatches; then the adaptive KL step."""
+    algo = settings.algo
+    n_traj = len(exp.trajectories)
+    kl_coef = kl_ctl.value
+    # Same permutation on every rank: ranks must agree on each minibatch's contents.
+    generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
+    exp.batch.update(advantages=targets.advantages, returns=targets.returns)
+    history: dict[str, list[float]] = {}
+    for _epoch in range(algo.noptepochs):
+        # Advantages were computed over whole groups before this point, so any split is safe; a batch
+        # short of failed trajectories gives minibatches that differ in size by at most one.
+        for minibatch in minibatch_indices(n_traj, algo.nminibatches, generator):
+            for key, value in train_minibatch(exp.select(minibatch), models, worker, settings, kl_coef).items():
+                history.setdefault(key, []).append(value)
+    # Adaptive KL (OpenAI): steer the per-episode KL of this batch towards the target.
+    kl_ctl.update(targets.stats["kl/mean"], n_traj)
+    # Every rank's rows, not rank 0's alone: a rank's loss is its share of the global loss x dp_size, so the
+    # mean over ranks is the global loss; the other averages (clip fraction, entropy) become means over ranks.
+    out = metrics_over_ranks({k: reduce_metric(k, v) for k, v in history.items()})
+    out.update(targets.stats)
+    out["kl/coef"] = kl_coef
+    out["policy/lr"] = models.actor.current_lr()
+    out["policy/optimizer_steps"] = len(history["policy/loss"])
+    return out
+
+
+def train_minibatch(rows: dict[str, torch.Tensor], models: PPOModels, worker: BatchWorker,
+                    settings: StepSettings, kl_coef: float) -> dict[str, float]:
+    """One optimizer step of the actor (and the critic) on a minibatch's rows (every rank holds them all;
+    the worker takes this rank's share and divides the loss by the minibatch's *global* count)."""
+    algo = settings.algo
+    count = alg.global_denominator(rows["action_mask"], algo.loss_agg, settings.norm_length).item()
+    micro = worker.micro_batches(rows)
+    metrics, ran = worker.forward_backward(models.actor, rows, lambda m, b: policy_loss(m, b, settings, kl_coef),
+                                           count, micro_batches=micro)
+    out = {k: reduce_metric(k, v) for k, v in metrics.items() if k != "loss"}
+    out["perf/padding_fraction"] = sum(layout.padding_fraction(b) for b in ran) / max(len(ran), 1)
+    out["perf/train_grid_tokens"] = sum(layout.grid_tokens(b) for b in ran)  # positions a rank ran per minibatch
+    out["policy/loss"] = sum(metrics["loss"])
+    out["policy/grad_norm"] = models.actor.step()
+    if models.critic is not None:
+        metrics, _ = worker.forward_backward(models.critic, rows, lambda m, b: value_loss(m, b, algo), count,
+                                             micro_batches=micro)
+        out.update({k: sum(v) / len(v) for k, v in metrics.items() if k != "loss"})
+        out["value/grad_norm"] = models.critic.step()
+    return out
+
+
+def policy_loss(model, batch: dict[str, torch.Tensor], settings: StepSettings, kl_coef: float):
+    """Clipped surrogate (+ entropy bonus, + KL to the reference when it goes in the loss), each token
+    weighted for the engine-trainer mismatch (algorithm.rollout_correction), sync and async alike."""
+    algo = settings.algo
+    logprobs, entropy = forward.token_logprobs_and_entropy(model, batch, settings.temperature,
+                                                          entropy_grad=bool(algo.entropy_coef), actions_only=True)
+    mask = batch["action_mask"]
+    rc = algo.rollout_correction  # the engine sampled (pi_behaviour); the ratio is against the trainer's pi_old
+    weights, correction = alg.rollout_correction_weights(batch["old_logprobs"], batch["behaviour_logprobs"], mask,
+                                                         rc.mode, rc.is_cap, (rc.mask_low, rc.mask_high))
+    low = algo.cliprange if algo.cliprange_low is None else algo.cliprange_low
+    per_token, stats = alg.policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask,
+                                       low, behaviour_weights=weights, cliprange_high=algo.cliprange_high,
+                                       sequence_ratio=algo.importance_ratio == "sequence")
+    loss = alg.loss_sum(per_token, mask, algo.loss_agg)
+    if algo.entropy_coef:
+        loss = loss - algo.entropy_coef * alg.loss_sum(entropy, mask, algo.loss_agg)
+    metrics = {"policy/clipfrac": stats["clipfrac"], "policy/approx_kl": stats["approx_kl"],
+               "policy/entropy": alg.masked_mean(entropy.detach(), mask),
+               **{f"rollout_correction/{k}": v for k, v in correction.items()}}
+    if algo.kl.placement == "loss":  # GRPO: the KL to the reference in the loss, with gradient (use k3)
+        kl = alg.kl_penalty(logprobs, batch["ref_logprobs"], algo.kl.estimator)
+        loss = loss + kl_coef * alg.loss_sum(kl, mask, algo.loss_agg)
+        metrics["policy/kl_loss"] = alg.masked_mean(kl.detach(), mask)
+    return loss, metrics
+
+
+def value_loss(model, batch: dict[str, torch.Tensor], algo: AlgorithmConfig):
+    """Clipped value loss, weighted by vf_coef."""
+    mask = batch["action_mask"]
+    per_token, stats = alg.value_loss(forward.token_values(model, batch), batch["values"], batch["returns"], mask,
+                                      algo.cliprange_value)
+    loss = algo.vf_coef * alg.loss_sum(per_token, mask, algo.loss_agg)
+    return loss, {"value/vf_clipfrac": stats["vf_clipfrac"],
+                  "value/loss": alg.masked_mean(per_token.detach(), mask)}
+
+
+def reduce_metric(key: str, values: list[float]) -> float:
+    """Micro-batch (or minibatch) values of one metric as one: extremes stay extremes, the rest are averaged."""
+    if key.endswith("_max"):
+        return max(values)
+    if key.endswith("_min"):
+        return min(values)
+    return sum(values) / len(values)
