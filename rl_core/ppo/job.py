@@ -30,7 +30,7 @@ from rl_core.ppo.evaluation import evaluate, print_eval
 from rl_core.ppo import algorithms as alg
 from rl_core.ppo.models import PPOModels
 from rl_core.ppo.step import (Experience, StepSettings, apply_group_rule, compute_advantages, ppo_epochs,
-                              reward_model_scores, score, score_metrics, task_scores)
+                              forward_passes, reward_model_scores, score_metrics, task_scores)
 from rl_core.rewards import load_reward_fn
 from rl_core.ppo.runtime import JobRuntime
 from rl_core.rollout.prompts import eval_samples, prompt_samples
@@ -75,7 +75,7 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
             #    algorithm.old_logprobs_max_gap): no recompute
             old_from_engine = old_logprobs_from_engine(cfg, job.probe_gap)
             exp = Experience.from_trajectories(trajectories, job.tokenizer.pad_token_id)
-            score(exp, models, worker, settings, old_from_engine)
+            forward_passes(exp, models, worker, settings, old_from_engine)
             metrics.update(score_metrics(exp, old_from_engine))
             metrics["perf/old_logprobs_from_engine"] = float(old_from_engine)
         with timer("train"):

@@ -2,7 +2,7 @@
 
 1. The batch (`Experience`): the rollout's trajectories become one set of `[N, T]` tensors, a row per
    sequence, built once; every later stage adds its `[N, T]` results and selects rows by index.
-2. Score (`score`, `reward_model_scores`): old and reference logprobs, values and reward-model
+2. Forward passes (`forward_passes`, `reward_model_scores`): old and reference logprobs, values and reward-model
    scores, forward only through the batch worker (`workers/worker.py`).
 3. Rewards (`trajectory_scores`): the one definition of a trajectory's score before the KL.
 4. Advantages (`compute_advantages`): KL-penalised per-token rewards, whitening, GAE, or group
@@ -141,11 +141,11 @@ def apply_group_rule(trajectories: list[Trajectory], group_size: int, rule: str)
                           "groups/singleton": sum(1 for n in sizes.values() if n == 1)}
 
 
-# --------------------------------------------------------------------------- 2. score
+# --------------------------------------------------------------------------- 2. forward passes
 
 
-def score(exp: Experience, models: PPOModels, worker: BatchWorker, settings: StepSettings,
-          old_from_engine: bool) -> None:
+def forward_passes(exp: Experience, models: PPOModels, worker: BatchWorker, settings: StepSettings,
+                   old_from_engine: bool) -> None:
     """Adds `old_logprobs`, `ref_logprobs` and `values` to the batch, and the reward-model scores.
 
     `old_from_engine`: pi_old is the engine's sampling logprobs (the caller checked that engine and
