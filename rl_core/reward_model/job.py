@@ -49,7 +49,7 @@ def resolve_inputs(cfg: RMConfig, labeler) -> dict:
             "prompts": cfg.normalize.prompts_path, "init_from": cfg.model.init_from or policy, "labeler": labeler}
 
 
-def run_job(cfg: RMConfig, dp: DataParallel, log: Log = print, labeler=None) -> dict:
+def fit_and_export(cfg: RMConfig, dp: DataParallel, log: Log = print, labeler=None) -> dict:
     """The whole job on this rank; returns the metrics (identical on every rank).
 
     `labeler`: the rater the fresh-sample check compares with (offline runs), or None."""
@@ -97,7 +97,7 @@ def _main(argv: list[str] | None, prepare, get_labeler) -> None:
             if rank == 0:
                 print(line, flush=True)
 
-        metrics = run_job(cfg, dp, log, labeler)
+        metrics = fit_and_export(cfg, dp, log, labeler)
         dp.barrier()
         if rank == 0:
             print(json.dumps(metrics), flush=True)
