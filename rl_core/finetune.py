@@ -12,30 +12,19 @@ import torch
 
 from rl_core.cli import parse_job_config, run_main
 from rl_core.config import LoraSettings, TrainerConfig, choice, require
-from rl_core.distributed import (DataParallel, close_distributed, device_for_rank, init_distributed, on_rank0,
-                                 prepare_before_process_group)
+from rl_core.lifecycle import JobLifecycle
 from rl_core.logger import MetricsLogger
 from rl_core.optim import OPTIMIZER_NAMES, build_optimizer, linear_anneal_schedule
-from rl_core.run_dir import RunDirLock
 from workers.fsdp import TrainableModel
 
 
 def run_job(argv, description: str, default_config: str, schema: type, validate, train, prepare=None) -> None:
     """A job's whole life: its config (and `prepare(cfg, log)`, the entry point's offline assets,
-    before any process group), the process group, the run directory's lock, `train(cfg, dp)`."""
+    before any process group), then `train(cfg, dp)` inside the shared job lifecycle."""
     def job(args):
-        cfg = parse_job_config(args, description, default_config, schema, validate)
-        if prepare is not None:
-            cfg = prepare_before_process_group(lambda log: prepare(cfg, log), "prepare the offline assets")
-        rank, world_size = init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
-        lock = None
-        try:
-            lock = on_rank0(lambda: RunDirLock(cfg.trainer.run_dir).acquire())  # one live job per run directory
-            train(cfg, DataParallel(rank, world_size, sharded=True, device=device_for_rank()))
-        finally:
-            close_distributed()
-            if lock is not None:
-                lock.release()
+        cfg = parse_job_config(args, description, default_config, schema, validate, prepare)
+        with JobLifecycle(cfg.trainer) as lifecycle:
+            train(cfg, lifecycle.data_parallel())
 
     run_main(job, argv, stop_hint="trainer.resume=auto continues from the last checkpoint")
 
