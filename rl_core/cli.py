@@ -23,24 +23,33 @@ from typing import Any, Callable
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from rl_core.config import ConfigError, load_config
+from rl_core.distributed import prepare_before_process_group
 from rl_core.errors import JobError, PeerFailed, PreferenceDataError
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def parse_job_config(argv: list[str] | None, description: str, default_config: str, schema: type,
-                     validate: Callable[[Any], None] | None = None):
-    """Parse the command line and return a validated config, or exit 2 with one clear line."""
+                     validate: Callable[[Any], None] | None = None,
+                     prepare: Callable[[Any, Callable[[str], None]], Any] | None = None):
+    """Parse the command line and return a validated config, or exit 2 with one clear line.
+
+    `prepare(cfg, log)` (an entry point's: the offline assets the recipe names) then gives the config
+    the job runs with; it runs on every rank before any process group exists, so however long it
+    takes no rank waits for it inside a collective."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", default=default_config,
                         help="recipe path, or a bare name under configs/ (default: %(default)s)")
     parser.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides, e.g. trainer.total_episodes=256")
     args = parser.parse_args(argv)
     try:
-        return load_config(args.config, args.overrides, schema=schema, validate=validate)
+        cfg = load_config(args.config, args.overrides, schema=schema, validate=validate)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    if prepare is None:
+        return cfg
+    return prepare_before_process_group(lambda log: prepare(cfg, log), "prepare the offline assets")
 
 
 def _is_user_error(err: BaseException) -> bool:

@@ -61,6 +61,17 @@ class TrainerConfig:
     wandb_project: str = "rl_core"
     collective_timeout_s: float = 600.0  # bounds every collective: a dead rank stops the job
 
+    def validate(self) -> None:
+        """The rules of these keys; a job's section that adds keys checks them after calling this."""
+        require(self.seed >= 0, f"config key 'trainer.seed' must be >= 0, got {self.seed}")
+        require(self.collective_timeout_s > 0, "config key 'trainer.collective_timeout_s' must be > 0")
+
+
+def validate_checkpoint_keys(save_every: int, keep_last: int) -> None:
+    """`trainer.save_every` and `trainer.keep_last`, of the jobs that save checkpoints (SFT, DPO, PPO)."""
+    require(save_every >= 0, "config key 'trainer.save_every' must be >= 0")
+    require(keep_last >= 0, "config key 'trainer.keep_last' must be >= 0 (0 keeps every checkpoint)")
+
 
 # ------------------------------------------------------------------------------------ loading
 

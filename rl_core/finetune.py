@@ -11,31 +11,20 @@ from typing import Callable, Optional
 import torch
 
 from rl_core.cli import parse_job_config, run_main
-from rl_core.config import LoraSettings, TrainerConfig, choice, require
-from rl_core.distributed import (DataParallel, close_distributed, device_for_rank, init_distributed, on_rank0,
-                                 prepare_before_process_group)
+from rl_core.config import LoraSettings, TrainerConfig, choice, require, validate_checkpoint_keys
+from rl_core.lifecycle import JobLifecycle
 from rl_core.logger import MetricsLogger
 from rl_core.optim import OPTIMIZER_NAMES, build_optimizer, linear_anneal_schedule
-from rl_core.run_dir import RunDirLock
 from workers.fsdp import TrainableModel
 
 
 def run_job(argv, description: str, default_config: str, schema: type, validate, train, prepare=None) -> None:
     """A job's whole life: its config (and `prepare(cfg, log)`, the entry point's offline assets,
-    before any process group), the process group, the run directory's lock, `train(cfg, dp)`."""
+    before any process group), then `train(cfg, dp)` inside the shared job lifecycle."""
     def job(args):
-        cfg = parse_job_config(args, description, default_config, schema, validate)
-        if prepare is not None:
-            cfg = prepare_before_process_group(lambda log: prepare(cfg, log), "prepare the offline assets")
-        rank, world_size = init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
-        lock = None
-        try:
-            lock = on_rank0(lambda: RunDirLock(cfg.trainer.run_dir).acquire())  # one live job per run directory
-            train(cfg, DataParallel(rank, world_size, sharded=True, device=device_for_rank()))
-        finally:
-            close_distributed()
-            if lock is not None:
-                lock.release()
+        cfg = parse_job_config(args, description, default_config, schema, validate, prepare)
+        with JobLifecycle(cfg.trainer) as lifecycle:
+            train(cfg, lifecycle.data_parallel())
 
     run_main(job, argv, stop_hint="trainer.resume=auto continues from the last checkpoint")
 
@@ -67,10 +56,14 @@ class FinetuneTrainerConfig(TrainerConfig):
     resume: str = "never"  # never | auto | <checkpoint dir>
     export_hf: bool = True  # <run_dir>/final in Hugging Face format
 
+    def validate(self) -> None:
+        super().validate()
+        validate_checkpoint_keys(self.save_every, self.keep_last)
+
 
 def validate_training(tr: FinetuneTrainConfig, trainer: FinetuneTrainerConfig, lora: LoraSettings) -> None:
     lora.validate()
-    require(trainer.seed >= 0, f"config key 'trainer.seed' must be >= 0, got {trainer.seed}")
+    trainer.validate()
     require(tr.batch_size > 0, f"config key 'train.batch_size' must be > 0, got {tr.batch_size}")
     require(tr.epochs > 0, f"config key 'train.epochs' must be > 0, got {tr.epochs}")
     require(tr.max_steps is None or tr.max_steps > 0, f"config key 'train.max_steps' must be > 0 or null, got {tr.max_steps}")
@@ -81,9 +74,6 @@ def validate_training(tr: FinetuneTrainConfig, trainer: FinetuneTrainerConfig, l
     require(tr.max_grad_norm is None or tr.max_grad_norm > 0,
             f"config key 'train.max_grad_norm' must be > 0 or null, got {tr.max_grad_norm}")
     require(tr.log_every > 0, f"config key 'train.log_every' must be > 0, got {tr.log_every}")
-    require(trainer.save_every >= 0, "config key 'trainer.save_every' must be >= 0")
-    require(trainer.keep_last >= 0, "config key 'trainer.keep_last' must be >= 0 (0 keeps every checkpoint)")
-    require(trainer.collective_timeout_s > 0, "config key 'trainer.collective_timeout_s' must be > 0")
 
 
 def total_steps(tr: FinetuneTrainConfig, rows: int, what: str, source: str) -> tuple[int, int]:

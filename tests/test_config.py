@@ -32,6 +32,31 @@ def test_every_job_shares_the_trainer_section():
     assert ppo("trainer.seed=7").trainer.seed == 7
 
 
+TRAINER_LINES = {"trainer.seed=-1": "config key 'trainer.seed' must be >= 0, got -1",
+                 "trainer.collective_timeout_s=0": "config key 'trainer.collective_timeout_s' must be > 0"}
+CHECKPOINT_LINES = {"trainer.save_every=-1": "config key 'trainer.save_every' must be >= 0",
+                    "trainer.keep_last=-1": "config key 'trainer.keep_last' must be >= 0 (0 keeps every checkpoint)"}
+
+
+@pytest.mark.parametrize("job", ["ppo", "rm", "sft", "dpo"])
+def test_every_job_checks_the_trainer_section_with_the_same_lines(job):
+    from rl_core.dpo.config import DPOConfig
+    from rl_core.dpo.config import validate as validate_dpo
+    from rl_core.sft.config import SFTConfig
+    from rl_core.sft.config import validate as validate_sft
+
+    recipe, schema, validate, lines = {
+        "ppo": ("ppo_sentiment.yaml", PPOConfig, validate_ppo, {**TRAINER_LINES, **CHECKPOINT_LINES}),
+        "rm": ("rm_sentiment.yaml", RMConfig, validate_rm, TRAINER_LINES),  # it saves no checkpoints
+        "sft": ("sft_arithmetic.yaml", SFTConfig, validate_sft, {**TRAINER_LINES, **CHECKPOINT_LINES}),
+        "dpo": ("dpo_sentiment.yaml", DPOConfig, validate_dpo, {**TRAINER_LINES, **CHECKPOINT_LINES}),
+    }[job]
+    for override, line in lines.items():
+        with pytest.raises(ConfigError) as error:
+            load_config(recipe, [override], schema, validate)
+        assert str(error.value) == line
+
+
 def test_typo_suggests_closest_key():
     with pytest.raises(ConfigError, match=r"unknown config key 'trainer.totl_steps'.*did you mean 'trainer\.\w+'"):
         ppo("trainer.totl_steps=10")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rl_core.config import LoraSettings, TrainerConfig, choice, require
+from rl_core.config import LoraSettings, TrainerConfig, choice, require, validate_checkpoint_keys
 from rl_core.data import LONG_PROMPT_POLICIES
 from rl_core.ppo.algorithms import GROUP_KINDS, KL_KINDS, LOSS_AGG_MODES, ROLLOUT_CORRECTIONS
 from rl_core.rollout.rollout import RolloutSettings
@@ -232,6 +232,10 @@ class PPOTrainerConfig(TrainerConfig):
     eval_every: int = 0  # steps between evaluations (besides step 0 and the end); 0 = only those two
     export_hf: bool = True
 
+    def validate(self) -> None:
+        super().validate()
+        validate_checkpoint_keys(self.save_every, self.keep_last)
+
 
 @dataclass
 class PPOConfig:
@@ -277,7 +281,7 @@ def max_sequence_length(cfg: PPOConfig) -> int:
 def validate(cfg: PPOConfig) -> None:
     """Cross-field rules: everything that would otherwise fail minutes into a run."""
     algo, ro, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
-    require(trainer.seed >= 0, f"config key 'trainer.seed' must be >= 0, got {trainer.seed}")
+    trainer.validate()
     cfg.model.lora.validate()
     require(cfg.model.lora.dropout == 0.0, f"config key 'model.lora.dropout' must be 0 in the PPO job, got "
             f"{cfg.model.lora.dropout} (OpenAI detail: no dropout; old logprobs and the weight probe must be exact)")
@@ -333,9 +337,6 @@ def validate(cfg: PPOConfig) -> None:
             f"trainer.total_episodes={trainer.total_episodes} is smaller than one batch "
             f"(algorithm.batch_size={algo.batch_size})")
     require(cfg.async_.max_staleness >= 0, "config key 'async.max_staleness' must be >= 0")
-    require(trainer.save_every >= 0, "config key 'trainer.save_every' must be >= 0")
-    require(trainer.keep_last >= 0, "config key 'trainer.keep_last' must be >= 0 (0 keeps every checkpoint)")
-    require(trainer.collective_timeout_s > 0, "config key 'trainer.collective_timeout_s' must be > 0")
     require(cfg.reward.truncate_after >= 0, "config key 'reward.truncate_after' must be >= 0")
     longest = max_sequence_length(cfg)
     require(longest <= algo.max_tokens_per_device,

@@ -20,8 +20,8 @@ from envs.base import load_env_class
 from rl_core.checkpoint import Checkpointer, export_hf
 from rl_core.cli import parse_job_config, run_main
 from rl_core.config import save_config, to_dict
-from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank, on_rank0,
-                                 prepare_before_process_group, rank_seed, seed_everything)
+from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank, on_rank0, rank_seed,
+                                 seed_everything)
 from rl_core.errors import JobError
 from rl_core.logger import MetricsLogger, StepTimer, print_step
 from rl_core.ppo.collect import AsyncCollector, SyncCollector, make_collector
@@ -49,9 +49,7 @@ def main(argv: list[str] | None = None, prepare: Callable[[PPOConfig, Callable[[
 
 
 def _main(argv: list[str] | None, prepare) -> None:
-    cfg = parse_job_config(argv, __doc__, "ppo_sentiment.yaml", PPOConfig, validate)
-    if prepare is not None:
-        cfg = prepare_before_process_group(lambda log: prepare(cfg, log), "prepare the offline assets")
+    cfg = parse_job_config(argv, __doc__, "ppo_sentiment.yaml", PPOConfig, validate, prepare)
     with JobRuntime(cfg) as rt:
         train(cfg, rt)
 

@@ -1,5 +1,6 @@
-"""Everything a rank owns besides its models: the process group, its engine, the router (rank 0),
-the rollout service (rank 0), and the clean-up that leaves no process behind on any exit.
+"""Everything a rank owns besides its models: the job lifecycle (process group, run directory),
+its engine, the router (rank 0), the rollout service (rank 0), and the clean-up that leaves no
+process behind on any exit.
 """
 
 from __future__ import annotations
@@ -11,16 +12,14 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
 
-from rl_core.distributed import (close_distributed, device_for_rank, init_distributed, local_world_size, on_rank0,
-                                 rank_seed)
+from rl_core.distributed import on_rank0, rank_seed
+from rl_core.lifecycle import JobLifecycle
 from rl_core.ppo.config import PPOConfig, engine_dtype
-from rl_core.run_dir import RunDirLock
 from workers.engines.client import EngineError
 from workers.engines.rank_engine import EngineSpec, RankEngine
 from workers.engines.weights import PROBE_TOLERANCE, WeightSyncError
@@ -29,10 +28,15 @@ from workers.procs import ManagedProcesses, ProcessStartError, node_address, sto
 ENGINE_START_TIMEOUT_S = 300.0
 
 
-class JobRuntime:
-    """Context manager for one rank's processes and connections; `__exit__` stops them all."""
+class JobRuntime(JobLifecycle):
+    """Context manager for one rank's processes and connections; `__exit__` stops them all.
+
+    The process group, the CPU split between trainer and engine and the run directory's lock are
+    the shared job lifecycle's; this adds the engines, the router and the rollout service."""
 
     def __init__(self, cfg: PPOConfig):
+        # Trainer and engine share the cores of this node: split them instead of oversubscribing.
+        super().__init__(cfg.trainer, split_cores=True)
         self.cfg = cfg
         self.procs = ManagedProcesses()
         self.engine: RankEngine | None = None
@@ -44,24 +48,14 @@ class JobRuntime:
         self.service = None
         self.env_executor = None
         self.reward_executor = None
-        self.run_dir_lock = None
         self.node_watch = None
         self._loop = asyncio.new_event_loop()  # for this rank's own engine calls (release, push, check)
 
     # ------------------------------------------------------------------ lifecycle
 
     def __enter__(self) -> "JobRuntime":
-        self.rank, self.world_size = init_distributed(timeout_s=self.cfg.trainer.collective_timeout_s)
         try:
-            self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-            self.local_world_size = local_world_size()
-            self.device = device_for_rank()
-            if self.device.type == "cpu":
-                # Trainer and engine share the cores of this node: split them instead of oversubscribing.
-                torch.set_num_threads(self.cpu_threads())
-            self.run_dir = Path(self.cfg.trainer.run_dir)
-            # One live job per run directory; every rank stops at once if another job holds it.
-            self.run_dir_lock = on_rank0(lambda: RunDirLock(self.run_dir).acquire())
+            super().__enter__()
             self.log_dir = self.run_dir / "logs"
             self.log_dir.mkdir(parents=True, exist_ok=True)
         except BaseException:
@@ -90,13 +84,7 @@ class JobRuntime:
             reason = "the job finished" if exc_type is None else f"the job is stopping ({exc_type.__name__})"
             self.procs.stop_all(reason)
             self._loop.close()
-            close_distributed()
-            if self.run_dir_lock is not None:
-                self.run_dir_lock.release()
-
-    def cpu_threads(self) -> int:
-        # The cores this process may run on (taskset, cgroups cpusets), not every core of the machine.
-        return max(1, len(os.sched_getaffinity(0)) // self.local_world_size)
+            super().__exit__(exc_type, exc, tb)  # the process group, then the run directory
 
     def run(self, coro, timeout: float | None = None):
         return self._loop.run_until_complete(asyncio.wait_for(coro, timeout))

@@ -94,14 +94,13 @@ class RMConfig:
 def validate(cfg: RMConfig) -> None:
     """Cross-field rules of the reward-model job; raises ConfigError naming the key and the fix."""
     tr, norm, data = cfg.train, cfg.normalize, cfg.data
-    require(cfg.trainer.seed >= 0, f"config key 'trainer.seed' must be >= 0, got {cfg.trainer.seed}")
+    cfg.trainer.validate()
     require(tr.batch_size > 0, f"config key 'train.batch_size' must be > 0, got {tr.batch_size}")
     require(tr.lr > 0, f"config key 'train.lr' must be > 0, got {tr.lr}")
     require(tr.adam_eps > 0, f"config key 'train.adam_eps' must be > 0, got {tr.adam_eps}")
     require(tr.max_grad_norm is None or tr.max_grad_norm > 0,
             f"config key 'train.max_grad_norm' must be > 0 or null, got {tr.max_grad_norm}")
     require(tr.log_every > 0, f"config key 'train.log_every' must be > 0, got {tr.log_every}")
-    require(cfg.trainer.collective_timeout_s > 0, "config key 'trainer.collective_timeout_s' must be > 0")
     require(data.max_length >= 2, f"config key 'data.max_length' must be >= 2, got {data.max_length}")
     # A comparison has at least two responses and must fit one micro-batch whole.
     require(tr.max_tokens_per_device >= 2 * data.max_length,

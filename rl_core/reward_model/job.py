@@ -25,14 +25,13 @@ from pathlib import Path
 
 from rl_core.cli import parse_job_config, run_main
 from rl_core.config import save_config
-from rl_core.distributed import (DataParallel, close_distributed, device_for_rank, init_distributed, on_every_rank,
-                                 on_rank0, prepare_before_process_group, seed_everything)
+from rl_core.distributed import DataParallel, on_every_rank, seed_everything
+from rl_core.lifecycle import JobLifecycle
 from rl_core.reward_model.config import RMConfig, check_lengths, validate
 from rl_core.reward_model.sampling import load_queries
 from rl_core.reward_model.training import (Log, build_reward_model, export_reward_model,
                                            fit_reward_model)
 from rl_core.preferences import load_preference_splits
-from rl_core.run_dir import RunDirLock
 from workers.loading import check_model_path, context_length, load_causal_lm, load_tokenizer
 
 
@@ -49,7 +48,7 @@ def resolve_inputs(cfg: RMConfig, labeler) -> dict:
             "prompts": cfg.normalize.prompts_path, "init_from": cfg.model.init_from or policy, "labeler": labeler}
 
 
-def run_job(cfg: RMConfig, dp: DataParallel, log: Log = print, labeler=None) -> dict:
+def fit_and_export(cfg: RMConfig, dp: DataParallel, log: Log = print, labeler=None) -> dict:
     """The whole job on this rank; returns the metrics (identical on every rank).
 
     `labeler`: the rater the fresh-sample check compares with (offline runs), or None."""
@@ -81,30 +80,20 @@ def main(argv: list[str] | None = None, prepare=None, get_labeler=None) -> None:
 
 
 def _main(argv: list[str] | None, prepare, get_labeler) -> None:
-    cfg = parse_job_config(argv, __doc__, "rm_sentiment.yaml", RMConfig, validate)
-    if prepare is not None:
-        cfg = prepare_before_process_group(lambda log: prepare(cfg, log), "prepare the offline assets")
+    cfg = parse_job_config(argv, __doc__, "rm_sentiment.yaml", RMConfig, validate, prepare)
     labeler = get_labeler(cfg.labeler.name) if cfg.labeler.name and get_labeler is not None else None
-    rank, world_size = init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
-    lock = None
-    try:
-        # One live job per run directory; every rank stops at once if another job holds it.
-        lock = on_rank0(lambda: RunDirLock(cfg.trainer.run_dir).acquire())
+    with JobLifecycle(cfg.trainer) as lifecycle:
         seed_everything(cfg.trainer.seed)  # same init everywhere; sampling seeds are per rank (rank_seed)
-        dp = DataParallel(rank, world_size, sharded=True, device=device_for_rank())
+        dp = lifecycle.data_parallel()
 
         def log(line: str) -> None:
-            if rank == 0:
+            if dp.rank == 0:
                 print(line, flush=True)
 
-        metrics = run_job(cfg, dp, log, labeler)
+        metrics = fit_and_export(cfg, dp, log, labeler)
         dp.barrier()
-        if rank == 0:
+        if dp.rank == 0:
             print(json.dumps(metrics), flush=True)
-    finally:
-        close_distributed()
-        if lock is not None:
-            lock.release()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""One job's life on one rank, the same for every job (SFT, DPO, reward model, PPO).
+
+`with JobLifecycle(cfg.trainer) as job:` joins the process group (its timeout from
+`trainer.collective_timeout_s`), optionally gives this rank its share of the node's cores,
+takes the run directory's lock on rank 0, and on every exit (success, error, Ctrl-C) leaves
+the process group and frees the run directory. Reading the config is the caller's job; the PPO
+job's `JobRuntime` adds its engines, router and rollout service on top of this.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from rl_core.config import TrainerConfig
+from rl_core.distributed import (DataParallel, close_distributed, device_for_rank, init_distributed,
+                                 local_world_size, on_rank0)
+from rl_core.run_dir import RunDirLock
+
+
+class JobLifecycle:
+    """Context manager for this rank's process group and the run directory's lock.
+
+    `split_cores`: on CPU, limit torch to this rank's share of the node's cores (`cpu_threads()`),
+    for jobs whose ranks share the node with other busy processes (the PPO job's engines);
+    otherwise torch keeps its own thread count.
+    """
+
+    def __init__(self, trainer: TrainerConfig, split_cores: bool = False):
+        self.trainer = trainer
+        self.split_cores = split_cores
+        self.run_dir = Path(trainer.run_dir)
+        self.run_dir_lock: RunDirLock | None = None
+
+    def __enter__(self) -> "JobLifecycle":
+        self.rank, self.world_size = init_distributed(timeout_s=self.trainer.collective_timeout_s)
+        try:
+            self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            self.local_world_size = local_world_size()
+            self.device = device_for_rank()
+            if self.split_cores and self.device.type == "cpu":
+                torch.set_num_threads(self.cpu_threads())
+            # One live job per run directory; every rank stops at once if another job holds it.
+            self.run_dir_lock = on_rank0(lambda: RunDirLock(self.run_dir).acquire())
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Leave the process group, then free the run directory; a second call does nothing."""
+        close_distributed()
+        if self.run_dir_lock is not None:
+            self.run_dir_lock.release()
+            self.run_dir_lock = None
+
+    def cpu_threads(self) -> int:
+        """This rank's share of the cores this process may run on (taskset, cgroup cpusets), not of
+        every core of the machine: the node's ranks split them instead of oversubscribing them."""
+        return max(1, len(os.sched_getaffinity(0)) // self.local_world_size)
+
+    def data_parallel(self) -> DataParallel:
+        """This rank among the trainers, sharded over the whole process group."""
+        return DataParallel(self.rank, self.world_size, sharded=True, device=self.device)

@@ -1,0 +1,64 @@
+"""The job lifecycle every job shares leaves nothing behind: however the job inside it ends, the
+process group is closed and the run directory is free for the next job (a real gloo group of one)."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rl_core.config import TrainerConfig
+from rl_core.lifecycle import JobLifecycle
+from rl_core.run_dir import RunDirInUse, RunDirLock
+from workers.procs import free_port
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """torchrun's environment for a world of one, undone after the test (the job runs in this process)."""
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(key, value)
+    yield
+    assert not dist.is_initialized(), "the lifecycle left the process group open"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("error", [RuntimeError("a bug in the job"), SystemExit(130)], ids=["error", "ctrl-c"])
+def test_a_job_that_fails_closes_the_process_group_and_frees_the_run_dir(one_rank, tmp_path, error):
+    trainer = TrainerConfig(run_dir=str(tmp_path / "run"), collective_timeout_s=30.0)
+    with pytest.raises(type(error)):
+        with JobLifecycle(trainer) as job:
+            assert (job.rank, job.world_size, dist.get_backend()) == (0, 1, "gloo")
+            with pytest.raises(RunDirInUse):  # rank 0 holds the run directory while the job runs
+                RunDirLock(trainer.run_dir).acquire()
+            job.data_parallel().sum([1.0])
+            dist.barrier()
+            raise error  # SystemExit is what run_main turns a Ctrl-C into
+    assert not dist.is_initialized()
+    RunDirLock(trainer.run_dir).acquire().release()  # the next job gets the directory
+
+
+@pytest.mark.timeout(120)
+def test_a_run_dir_in_use_stops_the_job_before_it_starts_and_closes_the_process_group(one_rank, tmp_path):
+    other_job = RunDirLock(tmp_path).acquire()
+    try:
+        with pytest.raises(RunDirInUse, match="is in use by another live job"):
+            with JobLifecycle(TrainerConfig(run_dir=str(tmp_path))):
+                pytest.fail("the job must not start")
+        assert not dist.is_initialized()
+    finally:
+        other_job.release()
+
+
+@pytest.mark.timeout(120)
+def test_split_cores_gives_torch_this_ranks_share_of_the_cores(one_rank, tmp_path):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with JobLifecycle(TrainerConfig(run_dir=str(tmp_path / "plain"))):
+            assert torch.get_num_threads() == 1  # the SFT, DPO and reward-model jobs keep torch's own count
+        with JobLifecycle(TrainerConfig(run_dir=str(tmp_path / "split")), split_cores=True) as job:
+            assert torch.get_num_threads() == job.cpu_threads() == len(os.sched_getaffinity(0))  # one rank per node
+    finally:
+        torch.set_num_threads(before)
