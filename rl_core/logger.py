@@ -16,6 +16,17 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from rl_core.config import save_config, to_dict
+
+
+def open_run_logger(cfg, resume_step: int) -> "MetricsLogger":
+    """Rank 0's logger of a job's run (`cfg.trainer`: run_dir, wandb), with the resolved config written beside
+    its metrics. Rows after `resume_step` (written by an interrupted run) are dropped: each step once."""
+    run_dir = Path(cfg.trainer.run_dir)
+    logger = MetricsLogger(run_dir, to_dict(cfg), cfg.trainer.wandb, cfg.trainer.wandb_project, resume_step)
+    save_config(cfg, run_dir / "config.yaml")
+    return logger
+
 
 class MetricsLogger:
     """`resume_step`: the step the job starts after (the checkpoint's; 0 for a fresh run): rows of

@@ -18,12 +18,11 @@ from pathlib import Path
 import torch
 
 from rl_core.checkpoint import Checkpointer, export_hf
-from rl_core.config import save_config, to_dict
 from rl_core.distributed import DataParallel, on_every_rank, rank_seed, seed_everything
 from rl_core.dpo.config import DPOConfig, validate
 from rl_core.dpo.training import PreferencePair, heldout_metrics, to_pairs, train_step
 from rl_core import finetune
-from rl_core.logger import MetricsLogger
+from rl_core.logger import open_run_logger
 from rl_core.preferences import load_preference_splits
 from workers import decode, forward, loading
 from workers.layout import make_micro_batch, packing_layout, to_device
@@ -60,9 +59,7 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
     scorer = RewardModelEval(cfg, tokenizer, test_pairs, dp) if cfg.eval.reward_model_path else None
     logger = None
     if dp.rank == 0:
-        logger = MetricsLogger(run_dir, to_dict(cfg), cfg.trainer.wandb, cfg.trainer.wandb_project,
-                               resume_step=start_step)
-        save_config(cfg, run_dir / "config.yaml")
+        logger = open_run_logger(cfg, start_step)
         print(f"[dpo] {len(train_pairs)} pairs, {total_steps} steps of {tr.batch_size} on {dp.size} rank(s)", flush=True)
 
     def evaluate() -> dict[str, float]:

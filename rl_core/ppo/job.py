@@ -19,11 +19,10 @@ from transformers import AutoConfig
 from envs.base import load_env_class
 from rl_core.checkpoint import Checkpointer, export_hf
 from rl_core.cli import parse_job_config, run_main
-from rl_core.config import save_config, to_dict
 from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank, on_rank0, rank_seed,
                                  seed_everything)
 from rl_core.errors import JobError
-from rl_core.logger import MetricsLogger, StepTimer, print_step
+from rl_core.logger import MetricsLogger, StepTimer, open_run_logger, print_step
 from rl_core.ppo.collect import AsyncCollector, SyncCollector, make_collector
 from rl_core.ppo.config import PPOConfig, check_context_length, rollout_settings, validate
 from rl_core.ppo.evaluation import evaluate, print_eval
@@ -181,10 +180,7 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
               checkpointer, probe_token_ids(tokenizer), start_step, total_steps, prompts, held_out)
     push_weights(rt, job, start_step)  # the engines start from the trainer's (maybe resumed) weights
     if rt.rank == 0:
-        # Rows after the checkpoint's step (written by the interrupted run) are dropped: each step once.
-        job.logger = MetricsLogger(run_dir, to_dict(cfg), cfg.trainer.wandb, cfg.trainer.wandb_project,
-                                   resume_step=start_step)
-        save_config(cfg, run_dir / "config.yaml")
+        job.logger = open_run_logger(cfg, start_step)  # rows after the checkpoint's step are dropped
         job.service = rt.start_rollout_service(tokenizer, rollout_settings(cfg.rollout, max_positions,
                                                                            cfg.trainer.progress))
         if isinstance(collector, AsyncCollector):  # its producer tags tokens with the engines' version

@@ -2,8 +2,8 @@
 
 1. The batch (`Experience`): the rollout's trajectories become one set of `[N, T]` tensors, a row per
    sequence, built once; every later stage adds its `[N, T]` results and selects rows by index.
-2. Forward passes (`forward_passes`, `reward_model_scores`): old and reference logprobs, values and reward-model
-   scores, forward only through the batch worker (`workers/worker.py`).
+2. Forward passes (`forward_passes`, `reward_model_scores`): old and reference logprobs, values and
+   reward-model scores, forward only through the batch worker (`workers/worker.py`).
 3. Rewards (`trajectory_scores`): the one definition of a trajectory's score before the KL.
 4. Advantages (`compute_advantages`): KL-penalised per-token rewards, whitening, GAE, or group
    baselines, once over the whole batch.

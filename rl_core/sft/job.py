@@ -15,10 +15,9 @@ from pathlib import Path
 
 
 from rl_core.checkpoint import Checkpointer, export_hf
-from rl_core.config import save_config, to_dict
 from rl_core.distributed import DataParallel, on_every_rank, seed_everything
 from rl_core import finetune
-from rl_core.logger import MetricsLogger
+from rl_core.logger import open_run_logger
 from rl_core.rewards import load_reward_fn
 from rl_core.sft.config import SFTConfig, validate
 from rl_core.sft.data import encode_rows, load_rows
@@ -64,9 +63,7 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
     start_step, _ = checkpointer.maybe_resume(cfg.trainer.resume, {"model": trainable})
     logger = None
     if dp.rank == 0:
-        logger = MetricsLogger(run_dir, to_dict(cfg), cfg.trainer.wandb, cfg.trainer.wandb_project,
-                               resume_step=start_step)
-        save_config(cfg, run_dir / "config.yaml")
+        logger = open_run_logger(cfg, start_step)
         print(f"[sft] {len(train_rows)} rows, {total_steps} steps of {tr.batch_size} on {dp.size} rank(s)", flush=True)
 
     def evaluate() -> dict[str, float]:
