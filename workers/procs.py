@@ -272,10 +272,6 @@ class ManagedProcesses:
         self._owned.append((name, proc, Path(log_path)))
         return proc
 
-    def adopt(self, name: str, proc: subprocess.Popen, log_path: str | Path) -> None:
-        """Take ownership of a process started elsewhere."""
-        self._owned.append((name, proc, Path(log_path)))
-
     @property
     def pids(self) -> list[int]:
         return [proc.pid for _, proc, _ in self._owned]

@@ -30,7 +30,7 @@ def build_router_argv(host: str, port: int, prometheus_port: int, policy: str = 
     """Command line for `python -m sglang_router.launch_router`.
 
     `worker_urls` known at launch go on the command line (power_of_two refuses to start with
-    fewer than 2); more can be added later with `RouterProcess.add_workers`. `balance`
+    fewer than 2). `balance`
     (cache_aware only) is (abs, rel): the router sends a request to the engine with the fewest
     requests in flight once `max - min > abs` and `max > min * rel` (router defaults: 64, 1.5);
     (0, 1.0) always picks the least loaded engine.
@@ -94,14 +94,6 @@ class RouterProcess:
         wait_http_ok(f"{self.url}/health", deadline_s, self.proc, self.log_path, name="sglang-router")
         return self
 
-    def add_workers(self, worker_urls: Sequence[str], deadline_s: float = 60.0) -> None:
-        """Register engines (POST /workers, 202) and wait until all are listed healthy."""
-        for worker_url in worker_urls:
-            status, body = _http_json("POST", f"{self.url}/workers", {"url": worker_url})
-            if status not in (200, 201, 202):
-                raise ProcessStartError(f"router {self.url} refused worker {worker_url}: HTTP {status} {body}")
-        self.wait_workers_healthy(worker_urls, deadline_s)
-
     def workers(self) -> list[dict]:
         status, body = _http_json("GET", f"{self.url}/workers")
         if status != 200 or not isinstance(body, dict):
@@ -122,11 +114,6 @@ class RouterProcess:
                 raise ProcessStartError(f"router {self.url}: workers {sorted(wanted - healthy)} not healthy after "
                                         f"{deadline_s:.0f}s; log {self.log_path}:\n{log_tail(self.log_path)}")
             time.sleep(0.1)
-
-    def remove_worker(self, worker_url: str) -> None:
-        for worker in self.workers():
-            if worker["url"].rstrip("/") == worker_url.rstrip("/"):
-                _http_json("DELETE", f"{self.url}/workers/{worker['id']}")
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None:

@@ -85,10 +85,6 @@ class AssetPaths:
                    test_prompts=prompts / "sentiment_test.jsonl",
                    summary_file=root / "assets.json", built=built)
 
-    @property
-    def tokenizer_dir(self) -> Path:
-        return self.model_dir
-
 
 def default_assets_root() -> Path:
     """`$RL_CORE_ASSETS` if set, else `<repo>/assets` (gitignored)."""

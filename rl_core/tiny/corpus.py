@@ -42,7 +42,6 @@ THINGS = ("box", "letter", "book", "cup", "basket", "key", "lamp", "map", "coat"
 SURFACES = ("table", "floor", "shelf", "bed", "bench", "grass", "desk", "wall", "stairs", "roof")
 ANIMALS = ("dog", "cat", "horse", "bird", "fox", "cow", "goat", "rabbit", "owl", "duck")
 FOODS = ("soup", "cake", "bread", "pie", "apples", "fish", "tea", "cookies", "berries", "rice")
-WEATHER = ("sunny", "rainy", "windy", "cloudy", "foggy", "snowy", "quiet", "hot", "cool", "grey")
 DAY_WORDS = ("day", "morning", "evening", "night", "afternoon", "week", "summer", "winter")
 
 # Descriptive adjectives: sentiment-neutral, they only add detail (descriptiveness task).

@@ -72,10 +72,6 @@ class _Labeler:
         self.temperature = temperature
         self.rng = random.Random(seed)
 
-    def reseed(self, seed: int) -> None:
-        """Restart the noise generator, e.g. to make one labelled file reproducible."""
-        self.rng = random.Random(seed)
-
     def score(self, texts: Sequence[str]) -> list[float]:
         raise NotImplementedError
 
