@@ -6,10 +6,12 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
+from rl_core.checkpoint import export_hf
 from rl_core.cli import parse_job_config, run_main
 from rl_core.config import LoraSettings, TrainerConfig, choice, require, validate_checkpoint_keys
 from rl_core.lifecycle import JobLifecycle
@@ -125,6 +127,15 @@ def run_steps(start_step: int, total_steps: int, steps_per_epoch: int, one_step:
         log_step(logger, step + 1, total_steps, metrics, shown, every=tr.log_every)
         if trainer.save_every and (step + 1) % trainer.save_every == 0:
             save(step + 1)
+
+
+def finish(cfg, model, tokenizer, rank: int, logger: MetricsLogger | None) -> None:
+    """A run's end: the Hugging Face export to `<run_dir>/final` (`trainer.export_hf`; collective when
+    sharded), and rank 0's logger closed."""
+    if cfg.trainer.export_hf:
+        export_hf(model, tokenizer, cfg.model.path, Path(cfg.trainer.run_dir) / "final", rank, cfg.model.lora)
+    if logger is not None:
+        logger.close()
 
 
 def log_step(logger: MetricsLogger | None, step: int, total: int, metrics: dict, shown: tuple[str, ...],

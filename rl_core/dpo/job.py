@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rl_core.checkpoint import Checkpointer, export_hf
+from rl_core.checkpoint import Checkpointer
 from rl_core.distributed import DataParallel, on_every_rank, rank_seed, seed_everything
 from rl_core.dpo.config import DPOConfig, validate
 from rl_core.dpo.training import PreferencePair, heldout_metrics, to_pairs, train_step
@@ -75,10 +75,7 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
                                 tokenizer.pad_token_id, beta, smoothing),
         evaluate if test_pairs else None, lambda step: checkpointer.save(step, {"policy": trainable}, {}),
         logger, SHOWN, tr, cfg.trainer, cfg.eval.every)
-    if cfg.trainer.export_hf:
-        export_hf(policy, tokenizer, cfg.model.path, run_dir / "final", dp.rank, cfg.model.lora)
-    if logger is not None:
-        logger.close()
+    finetune.finish(cfg, policy, tokenizer, dp.rank, logger)
 
 
 SHOWN = ("train/loss", "train/reward_accuracy", "train/reward_margin", "eval/loss", "eval/reward_accuracy",

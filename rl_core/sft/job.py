@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 
-from rl_core.checkpoint import Checkpointer, export_hf
+from rl_core.checkpoint import Checkpointer
 from rl_core.distributed import DataParallel, on_every_rank, seed_everything
 from rl_core import finetune
 from rl_core.logger import open_run_logger
@@ -81,10 +81,7 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
                                 tokenizer.pad_token_id),
         evaluate if eval_rows else None, lambda step: checkpointer.save(step, {"model": trainable}, {}),
         logger, SHOWN, tr, cfg.trainer, cfg.eval.every)
-    if cfg.trainer.export_hf:
-        export_hf(model, tokenizer, cfg.model.path, run_dir / "final", dp.rank, cfg.model.lora)
-    if logger is not None:
-        logger.close()
+    finetune.finish(cfg, model, tokenizer, dp.rank, logger)
 
 
 def load_data(cfg: SFTConfig, tokenizer, rank: int):
