@@ -47,7 +47,7 @@ class BatchWorker:
 
     def plan(self, batch: Batch, units: list[list[int]] | None = None) -> list[tuple[list[int], bool]]:
         """This rank's micro-batches as `(row indices, real)`; `units` (default: each row alone) stay whole."""
-        lengths = row_lengths(batch, real_only=self.layout is not None)
+        lengths = row_lengths(batch["attention_mask"], real_only=self.layout is not None)
         if self.share_prompts:
             unit_rows, unit_tokens = shared_prompt_units(batch, units, self.max_tokens)
         elif units is None:
@@ -68,7 +68,7 @@ class BatchWorker:
     def micro_batch(self, batch: Batch, indices: list[int]) -> Batch:
         """Rows `indices` of `batch`, trimmed to their longest, laid out, on this rank's device."""
         index = torch.tensor(indices)
-        width = int(row_lengths(batch, real_only=False)[index].max())
+        width = int(row_lengths(batch["attention_mask"][index], real_only=False).max())
         rows = {key: select(value, index, width) for key, value in batch.items()}
         return to_device(laid_out(rows, self.layout, share_prompts=self.share_prompts), self.device)
 
@@ -157,10 +157,9 @@ def scale_loss(loss_sum: torch.Tensor, global_count: float, dp_size: int) -> tor
     return loss_sum / float(global_count) * dp_size
 
 
-def row_lengths(batch: Batch, real_only: bool) -> torch.Tensor:
-    """`[N]` tokens per row: its real ones (`real_only`: what a packed layout runs), else up to its last
-    real token (what a padded row costs; a left-padded query's pads count)."""
-    attention = batch["attention_mask"]
+def row_lengths(attention: torch.Tensor, real_only: bool) -> torch.Tensor:
+    """`[N]` tokens per row of an `[N, T]` attention mask: its real ones (`real_only`: what a packed layout
+    runs), else up to its last real token (what a padded row costs; a left-padded query's pads count)."""
     if real_only:
         return attention.sum(dim=1)
     columns = torch.arange(1, attention.shape[1] + 1)
