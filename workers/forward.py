@@ -15,7 +15,9 @@ gathered, and the model's own head computes one position only.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -127,7 +129,7 @@ class _Wanted:
     hits: bool = False
 
 
-def _head_outputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+def _head_outputs(hidden: torch.Tensor, labels: torch.Tensor, *, weight: torch.Tensor, bias: torch.Tensor | None,
                   temperature: float, softcap: float | None, wanted: _Wanted) -> tuple[torch.Tensor, ...]:
     """Logprob of each label, entropy and argmax hit for `[k, H]` hidden states (one chunk)."""
     logits = torch.nn.functional.linear(hidden, weight, bias).float()
@@ -143,15 +145,12 @@ def _head_outputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return tuple(outputs)
 
 
-def _in_chunks(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, temperature: float,
-               softcap: float | None, wanted: _Wanted, chunk: int) -> list[torch.Tensor]:
-    """`_head_outputs` over `chunk` tokens at a time, each chunk's logits recomputed in backward
-    (activation checkpointing), so the backward holds the hidden states, not the logits."""
-    args = (head.weight, head.bias, temperature, softcap, wanted)
+def _in_chunks(head: Callable, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    """`head(hidden, labels)` (`_head_outputs`) over `chunk` tokens at a time, each chunk's logits recomputed
+    in backward (activation checkpointing), so the backward holds the hidden states, not the logits."""
     if chunk <= 0 or len(hidden) <= chunk:
-        return list(_head_outputs(hidden, args[0], args[1], labels, *args[2:]))
-    parts = [checkpoint(_head_outputs, hidden[i:i + chunk], args[0], args[1], labels[i:i + chunk], *args[2:],
-                        use_reentrant=False)
+        return list(head(hidden, labels))
+    parts = [checkpoint(head, hidden[i:i + chunk], labels[i:i + chunk], use_reentrant=False)
              for i in range(0, len(hidden), chunk)]
     return [torch.cat(outputs) for outputs in zip(*parts)]
 
@@ -175,23 +174,22 @@ def _token_outputs(model: nn.Module, batch: dict[str, torch.Tensor], temperature
     previous = _previous_positions(batch, rows, columns)
     labels = batch["input_ids"][rows, columns]
     lm = _causal_lm(model)
-    head, config = lm.get_output_embeddings(), lm.config
-    softcap = _final_softcap(config)
     computed: list[list[torch.Tensor]] = []
 
     def head_on_wanted_tokens(module, args, output):
         # Inside the model's forward: FSDP has gathered the root's weights (embeddings, final norm, head).
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        linear = lm.get_output_embeddings()
+        head = functools.partial(_head_outputs, weight=linear.weight, bias=linear.bias, temperature=temperature,
+                                 softcap=_final_softcap(lm.config), wanted=wanted)
         group = settings.sequence
         if group is None:
-            computed.append(_in_chunks(hidden.flatten(0, 1)[previous], head, labels, temperature, softcap,
-                                       wanted, settings.logits_chunk))
+            computed.append(_in_chunks(head, hidden.flatten(0, 1)[previous], labels, settings.logits_chunk))
             return
         # Sequence parallel: whole rows of hidden states, the head on this rank's share of the tokens.
         hidden = group.gather_hidden(hidden).flatten(0, 1)
         start, stop, share = group.split(len(previous))
-        mine = _in_chunks(hidden[previous[start:stop]], head, labels[start:stop], temperature, softcap, wanted,
-                          settings.logits_chunk)
+        mine = _in_chunks(head, hidden[previous[start:stop]], labels[start:stop], settings.logits_chunk)
         padded = [torch.nn.functional.pad(out, (0, share - (stop - start))) for out in mine]
         computed.append([group.gather_replicated(out)[:len(previous)] for out in padded])
 

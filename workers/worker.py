@@ -126,7 +126,7 @@ class BatchWorker:
         for micro, real in self.micro_batches(batch, units):
             values = fn(micro)
             totals = totals or [0.0] * len(values)
-            if real and self.owner:
+            if real:
                 totals = [total + float(value) for total, value in zip(totals, values)]
         return self.sum_over_ranks(totals)
 
@@ -139,8 +139,9 @@ class BatchWorker:
 
         `loss_fn(model, micro_batch)` returns the micro-batch's loss *summed* (over tokens, rows or
         pairs: whatever `global_count` counts over the whole batch) and its metrics. Returns the
-        metrics of the real micro-batches (one entry each; `loss` is the scaled loss) and the
-        micro-batches run. `micro_batches`: this batch's, made once for two models (PPO's actor and critic)."""
+        metrics of the real micro-batches (one entry each; `loss` is the scaled loss, this rank's share of it:
+        the mean over ranks is the batch's loss) and the micro-batches run. `micro_batches`: this batch's, made
+        once for two models (PPO's actor and critic)."""
         micro = micro_batches if micro_batches is not None else self.micro_batches(batch, units)
 
         def scaled(model, item):
@@ -150,6 +151,7 @@ class BatchWorker:
 
         metrics = trainable.forward_backward(micro, scaled)
         real = metrics.pop("real")
+        metrics["loss"] = [loss / self.sp_size for loss in metrics["loss"]]  # a sequence group's ranks share one loss
         return {key: [v for v, keep in zip(values, real) if keep] for key, values in metrics.items()}, \
             [micro_batch for micro_batch, keep in micro if keep]
 
@@ -160,7 +162,9 @@ class BatchWorker:
             dist.all_reduce(tensor)
 
     def sum_over_ranks(self, values: list[float]) -> list[float]:
-        totals = torch.tensor(values, dtype=torch.float64, device=self.device)
+        """`values` summed over the data-parallel groups: a sequence group's ranks hold the same micro-batches'
+        numbers, counted once."""
+        totals = torch.tensor(values if self.owner else [0.0] * len(values), dtype=torch.float64, device=self.device)
         self.all_reduce(totals)
         return totals.tolist()
 

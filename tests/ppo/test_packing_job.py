@@ -1,4 +1,5 @@
-"""The PPO job with padding-free micro-batches (algorithm.packing, share_prompts): the same step as padded rows."""
+"""The PPO job with padding-free micro-batches (algorithm.packing, share_prompts), and with each micro-batch's
+tokens split over both ranks (model.sequence_parallel=2): the same step as padded rows."""
 
 import pytest
 
@@ -12,7 +13,8 @@ SAME = ("policy/loss", "value/loss", "policy/approx_kl", "policy/clipfrac", "kl/
 def test_packed_ppo_step_equals_the_padded_one_with_less_padding(small_job, tmp_path):  # noqa: F811
     steps = {}
     layouts = {"padded": ["algorithm.packing=false"], "packed": ["algorithm.packing=true"],
-               "shared": ["algorithm.packing=true", "algorithm.share_prompts=true"]}
+               "shared": ["algorithm.packing=true", "algorithm.share_prompts=true"],
+               "split": ["algorithm.packing=true", "algorithm.share_prompts=true", "model.sequence_parallel=2"]}
     for name, keys in layouts.items():
         run_dir = tmp_path / name
         # Prompts of 12 to 54 tokens and responses that stop at EOS: rows of unequal length, so padding,
@@ -28,8 +30,11 @@ def test_packed_ppo_step_equals_the_padded_one_with_less_padding(small_job, tmp_
         assert steps["packed"][key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), key
     # Shared prompts keep a group's rows on one rank, so each rank holds other rows than above and averages
     # taken per micro-batch (clip fraction, entropy) differ; the global loss and what every rank agrees on must not.
+    # Split over a sequence group (dp 1 x sp 2: actor, reference and critic on half of each micro-batch's
+    # tokens) the same holds: the one loss-scaling rule stays exact.
     for key in ("policy/loss", "policy/grad_norm", "value/grad_norm", "kl/mean", "reward/score_mean"):
         assert steps["shared"][key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), key
+        assert steps["split"][key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), key
     assert steps["packed"]["perf/padding_fraction"] < padded["perf/padding_fraction"]
     # a group's prompt once instead of 4 times: fewer positions run than packing alone
     grid = {name: step["perf/train_grid_tokens"] for name, step in steps.items()}
