@@ -160,7 +160,7 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
         held_out = on_rank0(lambda: eval_samples(cfg.data, cfg.data.eval_path, tokenizer, cfg.eval.n,
                                                  cfg.eval.max_prompts))
     collector = make_collector(cfg, prompts)
-    rt.start_engines(cfg.model.path, collector.pauses_in_place)
+    rt.start_engines(cfg.model.path, collector.pauses_in_place, max_positions)
     models = PPOModels(cfg.model, algo, cfg.reward.model_path or None, tokenizer.pad_token_id, total_steps)
     # Every model runs the same micro-batches: balanced, length-sorted, packed when asked.
     worker = BatchWorker(rt.rank, rt.world_size, rt.device, algo.max_tokens_per_device,
