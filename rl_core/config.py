@@ -51,6 +51,39 @@ class LoraSettings:
 
 
 @dataclass
+class ModelRunConfig:
+    """How the trainer runs its models: the keys every job's `model` section shares (a job's own section
+    subclasses this with its paths)."""
+
+    mixed_precision: Optional[str] = choice(None, (None, "bf16", "fp16"))  # GPU only
+    gradient_checkpointing: bool = False  # the trained models recompute activations in backward (less memory)
+    # The attention kernel by transformers' name: null = its default (sdpa where the model has it; eager for
+    # Gemma 2's soft-capped scores), or e.g. flash_attention_2 on GPUs (the flash-attn package). With packing,
+    # flash runs each micro-batch as one row of sequences back to back through its varlen kernel, sdpa and
+    # eager as rows with a block-diagonal mask. Every model of the job loads with it.
+    attn_implementation: Optional[str] = None
+    # Ranks that split each packed micro-batch's tokens (Ulysses, workers/sequence_parallel.py): 1 = none.
+    # Needs packing, sdpa or eager, head counts divisible by it, and a world size it divides.
+    sequence_parallel: int = 1
+    # Tokens of LM-head logits computed at a time, recomputed in backward (0 = the whole micro-batch's at
+    # once): float32 logits are tokens x vocabulary x 4 bytes, 2.4 GB for 4096 tokens of a 150k vocabulary.
+    logits_chunk: int = 1024
+
+    def validate(self, packing: bool) -> None:
+        require(self.sequence_parallel >= 1,
+                f"config key 'model.sequence_parallel' must be >= 1 (1 = none), got {self.sequence_parallel}")
+        require(self.sequence_parallel == 1 or packing,
+                f"model.sequence_parallel={self.sequence_parallel} splits packed micro-batches; turn packing on "
+                "(the job's packing key) or set model.sequence_parallel=1")
+        require(self.sequence_parallel == 1 or "flash" not in (self.attn_implementation or ""),
+                f"model.sequence_parallel={self.sequence_parallel} runs the model's kernel on whole packed rows "
+                f"with their mask, which model.attn_implementation={self.attn_implementation}'s varlen layout "
+                "has none of; use sdpa (null) or eager")
+        require(self.logits_chunk >= 0, f"config key 'model.logits_chunk' must be >= 0 (0 = no chunks), "
+                                        f"got {self.logits_chunk}")
+
+
+@dataclass
 class TrainerConfig:
     """Run-level settings every job shares; a job's own trainer section subclasses this."""
 

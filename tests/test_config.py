@@ -57,6 +57,43 @@ def test_every_job_checks_the_trainer_section_with_the_same_lines(job):
         assert str(error.value) == line
 
 
+PACKING_KEY = {"ppo": "algorithm.packing", "rm": "train.packing", "sft": "train.packing", "dpo": "train.packing"}
+
+
+@pytest.mark.parametrize("job", ["ppo", "rm", "sft", "dpo"])
+def test_every_job_has_the_same_model_run_keys_and_lines(job):
+    """Sequence parallelism, LM-head chunks and activation checkpointing are one `model` section shape."""
+    from rl_core.config import ModelRunConfig
+    from rl_core.dpo.config import DPOConfig
+    from rl_core.dpo.config import validate as validate_dpo
+    from rl_core.sft.config import SFTConfig
+    from rl_core.sft.config import validate as validate_sft
+
+    recipe, schema, validate = {
+        "ppo": ("ppo_sentiment.yaml", PPOConfig, validate_ppo), "rm": ("rm_sentiment.yaml", RMConfig, validate_rm),
+        "sft": ("sft_arithmetic.yaml", SFTConfig, validate_sft), "dpo": ("dpo_sentiment.yaml", DPOConfig, validate_dpo),
+    }[job]
+    packed = f"{PACKING_KEY[job]}=true"
+    cfg = load_config(recipe, [packed, "model.sequence_parallel=2", "model.logits_chunk=0",
+                               "model.gradient_checkpointing=true"], schema, validate)
+    assert isinstance(cfg.model, ModelRunConfig)
+    assert (cfg.model.sequence_parallel, cfg.model.logits_chunk, cfg.model.gradient_checkpointing) == (2, 0, True)
+    lines = {
+        (f"{PACKING_KEY[job]}=false", "model.sequence_parallel=2"):
+            "model.sequence_parallel=2 splits packed micro-batches; turn packing on (the job's packing key) or set "
+            "model.sequence_parallel=1",
+        (packed, "model.sequence_parallel=2", "model.attn_implementation=flash_attention_2"):
+            "model.sequence_parallel=2 runs the model's kernel on whole packed rows with their mask, which "
+            "model.attn_implementation=flash_attention_2's varlen layout has none of; use sdpa (null) or eager",
+        ("model.sequence_parallel=0",): "config key 'model.sequence_parallel' must be >= 1 (1 = none), got 0",
+        ("model.logits_chunk=-1",): "config key 'model.logits_chunk' must be >= 0 (0 = no chunks), got -1",
+    }
+    for overrides, line in lines.items():
+        with pytest.raises(ConfigError) as error:
+            load_config(recipe, list(overrides), schema, validate)
+        assert str(error.value) == line
+
+
 def test_typo_suggests_closest_key():
     with pytest.raises(ConfigError, match=r"unknown config key 'trainer.totl_steps'.*did you mean 'trainer\.\w+'"):
         ppo("trainer.totl_steps=10")

@@ -5,40 +5,65 @@ output at the position just before it, gathered through the packed layout when p
 ``logprobs[:, t]`` is ``log p(input_ids[:, t] | tokens < t)`` and ``values[:, t]`` the critic's
 value of the state just before token ``t``; a sequence's first token holds 0. Every quantity is
 therefore masked by ``action_mask`` directly.
+
+The LM head runs on the wanted tokens only (the actions, or every token with one before it), in chunks
+of `ForwardSettings.logits_chunk` tokens recomputed in backward, so no `[tokens, vocabulary]` logits of a
+whole micro-batch exist at once: float32 logits of a 16k-token micro-batch at a 150k vocabulary are
+~9.6 GB. It runs inside the model's forward (a hook on its decoder), where FSDP has the head's weight
+gathered, and the model's own head computes one position only.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from workers.layout import model_inputs
 from workers.loading import score_head
+from workers.sequence_parallel import SequenceGroup
 
 
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(logits)[labels]`` without materialising the full log-softmax.
+@dataclass(frozen=True)
+class ForwardSettings:
+    """How models run on a job's micro-batches: `logits_chunk` tokens of LM-head logits at a time (0: all
+    at once) and the sequence-parallel group splitting each micro-batch's tokens (None: no split)."""
 
-    Half-precision logits are processed one row at a time in float32, keeping the extra memory
-    at one row of the vocabulary-sized tensor.
-    """
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} must be labels {tuple(labels.shape)} plus a vocab dim")
-    if logits.dtype in (torch.float32, torch.float64):
-        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        return picked - torch.logsumexp(logits, dim=-1)
-    rows = [
-        torch.log_softmax(row.float(), dim=-1).gather(-1, row_labels.unsqueeze(-1)).squeeze(-1)
-        for row, row_labels in zip(logits, labels)
-    ]
-    return torch.stack(rows)
+    logits_chunk: int = 0
+    sequence: SequenceGroup | None = None
+
+    @classmethod
+    def for_job(cls, run, world_size: int, device: torch.device) -> "ForwardSettings":
+        """From a job's `model` run keys (`rl_core.config.ModelRunConfig`). Collective under sequence parallelism."""
+        return cls(run.logits_chunk, SequenceGroup.build(world_size, run.sequence_parallel, device))
+
+
+class MicroBatch(dict):
+    """A laid-out micro-batch (`[b, T]` tensors and the packed layout, on the device) and how models run on
+    it; a plain dict of tensors runs with the default `ForwardSettings`."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], settings: ForwardSettings):
+        super().__init__(tensors)
+        self.settings = settings
+
+
+def settings_of(batch: dict[str, torch.Tensor]) -> ForwardSettings:
+    return getattr(batch, "settings", None) or ForwardSettings()
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the softmax distribution along the last dim: ``logsumexp(z) - sum(p * z)``."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    return torch.logsumexp(logits.float(), dim=-1) - (probs * logits.float()).sum(dim=-1)
+    logits = logits.float()
+    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)[labels]`` in float32, without materialising the log-softmax."""
+    logits = logits.float()
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def rows_about_tokens(batch: dict[str, torch.Tensor], per_position: torch.Tensor, first: int = 1) -> torch.Tensor:
@@ -53,75 +78,148 @@ def rows_about_tokens(batch: dict[str, torch.Tensor], per_position: torch.Tensor
     return per_position.flatten(0, 1)[previous.clamp(min=0)]
 
 
-def _token_logits(model: nn.Module, batch: dict[str, torch.Tensor], temperature: float, first: int) -> torch.Tensor:
-    """`[b, T-first, V]` logits about tokens `first`..T-1 (`first` >= 1) of the padded rows; padded rows
-    run the LM head on those positions only."""
+def _has_previous_token(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`[b, T]` 1 where a token and the one before it are real."""
+    real = batch["attention_mask"].bool()
+    return real & torch.nn.functional.pad(real[:, :-1], (1, 0), value=False)
+
+
+def _previous_positions(batch: dict[str, torch.Tensor], rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Where, as a flat index into the model's `[n, L]` positions, the token before each (row, column) is."""
+    if "packed_index" in batch:
+        return batch["packed_index"][rows, columns - 1]
+    return rows * batch["input_ids"].shape[1] + columns - 1
+
+
+def _model_config(model: nn.Module):
+    return model.config if hasattr(model, "config") else model.backbone.config
+
+
+def _causal_lm(model: nn.Module) -> PreTrainedModel:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model  # under LoRA, peft's wrapper
+
+
+def _run_inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict:
+    """`model_inputs` for `model`; under sequence parallelism this rank's share of the tokens, with the whole
+    rows' mask and the group for the attention (`workers.sequence_parallel`)."""
+    inputs = model_inputs(batch, _model_config(model))
+    group = settings_of(batch).sequence
+    if group is None:
+        return inputs
+    return {**inputs, "input_ids": group.shard(inputs["input_ids"]),
+            "position_ids": group.shard(inputs["position_ids"]), "sequence_group": group}
+
+
+def _per_position(batch: dict[str, torch.Tensor], local: torch.Tensor) -> torch.Tensor:
+    """A model's per-position output `[n, L(/N)]` as the whole rows' (gathered over the sequence group)."""
+    group = settings_of(batch).sequence
+    return local if group is None else group.gather_replicated(local, dim=1)
+
+
+# --------------------------------------------------------------------------- the LM head on the wanted tokens
+
+
+@dataclass(frozen=True)
+class _Wanted:
+    logprobs: bool = True
+    entropy: bool = False
+    entropy_grad: bool = True
+    hits: bool = False
+
+
+def _head_outputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                  temperature: float, softcap: float | None, wanted: _Wanted) -> tuple[torch.Tensor, ...]:
+    """Logprob of each label, entropy and argmax hit for `[k, H]` hidden states (one chunk)."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    if softcap:  # Gemma's final soft-capping, as its own forward applies it after the head
+        logits = torch.tanh(logits / softcap) * softcap
+    # OpenAI detail: logprobs come from logits / sampling temperature, matching the sampler.
+    logits = logits / temperature
+    outputs = [logprobs_from_logits(logits, labels)]
+    if wanted.entropy:
+        outputs.append(entropy_from_logits(logits if wanted.entropy_grad else logits.detach()))
+    if wanted.hits:
+        outputs.append((logits.detach().argmax(-1) == labels).float())
+    return tuple(outputs)
+
+
+def _in_chunks(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, temperature: float,
+               softcap: float | None, wanted: _Wanted, chunk: int) -> list[torch.Tensor]:
+    """`_head_outputs` over `chunk` tokens at a time, each chunk's logits recomputed in backward
+    (activation checkpointing), so the backward holds the hidden states, not the logits."""
+    args = (head.weight, head.bias, temperature, softcap, wanted)
+    if chunk <= 0 or len(hidden) <= chunk:
+        return list(_head_outputs(hidden, args[0], args[1], labels, *args[2:]))
+    parts = [checkpoint(_head_outputs, hidden[i:i + chunk], args[0], args[1], labels[i:i + chunk], *args[2:],
+                        use_reentrant=False)
+             for i in range(0, len(hidden), chunk)]
+    return [torch.cat(outputs) for outputs in zip(*parts)]
+
+
+def _final_softcap(config) -> float | None:
+    if getattr(config, "logit_scale", None) or getattr(config, "logits_scaling", None):
+        raise ValueError(f"{type(config).__name__} scales its logits after the LM head; the trainer's head "
+                         "(workers.forward) does not know that transformation yet")
+    return getattr(config, "final_logit_softcapping", None)
+
+
+def _token_outputs(model: nn.Module, batch: dict[str, torch.Tensor], temperature: float, wanted: _Wanted,
+                   actions_only: bool) -> list[torch.Tensor]:
+    """`[b, T]` rows of the `wanted` outputs about each token (the actions with `actions_only`, else every
+    token with a real one before it; 0 elsewhere)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}; use the sampling temperature")
-    packed = "packed_index" in batch
-    keep = {"logits_to_keep": batch["input_ids"].shape[1] - first + 1} if first > 1 and not packed else {}
-    logits = model(**model_inputs(batch), **keep).logits
-    logits = rows_about_tokens(batch, logits, first) if packed else logits[:, :-1]
-    # OpenAI detail: logprobs come from logits / sampling temperature, matching the sampler.
-    return logits / temperature
+    settings = settings_of(batch)
+    keep = batch["action_mask"].bool() & _has_previous_token(batch) if actions_only else _has_previous_token(batch)
+    rows, columns = keep.nonzero(as_tuple=True)
+    previous = _previous_positions(batch, rows, columns)
+    labels = batch["input_ids"][rows, columns]
+    lm = _causal_lm(model)
+    head, config = lm.get_output_embeddings(), lm.config
+    softcap = _final_softcap(config)
+    computed: list[list[torch.Tensor]] = []
 
+    def head_on_wanted_tokens(module, args, output):
+        # Inside the model's forward: FSDP has gathered the root's weights (embeddings, final norm, head).
+        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        group = settings.sequence
+        if group is None:
+            computed.append(_in_chunks(hidden.flatten(0, 1)[previous], head, labels, temperature, softcap,
+                                       wanted, settings.logits_chunk))
+            return
+        # Sequence parallel: whole rows of hidden states, the head on this rank's share of the tokens.
+        hidden = group.gather_hidden(hidden).flatten(0, 1)
+        start, stop, share = group.split(len(previous))
+        mine = _in_chunks(hidden[previous[start:stop]], head, labels[start:stop], temperature, softcap, wanted,
+                          settings.logits_chunk)
+        padded = [torch.nn.functional.pad(out, (0, share - (stop - start))) for out in mine]
+        computed.append([group.gather_replicated(out)[:len(previous)] for out in padded])
 
-def _first_needed(batch: dict[str, torch.Tensor], actions_only: bool) -> int:
-    """The first token whose logprob is wanted: 1, or with `actions_only` the leftmost action column (the
-    prompt's logits are never used, and the LM head over a large vocabulary is a good share of a small
-    model's compute; TRL and veRL skip it the same way)."""
-    length = batch["input_ids"].shape[1]
-    if not actions_only or length < 3:
-        return 1
-    columns = batch["action_mask"].any(dim=0).nonzero()
-    first = int(columns[0]) if len(columns) else length - 1  # a stand-in: one position keeps the graph whole
-    return min(max(first, 1), length - 1)
-
-
-def _labels(batch: dict[str, torch.Tensor], first: int, device: torch.device) -> torch.Tensor:
-    """Tokens `first`..T-1 of the padded rows, id 0 under padding (a pad id may lie outside the vocabulary)."""
-    ids = batch["input_ids"][:, first:].masked_fill(batch["attention_mask"][:, first:] == 0, 0)
-    return ids.to(device)
-
-
-def _as_rows(batch: dict[str, torch.Tensor], values: torch.Tensor, first: int, actions_only: bool) -> torch.Tensor:
-    """Values about tokens `first`..T-1 as `[b, T]` rows: 0 before `first`, at each sequence's first real
-    token (nothing of its own predicts it) and, with `actions_only`, off the actions."""
-    rows = torch.nn.functional.pad(values, (first, 0))
-    keep = batch["action_mask"] if actions_only else _has_previous_token(batch)
-    return rows * keep.to(rows.device, rows.dtype)
-
-
-def _has_previous_token(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """`[b, T]` 1 where a token and the one before it are real: every real token but the first (padded
-    rows keep every column but 0, as they always did; the losses mask padding)."""
-    if "packed_index" not in batch:
-        keep = torch.ones_like(batch["attention_mask"])
-        keep[:, 0] = 0
-        return keep
-    index = batch["packed_index"]
-    previous = torch.nn.functional.pad(index[:, :-1], (1, 0), value=-1)
-    return ((previous >= 0) & (index >= 0)).long()
+    handle = lm.get_decoder().register_forward_hook(head_on_wanted_tokens)
+    try:
+        output = model(**_run_inputs(model, batch), logits_to_keep=1)
+    finally:
+        handle.remove()
+    tie = output.logits.sum() * 0  # keeps the model's own output in the graph, so FSDP's backward hooks all run
+    outputs = []
+    for values in computed[0]:
+        out = torch.zeros(keep.shape, dtype=values.dtype, device=values.device)
+        outputs.append(out.index_put((rows, columns), values) + tie)
+    return outputs
 
 
 def token_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0,
                    actions_only: bool = False) -> torch.Tensor:
-    """``[b, T]``: ``log p(input_ids[:, t] | < t)`` at temperature; 0 at t=0, and with `actions_only`
-    0 on every token that is not an action (computed for the actions only)."""
-    first = _first_needed(batch, actions_only)
-    logits = _token_logits(model, batch, temperature, first)
-    return _as_rows(batch, logprobs_from_logits(logits, _labels(batch, first, logits.device)), first, actions_only)
+    """``[b, T]``: ``log p(input_ids[:, t] | < t)`` at temperature; 0 at a sequence's first token, on padding
+    and, with `actions_only`, on every token that is not an action (computed for the actions only)."""
+    return _token_outputs(model, batch, temperature, _Wanted(), actions_only)[0]
 
 
 def token_logprobs_and_hits(model: nn.Module, batch: dict[str, torch.Tensor],
                             actions_only: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``[b, T]`` logprobs (temperature 1) and whether the argmax was the token (SFT's token accuracy)."""
-    first = _first_needed(batch, actions_only)
-    logits = _token_logits(model, batch, 1.0, first)
-    labels = _labels(batch, first, logits.device)
-    hits = (logits.detach().argmax(-1) == labels).float()
-    return (_as_rows(batch, logprobs_from_logits(logits, labels), first, actions_only),
-            _as_rows(batch, hits, first, actions_only))
+    logprobs, hits = _token_outputs(model, batch, 1.0, _Wanted(hits=True), actions_only)
+    return logprobs, hits
 
 
 def token_logprobs_and_entropy(
@@ -134,16 +232,17 @@ def token_logprobs_and_entropy(
     ``entropy_grad=False`` (no entropy bonus: the entropy is only logged) keeps the vocabulary-wide
     entropy out of the backward pass.
     """
-    first = _first_needed(batch, actions_only)
-    logits = _token_logits(model, batch, temperature, first)
-    logprobs = logprobs_from_logits(logits, _labels(batch, first, logits.device))
-    entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-    return _as_rows(batch, logprobs, first, actions_only), _as_rows(batch, entropy, first, actions_only)
+    logprobs, entropy = _token_outputs(model, batch, temperature, _Wanted(entropy=True, entropy_grad=entropy_grad),
+                                       actions_only)
+    return logprobs, entropy
 
 
 def token_values(value_model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``[b, T]``: ``values[:, t]`` is the critic output at t-1 (value before action token t)."""
-    return _as_rows(batch, rows_about_tokens(batch, value_model(**model_inputs(batch))), 1, actions_only=False)
+    """``[b, T]``: ``values[:, t]`` is the critic output at t-1 (value before action token t); 0 at a
+    sequence's first token and on padding."""
+    per_position = _per_position(batch, value_model(**_run_inputs(value_model, batch)))
+    values = torch.nn.functional.pad(rows_about_tokens(batch, per_position), (1, 0))
+    return values * _has_previous_token(batch).to(values.device, values.dtype)
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -170,10 +269,10 @@ def raw_reward_scores(model: PreTrainedModel, batch: dict[str, torch.Tensor]) ->
     captured: list[torch.Tensor] = []
     handle = score_head(model).register_forward_hook(lambda module, args, output: captured.append(output))
     try:
-        model(**model_inputs(batch))
+        model(**_run_inputs(model, batch))
     finally:
         handle.remove()
-    per_position = captured[0].squeeze(-1)
+    per_position = _per_position(batch, captured[0].squeeze(-1))
     last = last_token_index(batch["attention_mask"]).to(per_position.device)
     rows = torch.arange(len(last), device=per_position.device)
     if "packed_index" in batch:  # where each row's last token went in the packed rows

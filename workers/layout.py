@@ -10,7 +10,7 @@ holds the ``packed_*`` tensors (`pack`); `model_inputs` gives what the model run
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -94,13 +94,15 @@ def padding_fraction(batch: dict[str, torch.Tensor]) -> float:
 # --------------------------------------------------------------------------- padding-free micro-batches
 
 
-def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False, one_row: bool = False) -> dict[str, torch.Tensor]:
+def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False, one_row: bool = False,
+         multiple: int = 1) -> dict[str, torch.Tensor]:
     """`batch` (from `make_micro_batch`) plus the layout the model then runs on: each row's real tokens
     back to back in as few rows as hold them (first fit, longest first, each row as long as the
     longest unit, so attention costs about what it did padded and only the padding goes).
 
     `one_row`: every sequence in a single row, no padding at all: the layout flash-attention's varlen
     kernel reads (`models.packs_into_one_row`); with a dense mask it would cost (all tokens)^2.
+    `multiple`: the rows' length is padded to a multiple of it (a sequence-parallel group's size).
 
     A unit is one sequence, or with `share_prompts` every sequence of the micro-batch with the same
     prompt (its real tokens before the first action): the prompt once, then each sequence's rest,
@@ -132,7 +134,7 @@ def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False, one_row: b
         else:
             bins[fits].append(unit)
             loads[fits] += sizes[unit]
-    width = max(loads)
+    width = -(-max(loads) // multiple) * multiple
     ids = torch.zeros(len(bins), width, dtype=torch.long)  # id 0 under padding (OpenAI detail, prepare_inputs)
     positions = torch.zeros(len(bins), width, dtype=torch.long)
     segments = torch.full((len(bins), width), -1, dtype=torch.long)
@@ -183,9 +185,12 @@ def packing_layout(packing: bool, attn_implementation: str | None) -> str | None
     return "one_row" if packs_into_one_row(attn_implementation) else "rows"
 
 
-def laid_out(batch: dict[str, torch.Tensor], layout: str | None, share_prompts: bool = False) -> dict[str, torch.Tensor]:
-    """`batch` (from `make_micro_batch`) in the `packing_layout` the job runs."""
-    return batch if layout is None else pack(batch, share_prompts=share_prompts, one_row=layout == "one_row")
+def laid_out(batch: dict[str, torch.Tensor], layout: str | None, share_prompts: bool = False,
+             multiple: int = 1) -> dict[str, torch.Tensor]:
+    """`batch` (from `make_micro_batch`) in the `packing_layout` the job runs (`multiple`: see `pack`)."""
+    if layout is None:
+        return batch
+    return pack(batch, share_prompts=share_prompts, one_row=layout == "one_row", multiple=multiple)
 
 
 def prompt_of(real_ids: list[int], real_actions: list[int]) -> tuple[int, ...] | None:
@@ -213,10 +218,11 @@ def _packing_units(batch: dict[str, torch.Tensor], columns: list[torch.Tensor],
     return units
 
 
-def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What the model runs on: the padded rows (`prepare_inputs`), or the packed ones with a
-    block-diagonal causal mask (a token sees the earlier tokens of its own sequence, and of its shared
-    prompt; padding sees itself), exact with any attention kernel that takes a 4-D boolean mask (sdpa, eager)."""
+def model_inputs(batch: dict[str, torch.Tensor], config=None) -> dict[str, Any]:
+    """What the model (`config`: its transformers config) runs on: the padded rows (`prepare_inputs`;
+    transformers builds the masks), or the packed rows with a block-diagonal causal mask (a token sees the
+    earlier tokens of its own sequence and of its shared prompt; padding sees itself), exact with any kernel
+    that takes a 4-D mask (sdpa, eager): `attention_masks` makes it in the form the model's kernel and layers read."""
     if "packed_index" not in batch:
         return prepare_inputs(batch)
     if "packed_one_row" in batch:
@@ -225,15 +231,37 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # a KV cache, so none is made.
         return {"input_ids": batch["packed_input_ids"], "position_ids": batch["packed_position_ids"],
                 "use_cache": False}
+    return {"input_ids": batch["packed_input_ids"], "attention_mask": attention_masks(batch, config),
+            "position_ids": batch["packed_position_ids"]}
+
+
+def attention_masks(batch: dict[str, torch.Tensor], config=None) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The packed rows' `[n, 1, L, L]` mask as `config`'s model reads a mask it is given whole:
+
+    - sliding-window layers see only the last `sliding_window` positions (transformers' rule, key position
+      > query position - window), so a model with `layer_types` gets one mask per layer type and one with
+      only `sliding_window` (Mistral, Phi3) the windowed mask;
+    - eager attention *adds* the mask to its scores, so it gets 0 / a large negative float (a boolean
+      mask added as 1/0 masks nothing: Gemma 2, eager by default, read other sequences' tokens)."""
     segments = batch["packed_segment_ids"]
     contexts = batch.get("packed_context_ids", segments)
     length = segments.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
     same = (segments[:, :, None] == segments[:, None, :]) | (contexts[:, :, None] == segments[:, None, :])
-    mask = causal[None] & same
-    return {"input_ids": batch["packed_input_ids"], "attention_mask": mask[:, None],
-            "position_ids": batch["packed_position_ids"]}
-
+    full = (causal[None] & same)[:, None]
+    window = getattr(config, "sliding_window", None)
+    if window:
+        positions = batch["packed_position_ids"]
+        sliding = full & (positions[:, None, None, :] > positions[:, None, :, None] - window)
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types:
+        masks = {kind: sliding if window and kind == "sliding_attention" else full for kind in layer_types}
+    else:
+        masks = {"all": sliding if window else full}
+    if "eager" in str(getattr(config, "_attn_implementation", "")):
+        masks = {kind: torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+                 for kind, mask in masks.items()}
+    return masks if layer_types else masks["all"]
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

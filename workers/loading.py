@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from workers import sequence_parallel
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -175,10 +176,11 @@ class ValueModel(nn.Module):
         head = {name: tensor.detach().cpu().contiguous() for name, tensor in self.head.state_dict().items()}
         save_file(head, str(Path(out_dir) / VALUE_HEAD_FILE))
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                use_cache: bool = False) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
+                use_cache: bool = False, **kwargs) -> torch.Tensor:
+        """`[n, L]` values; `kwargs` reach the attention (e.g. `workers.sequence_parallel`'s group)."""
         hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache, **kwargs
         ).last_hidden_state
         # A fresh tensor, not a squeeze view: FSDP2 hooks the module output for backward, and a
         # view would let a later in-place op bypass that hook.
@@ -251,6 +253,27 @@ def load_reward_model(path: str, dtype: torch.dtype = torch.float32, pad_token_i
 def set_reward_gain_bias(model: PreTrainedModel, gain: float, bias: float) -> None:
     """Store the normalisation in the config so ``save_pretrained`` carries it."""
     model.config.reward_gain, model.config.reward_bias = float(gain), float(bias)
+
+
+def prepare_for_run(model: nn.Module, run, trained: bool) -> nn.Module:
+    """Apply a job's `model` run keys (`rl_core.config.ModelRunConfig`) to a loaded model: activation
+    checkpointing on a model being `trained`, and Ulysses attention under sequence parallelism."""
+    base = model.backbone if isinstance(model, ValueModel) else model
+    if trained and run.gradient_checkpointing:
+        enable_gradient_checkpointing(base)
+    if run.sequence_parallel > 1:
+        sequence_parallel.enable(base, run.sequence_parallel)
+    return model
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each block's activations in backward instead of storing them (memory for compute).
+    Non-reentrant checkpointing works under FSDP2; the KV cache is useless when training."""
+    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
 
 
 def context_length(config: PretrainedConfig) -> int | None:

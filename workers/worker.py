@@ -11,8 +11,12 @@ tensors, any `[N]` per-row tensors) that every rank holds whole. The worker then
 3. runs a stand-in (row 0, weight 0) where a rank has fewer units than micro-batches, since FSDP's
    forwards are collectives;
 4. applies the loss scaling rule, here and nowhere else: each rank sums its losses, divides by the
-   *global* count and multiplies by `dp_size`, because FSDP averages gradients over ranks; the
+   *global* count and multiplies by the number of ranks, because FSDP averages gradients over them; the
    accumulated gradient then equals the single-process gradient of the global mean.
+
+With sequence parallelism (`workers.sequence_parallel`) the rows are balanced over the data-parallel
+groups; the ranks of a sequence group run the same micro-batches, each on 1/N of their tokens, so a
+micro-batch holds up to N x `max_tokens`.
 
 A job supplies only its loss (`loss_fn(model, micro_batch) -> (summed loss, metrics)`) or, forward
 only, what to compute (`gather`, `sums`).
@@ -26,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from workers.balance import micro_batches_for_rank, with_stand_ins
+from workers.forward import ForwardSettings, MicroBatch
 from workers.layout import laid_out, prompt_of, to_device
 
 Batch = dict[str, torch.Tensor]
@@ -33,15 +38,26 @@ LossFn = Callable[[torch.nn.Module, Batch], tuple[torch.Tensor, dict[str, float]
 
 
 class BatchWorker:
-    """Micro-batches of one rank: `max_tokens` bounds each one's padded size (packed: its real tokens);
-    `layout` is `layout.packing_layout`'s; `share_prompts` packs a group's prompt once."""
+    """Micro-batches of one rank: `max_tokens` bounds each one's padded size (packed: its real tokens) per
+    device; `layout` is `layout.packing_layout`'s; `share_prompts` packs a group's prompt once; `settings`
+    say how models run on the micro-batches (LM-head chunks, the sequence-parallel group)."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device, max_tokens: int,
-                 layout: str | None = None, share_prompts: bool = False):
+                 layout: str | None = None, share_prompts: bool = False, settings: ForwardSettings | None = None):
         if share_prompts and layout != "rows":
             raise ValueError("share_prompts needs packed rows with a mask (packing on, a non-flash attention kernel)")
+        self.settings = settings or ForwardSettings()
+        group = self.settings.sequence
+        if group is not None and layout != "rows":
+            raise ValueError("model.sequence_parallel > 1 splits packed rows: turn packing on (the job's `packing` "
+                             "key) and use an sdpa or eager attention kernel")
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.max_tokens, self.layout, self.share_prompts = max_tokens, layout, share_prompts
+        # Balancing is over data-parallel groups: a sequence group's ranks share their micro-batches.
+        self.dp_rank, self.dp_size = (rank, world_size) if group is None else (group.dp_rank, group.dp_size)
+        self.sp_size = 1 if group is None else group.size
+        self.owner = group is None or group.rank == 0  # the rank of its group that reports forward-only results
+        self.max_tokens = max_tokens * self.sp_size
+        self.layout, self.share_prompts = layout, share_prompts
 
     # ------------------------------------------------------------------ planning
 
@@ -60,7 +76,7 @@ class BatchWorker:
         if too_long > self.max_tokens:
             raise ValueError(f"one micro-batch must hold {too_long} tokens (a sequence, or rows that stay together) "
                              f"but max_tokens_per_device={self.max_tokens}; raise it or shorten the data")
-        mine = micro_batches_for_rank(unit_tokens, self.rank, self.world_size, self.max_tokens,
+        mine = micro_batches_for_rank(unit_tokens, self.dp_rank, self.dp_size, self.max_tokens,
                                       packed=self.layout is not None)
         return [(indices, real) for indices, real in
                 with_stand_ins([[row for unit in batch_units for row in unit_rows[unit]] for batch_units in mine])]
@@ -70,7 +86,8 @@ class BatchWorker:
         index = torch.tensor(indices)
         width = int(row_lengths(batch["attention_mask"][index], real_only=False).max())
         rows = {key: select(value, index, width) for key, value in batch.items()}
-        return to_device(laid_out(rows, self.layout, share_prompts=self.share_prompts), self.device)
+        micro = laid_out(rows, self.layout, share_prompts=self.share_prompts, multiple=self.sp_size)
+        return MicroBatch(to_device(micro, self.device), self.settings)
 
     def micro_batches(self, batch: Batch, units: list[list[int]] | None = None) -> list[tuple[Batch, bool]]:
         return [(self.micro_batch(batch, indices), real) for indices, real in self.plan(batch, units)]
@@ -84,14 +101,14 @@ class BatchWorker:
 
         `fn` returns `[b, T]` (per token) or `[b]` (per row) tensors; the result holds one `[N, T]` or
         `[N]` float tensor per output, on the CPU. Each row is computed by exactly one rank into
-        zero-filled buffers, so one sum over ranks gathers them (no pickling)."""
+        zero-filled buffers (by one rank of its sequence group), so one sum over ranks gathers them (no pickling)."""
         n, width = batch["input_ids"].shape
         outputs: list[torch.Tensor] | None = None
         for indices, real in self.plan(batch, units):
             results = fn(self.micro_batch(batch, indices))
             if outputs is None:
                 outputs = [torch.zeros((n, width) if r.dim() == 2 else (n,), device=self.device) for r in results]
-            if real:
+            if real and self.owner:
                 index = torch.tensor(indices, device=self.device)
                 for out, result in zip(outputs, results):
                     if result.dim() == 2:
@@ -109,7 +126,7 @@ class BatchWorker:
         for micro, real in self.micro_batches(batch, units):
             values = fn(micro)
             totals = totals or [0.0] * len(values)
-            if real:
+            if real and self.owner:
                 totals = [total + float(value) for total, value in zip(totals, values)]
         return self.sum_over_ranks(totals)
 
@@ -148,13 +165,14 @@ class BatchWorker:
         return totals.tolist()
 
 
-def scale_loss(loss_sum: torch.Tensor, global_count: float, dp_size: int) -> torch.Tensor:
+def scale_loss(loss_sum: torch.Tensor, global_count: float, fsdp_ranks: int) -> torch.Tensor:
     """The loss scaling rule (module docstring): a rank's summed loss over the batch's *global* count,
-    times `dp_size` because FSDP averages gradients over ranks."""
+    times `fsdp_ranks`, the ranks FSDP averages gradients over: all of them, also under sequence parallelism,
+    where a group's ranks each hold a part of a micro-batch's gradient (`workers.sequence_parallel`)."""
     if float(global_count) <= 0:
         raise ValueError(f"the loss's global count is {float(global_count)}; the batch has nothing to train on "
                          "(no trained token on any rank)")
-    return loss_sum / float(global_count) * dp_size
+    return loss_sum / float(global_count) * fsdp_ranks
 
 
 def row_lengths(attention: torch.Tensor, real_only: bool) -> torch.Tensor:

@@ -5,22 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rl_core.config import LoraSettings, choice, require
+from rl_core.config import LoraSettings, ModelRunConfig, choice, require
 from rl_core.preferences import FORMATS
 from rl_core.finetune import FinetuneTrainConfig, FinetuneTrainerConfig, validate_training
 
 
 @dataclass
-class DPOModelConfig:
+class DPOModelConfig(ModelRunConfig):
     path: str = "tiny"  # the policy to train; "tiny" = the offline tiny policy
     tokenizer_path: Optional[str] = None  # null = path
     reference_path: Optional[str] = None  # the frozen reference; null = the starting policy
-    mixed_precision: Optional[str] = choice(None, (None, "bf16", "fp16"))  # GPU only
     lora: LoraSettings = field(default_factory=LoraSettings)
-    # The attention kernel by transformers' name: null = its default (sdpa where the model has it), or e.g.
-    # flash_attention_2 on GPUs (the flash-attn package); with packing, flash runs each micro-batch as one
-    # row of sequences back to back through its varlen kernel, sdpa as rows with a block-diagonal mask.
-    attn_implementation: Optional[str] = None
 
 
 @dataclass
@@ -73,6 +68,7 @@ def validate(cfg: DPOConfig) -> None:
     """Cross-field rules of the DPO job; raises ConfigError naming the key and the fix."""
     tr = cfg.train
     validate_training(tr, cfg.trainer, cfg.model.lora)
+    cfg.model.validate(tr.packing)
     require(cfg.dpo.beta > 0, f"config key 'dpo.beta' must be > 0, got {cfg.dpo.beta}")
     require(0.0 <= cfg.dpo.label_smoothing < 0.5,
             f"config key 'dpo.label_smoothing' must be in [0, 0.5), got {cfg.dpo.label_smoothing}")

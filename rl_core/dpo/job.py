@@ -28,6 +28,7 @@ from workers import decode, forward, loading
 from workers.layout import make_micro_batch, packing_layout, to_device
 from workers.fsdp import shard_model
 from workers.lora import with_lora
+from workers.forward import ForwardSettings
 from workers.worker import BatchWorker
 
 
@@ -48,12 +49,16 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
     steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_pairs), "pairs", cfg.data.train_path)
     seed_everything(cfg.trainer.seed)
     attention = cfg.model.attn_implementation
-    policy = with_lora(loading.load_causal_lm(cfg.model.path, attn_implementation=attention), cfg.model.lora)
+    policy = loading.prepare_for_run(loading.load_causal_lm(cfg.model.path, attn_implementation=attention),
+                                     cfg.model, trained=True)
+    policy = with_lora(policy, cfg.model.lora, cfg.model.gradient_checkpointing)
     shard_model(policy.to(dp.device), mixed_precision=cfg.model.mixed_precision)
-    reference = loading.load_causal_lm(reference_path, attn_implementation=attention).to(dp.device).requires_grad_(False)
+    reference = loading.prepare_for_run(loading.load_causal_lm(reference_path, attn_implementation=attention),
+                                        cfg.model, trained=False).to(dp.device).requires_grad_(False)
     shard_model(reference, mixed_precision=cfg.model.mixed_precision)
     trainable = finetune.trainable_model(policy, tr, total_steps)
-    worker = BatchWorker(dp.rank, dp.size, dp.device, tr.max_tokens_per_device, packing_layout(tr.packing, attention))
+    worker = BatchWorker(dp.rank, dp.size, dp.device, tr.max_tokens_per_device, packing_layout(tr.packing, attention),
+                         settings=ForwardSettings.for_job(cfg.model, dp.size, dp.device))
     checkpointer = Checkpointer(run_dir / "checkpoints", dp.rank, keep_last=cfg.trainer.keep_last)
     start_step, _ = checkpointer.maybe_resume(cfg.trainer.resume, {"policy": trainable})
     scorer = RewardModelEval(cfg, tokenizer, test_pairs, dp) if cfg.eval.reward_model_path else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rl_core.config import LoraSettings, TrainerConfig, choice, require, validate_checkpoint_keys
+from rl_core.config import LoraSettings, ModelRunConfig, TrainerConfig, choice, require, validate_checkpoint_keys
 from rl_core.data import LONG_PROMPT_POLICIES
 from rl_core.ppo.algorithms import GROUP_KINDS, KL_KINDS, LOSS_AGG_MODES, ROLLOUT_CORRECTIONS
 from rl_core.rollout.rollout import RolloutSettings
@@ -21,22 +21,17 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(ModelRunConfig):
     # "tiny" = the offline assets (rl_core/tiny); otherwise any HF causal LM path or hub name.
     path: str = "tiny"
     tokenizer_path: Optional[str] = None
     dtype: str = choice("float32", DTYPES)  # master weights; under mixed precision they stay fp32
-    mixed_precision: Optional[str] = choice(None, (None, "bf16", "fp16"))  # GPU only
     cpu_offload: bool = False  # FSDP2 parameter/optimizer offload (GPU only)
-    gradient_checkpointing: bool = False  # actor and critic recompute activations in backward (less memory)
     # LoRA for the actor (the critic trains every weight): the engines get the merged weights on each
     # push, the reference is the actor with its adapters off, export writes the merged model or the adapter.
+    # Actor, reference, critic and reward model all run with the `ModelRunConfig` keys (attention kernel,
+    # sequence parallelism): they run the same micro-batches.
     lora: LoraSettings = field(default_factory=LoraSettings)
-    # The attention kernel by transformers' name: null = its default (sdpa where the model has it), or e.g.
-    # flash_attention_2 on GPUs (the flash-attn package); with packing, flash runs each micro-batch as one
-    # row of sequences back to back through its varlen kernel, sdpa as rows with a block-diagonal mask.
-    # Actor, reference, critic and reward model all load with it: they run the same micro-batches.
-    attn_implementation: Optional[str] = None
 
 
 @dataclass
@@ -283,6 +278,7 @@ def validate(cfg: PPOConfig) -> None:
     algo, ro, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
     trainer.validate()
     cfg.model.lora.validate()
+    cfg.model.validate(algo.packing)
     require(cfg.model.lora.dropout == 0.0, f"config key 'model.lora.dropout' must be 0 in the PPO job, got "
             f"{cfg.model.lora.dropout} (OpenAI detail: no dropout; old logprobs and the weight probe must be exact)")
     require(algo.batch_size > 0, f"config key 'algorithm.batch_size' must be > 0, got {algo.batch_size}")

@@ -36,6 +36,7 @@ from rl_core.rollout.service import RolloutService
 from workers import layout, loading
 from workers.engines.client import EngineError
 from workers.engines.weights import probe_token_ids
+from workers.forward import ForwardSettings
 from workers.worker import BatchWorker
 
 
@@ -162,7 +163,8 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
     models = PPOModels(cfg.model, algo, cfg.reward.model_path or None, tokenizer.pad_token_id, total_steps)
     # Every model runs the same micro-batches: balanced, length-sorted, packed when asked.
     worker = BatchWorker(rt.rank, rt.world_size, rt.device, algo.max_tokens_per_device,
-                         layout.packing_layout(algo.packing, cfg.model.attn_implementation), algo.share_prompts)
+                         layout.packing_layout(algo.packing, cfg.model.attn_implementation), algo.share_prompts,
+                         ForwardSettings.for_job(cfg.model, rt.world_size, rt.device))
     truncate_id = None  # OpenAI rejection sampling's truncation token, when a reward model scores
     if cfg.reward.truncate_token is not None and models.reward_model is not None:
         truncate_id = loading.single_token_id(tokenizer, cfg.reward.truncate_token, "reward.truncate_token")

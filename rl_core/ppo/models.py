@@ -35,9 +35,7 @@ class PPOModels:
             return lambda m: build_optimizer([p for p in m.parameters() if p.requires_grad], algo.optimizer, lr=lr,
                                              eps=algo.adam_eps, weight_decay=algo.weight_decay)
 
-        actor = loading.load_causal_lm(policy_path, dtype, attention)
-        if model_cfg.gradient_checkpointing:
-            enable_gradient_checkpointing(actor)
+        actor = loading.prepare_for_run(loading.load_causal_lm(policy_path, dtype, attention), model_cfg, trained=True)
         actor = with_lora(actor, model_cfg.lora, model_cfg.gradient_checkpointing)
         self.actor = TrainableModel(shard(actor), optimizer_for(algo.lr), schedule, algo.max_grad_norm)
         self.lora = model_cfg.lora.rank > 0
@@ -46,18 +44,17 @@ class PPOModels:
         # With LoRA the reference is the actor with its adapters off: the same frozen base, held once.
         self.reference = None
         if self.uses_reference and not self.lora:
-            self.reference = shard(loading.load_causal_lm(policy_path, dtype, attention)).requires_grad_(False)
+            reference = loading.prepare_for_run(loading.load_causal_lm(policy_path, dtype, attention), model_cfg, False)
+            self.reference = shard(reference).requires_grad_(False)
         self.critic = None
         if algo.advantage_estimator == "gae":
             critic = loading.ValueModel.from_pretrained(policy_path, dtype, attention)
-            if model_cfg.gradient_checkpointing:
-                enable_gradient_checkpointing(critic.backbone)
-            critic = shard(critic)
+            critic = shard(loading.prepare_for_run(critic, model_cfg, trained=True))
             self.critic = TrainableModel(critic, optimizer_for(algo.critic_lr or algo.lr), schedule, algo.max_grad_norm)
         self.reward_model = None
         if reward_path is not None:
             rm = loading.load_reward_model(reward_path, dtype, pad_token_id, attention)
-            self.reward_model = shard(rm).requires_grad_(False)
+            self.reward_model = shard(loading.prepare_for_run(rm, model_cfg, trained=False)).requires_grad_(False)
 
     def reference_logprobs(self, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
         """The frozen reference's logprobs of the actions (with LoRA: the actor with its adapters off)."""
@@ -87,12 +84,3 @@ class PPOModels:
             logprobs = forward.token_logprobs(self.actor.model, worker.micro_batch(probe, [0]), temperature=1.0)
         return logprobs[0, 1:].float().cpu().tolist()
 
-
-def enable_gradient_checkpointing(model) -> None:
-    """Recompute each block's activations in backward instead of storing them (memory for compute).
-    Non-reentrant checkpointing works under FSDP2; the KV cache is useless when training."""
-    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x
-        model.activation_checkpointing_enable({"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False

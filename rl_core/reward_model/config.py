@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rl_core.config import TrainerConfig, choice, require
+from rl_core.config import ModelRunConfig, TrainerConfig, choice, require
 from rl_core.optim import OPTIMIZER_NAMES
 from rl_core.preferences import FORMATS
 
@@ -13,16 +13,11 @@ LABELER_NAMES = (None, "sentiment", "descriptiveness")
 
 
 @dataclass
-class RMModelConfig:
+class RMModelConfig(ModelRunConfig):
     # Reference policy: its tokenizer, and the sampler for reward normalisation. "tiny" = assets policy.
     policy_path: str = "tiny"
     # Starting weights: null = policy_path; any HF causal LM (fresh head) or seq-cls checkpoint (kept head).
     init_from: Optional[str] = None
-    mixed_precision: Optional[str] = choice(None, (None, "bf16", "fp16"))  # GPU only
-    # The attention kernel by transformers' name: null = its default (sdpa where the model has it), or e.g.
-    # flash_attention_2 on GPUs (the flash-attn package); with packing, flash runs each micro-batch as one
-    # row of sequences back to back through its varlen kernel, sdpa as rows with a block-diagonal mask.
-    attn_implementation: Optional[str] = None
 
 
 @dataclass
@@ -95,6 +90,7 @@ def validate(cfg: RMConfig) -> None:
     """Cross-field rules of the reward-model job; raises ConfigError naming the key and the fix."""
     tr, norm, data = cfg.train, cfg.normalize, cfg.data
     cfg.trainer.validate()
+    cfg.model.validate(tr.packing)
     require(tr.batch_size > 0, f"config key 'train.batch_size' must be > 0, got {tr.batch_size}")
     require(tr.lr > 0, f"config key 'train.lr' must be > 0, got {tr.lr}")
     require(tr.adam_eps > 0, f"config key 'train.adam_eps' must be > 0, got {tr.adam_eps}")

@@ -19,9 +19,9 @@ from rl_core.reward_model.config import NormalizeConfig, RMConfig, RMTrainConfig
 from rl_core.reward_model.losses import preference_correct, preference_loss, spearman
 from rl_core.reward_model.sampling import pick_queries, sample_truncated
 from workers.fsdp import TrainableModel, full_state_dict, shard_model
-from workers.forward import raw_reward_scores, reward_scores
+from workers.forward import ForwardSettings, raw_reward_scores, reward_scores
 from workers.layout import make_micro_batch, packing_layout, to_device
-from workers.loading import init_reward_model, load_reward_model, set_reward_gain_bias
+from workers.loading import init_reward_model, load_reward_model, prepare_for_run, set_reward_gain_bias
 from workers.worker import BatchWorker
 
 Log = Callable[[str], None]
@@ -197,6 +197,7 @@ def fit_reward_model(model, policy, tokenizer, train_examples: list, test_exampl
     if steps < 1:
         raise ValueError(f"the train set has {len(train_examples)} comparisons, fewer than one minibatch "
                          f"(train.batch_size={cfg.train.batch_size}); lower train.batch_size or add data")
+    prepare_for_run(model, cfg.model, trained=True)
     if dp.sharded:
         shard_model(model.to(dp.device), mixed_precision=cfg.model.mixed_precision)
     pad_id = tokenizer.pad_token_id
@@ -216,7 +217,8 @@ def fit_reward_model(model, policy, tokenizer, train_examples: list, test_exampl
     gain_before, _ = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed, dp,
                                       bar("sampling to normalise before training"))
     worker = BatchWorker(dp.rank, dp.size, dp.device, cfg.train.max_tokens_per_device,
-                         packing_layout(cfg.train.packing, cfg.model.attn_implementation))
+                         packing_layout(cfg.train.packing, cfg.model.attn_implementation),
+                         settings=ForwardSettings.for_job(cfg.model, dp.size, dp.device))
     before = heldout_metrics(model, worker, test_examples, pad_id)
     log(f"[train_rm] {len(train_examples)} train / {len(test_examples)} held-out comparisons, {steps} steps "
         f"on {dp.size} rank(s); held-out accuracy before training {before['accuracy']:.3f}")

@@ -5,23 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rl_core.config import LoraSettings, choice, require
+from rl_core.config import LoraSettings, ModelRunConfig, choice, require
 from rl_core.finetune import FinetuneTrainConfig, FinetuneTrainerConfig, validate_training
 
 SFT_FORMATS = ("messages", "prompt_response")
 
 
 @dataclass
-class SFTModelConfig:
+class SFTModelConfig(ModelRunConfig):
     path: str = "tiny"  # any Hugging Face causal LM; "tiny" = the offline tiny policy
     tokenizer_path: Optional[str] = None  # null = path; the chat template comes from here
-    mixed_precision: Optional[str] = choice(None, (None, "bf16", "fp16"))  # GPU only
     lora: LoraSettings = field(default_factory=LoraSettings)
-    gradient_checkpointing: bool = False
-    # The attention kernel by transformers' name: null = its default (sdpa where the model has it), or e.g.
-    # flash_attention_2 on GPUs (the flash-attn package); with packing, flash runs each micro-batch as one
-    # row of sequences back to back through its varlen kernel, sdpa as rows with a block-diagonal mask.
-    attn_implementation: Optional[str] = None
 
 
 @dataclass
@@ -68,6 +62,7 @@ def validate(cfg: SFTConfig) -> None:
     """Cross-field rules of the SFT job; raises ConfigError naming the key and the fix."""
     tr, data = cfg.train, cfg.data
     validate_training(tr, cfg.trainer, cfg.model.lora)
+    cfg.model.validate(tr.packing)
     require(data.max_length >= 2, f"config key 'data.max_length' must be >= 2, got {data.max_length}")
     require(tr.max_tokens_per_device >= data.max_length,
             f"train.max_tokens_per_device={tr.max_tokens_per_device} cannot hold one row of data.max_length="

@@ -26,6 +26,7 @@ from workers import loading
 from workers.layout import packing_layout
 from workers.fsdp import shard_model
 from workers.lora import with_lora
+from workers.forward import ForwardSettings
 from workers.worker import BatchWorker
 
 
@@ -50,15 +51,15 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
     model = loading.load_causal_lm(cfg.model.path, attn_implementation=cfg.model.attn_implementation)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # a [PAD] the tokenizer gained
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    loading.prepare_for_run(model, cfg.model, trained=True)
     model = with_lora(model, cfg.model.lora, cfg.model.gradient_checkpointing)
     model.to(dp.device)
     if dp.sharded:
         shard_model(model, mixed_precision=cfg.model.mixed_precision)
     trainable = finetune.trainable_model(model, tr, total_steps, sharded=dp.sharded)
     worker = BatchWorker(dp.rank, dp.size, dp.device, tr.max_tokens_per_device,
-                         packing_layout(tr.packing, cfg.model.attn_implementation))
+                         packing_layout(tr.packing, cfg.model.attn_implementation),
+                         settings=ForwardSettings.for_job(cfg.model, dp.size, dp.device))
     checkpointer = Checkpointer(run_dir / "checkpoints", dp.rank, keep_last=cfg.trainer.keep_last)
     start_step, _ = checkpointer.maybe_resume(cfg.trainer.resume, {"model": trainable})
     logger = None

@@ -73,7 +73,7 @@ def test_dynamic_sampling_fills_the_batch_and_counts_what_it_dropped(arithmetic_
 def test_gradient_checkpointing_recomputes_without_changing_gradients(tiny_model_dir):
     import torch
 
-    from rl_core.ppo.models import enable_gradient_checkpointing
+    from workers.loading import enable_gradient_checkpointing
     from workers.loading import load_causal_lm
 
     ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -72,7 +72,7 @@ def accumulate(model, micro_batches, loss_agg, dp_size, denominator=None):
         loss = per_token_loss(model, inputs, labels)
         if denominator is None:
             local_count = sum(global_denominator(padded(mb)[2], loss_agg) for mb in micro_batches)
-            scale_loss(loss_sum(loss, mask, loss_agg), local_count, dp_size=1).backward()
+            scale_loss(loss_sum(loss, mask, loss_agg), local_count, fsdp_ranks=1).backward()
         else:
             scale_loss(loss_sum(loss, mask, loss_agg), denominator, dp_size).backward()
 

@@ -1,0 +1,74 @@
+"""The trainer's forward on every model family users train (tiny random models built from transformers
+configs): its logprobs and entropies equal the model's own logits' on padded rows, on packed rows (with
+sliding windows shorter than the sequences), and with the LM head in chunks, gradients included."""
+
+import pytest
+import torch
+
+from rl_core.tiny.families import FAMILIES, save_family_model
+from workers.forward import ForwardSettings, MicroBatch, token_logprobs_and_entropy
+from workers.layout import make_micro_batch, pack
+from workers.loading import load_causal_lm
+
+WINDOW = 8  # shorter than the sequences below, so sliding-window layers really slide
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("families")
+    dirs = {}
+    for family in FAMILIES:
+        window = {"sliding_window": WINDOW} if family in ("mistral", "gemma2", "gemma3") else {}
+        dirs[family] = save_family_model(family, tiny_model_dir, root / family, **window)
+    return dirs
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(0)
+    lengths = (27, 19, 23)
+    rows = [{"input_ids": torch.randint(3, 290, (n,), generator=generator).tolist(),
+             "action_mask": [0] * 6 + [1] * (n - 6)} for n in lengths]
+    return make_micro_batch(rows, pad_token_id=1)
+
+
+def _reference(model, batch, temperature):
+    """Logprobs and entropies from the model's own logits, one sequence at a time (no padding, no packing)."""
+    logprobs = torch.zeros(batch["input_ids"].shape)
+    entropy = torch.zeros(batch["input_ids"].shape)
+    for row in range(len(batch["input_ids"])):
+        length = int(batch["attention_mask"][row].sum())
+        ids = batch["input_ids"][row, :length][None]
+        logits = model(input_ids=ids).logits[0, :-1].float() / temperature
+        log_probs = torch.log_softmax(logits, -1)
+        logprobs[row, 1:length] = log_probs.gather(-1, ids[0, 1:, None]).squeeze(-1)
+        entropy[row, 1:length] = -(log_probs.exp() * log_probs).sum(-1)
+    mask = batch["action_mask"].float()
+    return logprobs * mask, entropy * mask
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_forward_matches_the_models_logits_in_every_layout(family, family_dirs):
+    model = load_causal_lm(family_dirs[family]).eval()
+    batch = _batch()
+    with torch.no_grad():
+        expected_logprobs, expected_entropy = _reference(model, batch, temperature=0.7)
+        for layout in (batch, pack(batch), MicroBatch(pack(batch), ForwardSettings(logits_chunk=5))):
+            logprobs, entropy = token_logprobs_and_entropy(model, layout, 0.7, actions_only=True)
+            torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-5, rtol=0)
+            torch.testing.assert_close(entropy, expected_entropy, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe"])
+def test_chunked_head_gives_the_same_gradients(family, family_dirs):
+    model = load_causal_lm(family_dirs[family])
+    batch = pack(_batch())
+    grads = []
+    for chunk in (0, 4):
+        model.zero_grad()
+        logprobs, entropy = token_logprobs_and_entropy(model, MicroBatch(batch, ForwardSettings(logits_chunk=chunk)),
+                                                       actions_only=True)
+        (logprobs.sum() + 0.1 * entropy.sum()).backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-5)
