@@ -22,10 +22,18 @@ from tests.ppo.test_job import read_metrics, torchrun_argv, wait_gone
 from tests.sglang_env import ENGINE_KINDS, require_sglang_python
 
 # Prompts of about 30 tokens + 20 generated: a window of 16 is crossed by every sequence, while
-# the model's 512 positions hold them with room to spare.
+# the model's CONTEXT positions hold them with room to spare.
 SLIDING_WINDOW = 16
 WINDOWED = {"mistral", "gemma2", "gemma3"}  # the families whose configs use `sliding_window` by default
+CONTEXT = 512
 MAX_GAP = 1e-3  # float32 on both sides: a correct push leaves rounding error only
+# SGLang 0.5.23 runs Mistral as Llama (its MistralForCausalLM is LlamaForCausalLM): no sliding window, so
+# past the window its logprobs are not the trainer's and the first push stops the job (gap 0.0039 here).
+# Strict: the test says so once SGLang applies the window.
+KNOWN_FAILURES = {("mistral", "sglang"): "SGLang serves Mistral without its sliding window"}
+CASES = [pytest.param(family, engine, marks=[pytest.mark.xfail(reason=KNOWN_FAILURES[family, engine], strict=True)]
+                      if (family, engine) in KNOWN_FAILURES else [])
+         for family in FAMILIES for engine in ENGINE_KINDS]
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +45,14 @@ def arithmetic():
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("engine", ENGINE_KINDS)
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family, engine", CASES)
 def test_two_grpo_steps_keep_engine_and_trainer_equal_and_export_the_family(arithmetic, tmp_path, family, engine):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     engine_overrides = ["rollout.engine=sglang", f"rollout.sglang_python={require_sglang_python()}"] \
         if engine == "sglang" else []
     window = {"sliding_window": SLIDING_WINDOW} if family in WINDOWED else {}
-    model_dir = save_family_model(family, arithmetic.model_dir, tmp_path / "model", max_position_embeddings=512,
+    model_dir = save_family_model(family, arithmetic.model_dir, tmp_path / "model", max_position_embeddings=CONTEXT,
                                   **window)
     run_dir = tmp_path / "run"
     started = time.monotonic()
@@ -61,6 +68,9 @@ def test_two_grpo_steps_keep_engine_and_trainer_equal_and_export_the_family(arit
                       "probe_gaps": gaps}))
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(0 <= gap < MAX_GAP for gap in gaps), gaps  # the first push (version 0) is held by the tolerance
+    if engine == "sglang":  # the job asked for the model's whole context, and SGLang serves it
+        log = (run_dir / "logs" / "engine-rank0.log").read_text()
+        assert f"'context_length': {CONTEXT}," in log and f"context_len={CONTEXT}," in log
     # The window was really crossed: every logged prompt alone is longer than it.
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
