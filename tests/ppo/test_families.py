@@ -12,7 +12,6 @@ really applied in rollout, training and the probe (21 tokens).
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 
