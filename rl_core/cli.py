@@ -31,12 +31,14 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 def parse_job_config(argv: list[str] | None, description: str, default_config: str, schema: type,
                      validate: Callable[[Any], None] | None = None,
-                     prepare: Callable[[Any, Callable[[str], None]], Any] | None = None):
+                     prepare: Callable[[Any, Callable[[str], None]], Any] | None = None,
+                     check_models: Callable[[Any], None] | None = None):
     """Parse the command line and return a validated config, or exit 2 with one clear line.
 
     `prepare(cfg, log)` (an entry point's: the offline assets the recipe names) then gives the config
     the job runs with; it runs on every rank before any process group exists, so however long it
-    takes no rank waits for it inside a collective."""
+    takes no rank waits for it inside a collective. `check_models(cfg)` then checks the config against
+    the models it names (their configs only, e.g. the context length), still before anything starts."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", default=default_config,
                         help="recipe path, or a bare name under configs/ (default: %(default)s)")
@@ -44,12 +46,14 @@ def parse_job_config(argv: list[str] | None, description: str, default_config: s
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides, schema=schema, validate=validate)
+        if prepare is not None:
+            cfg = prepare_before_process_group(lambda log: prepare(cfg, log), "prepare the offline assets")
+        if check_models is not None:
+            check_models(cfg)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    if prepare is None:
-        return cfg
-    return prepare_before_process_group(lambda log: prepare(cfg, log), "prepare the offline assets")
+    return cfg
 
 
 def _is_user_error(err: BaseException) -> bool:

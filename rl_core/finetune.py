@@ -20,11 +20,12 @@ from rl_core.optim import OPTIMIZER_NAMES, build_optimizer, linear_anneal_schedu
 from workers.fsdp import TrainableModel
 
 
-def run_job(argv, description: str, default_config: str, schema: type, validate, train, prepare=None) -> None:
-    """A job's whole life: its config (and `prepare(cfg, log)`, the entry point's offline assets,
-    before any process group), then `train(cfg, dp)` inside the shared job lifecycle."""
+def run_job(argv, description: str, default_config: str, schema: type, validate, train, prepare=None,
+            check_models=None) -> None:
+    """A job's whole life: its config (and `prepare(cfg, log)`, the entry point's offline assets, and
+    `check_models(cfg)`, before any process group), then `train(cfg, dp)` inside the shared job lifecycle."""
     def job(args):
-        cfg = parse_job_config(args, description, default_config, schema, validate, prepare)
+        cfg = parse_job_config(args, description, default_config, schema, validate, prepare, check_models)
         with JobLifecycle(cfg.trainer) as lifecycle:
             train(cfg, lifecycle.data_parallel())
 

@@ -146,3 +146,25 @@ def test_cli_exits_with_one_line_and_no_traceback(module):
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert "trainer.totl_steps" in lines[0] and "did you mean" in lines[0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("module, recipe, lengths", [
+    ("rl_core.train", "grpo_arithmetic.yaml", "data.max_prompt_length + rollout.response_length * rollout.max_turns"),
+    ("rl_core.train_dpo", "dpo_sentiment.yaml", "data.max_length=96"),
+])
+def test_sequences_longer_than_the_models_context_stop_at_parse_time(tmp_path, module, recipe, lengths):
+    from rl_core.tiny.arithmetic import ensure_arithmetic_assets
+    from rl_core.tiny.families import save_family_model
+
+    # A Llama with 64 positions: the recipe's sequences (84 and 96 tokens) do not fit it.
+    tokenizer_dir = ensure_arithmetic_assets(log=lambda *_: None).model_dir
+    model = save_family_model("llama", tokenizer_dir, tmp_path / "llama", max_position_embeddings=64)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", module, "--config", recipe, f"model.path={model}",
+                           f"trainer.run_dir={run_dir}"], capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lengths in lines[0] and f"the model's context of 64 (model.path={model})" in lines[0], lines[0]
+    assert not run_dir.exists()  # stopped before the job's lifecycle: no run directory, no engine

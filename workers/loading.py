@@ -277,8 +277,15 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
 
 
 def context_length(config: PretrainedConfig) -> int | None:
-    """The longest sequence a model's positions allow (None when its config does not say)."""
+    """The longest sequence a model's positions allow (None when its config does not say): what the
+    jobs check their lengths against and both engines serve."""
+    config = config.get_text_config()  # a multimodal config's language model holds the positions
     for key in ("n_positions", "max_position_embeddings", "n_ctx", "seq_length"):
         if getattr(config, key, None):
             return int(getattr(config, key))
     return None
+
+
+def model_context_length(path: str) -> int | None:
+    """`context_length` of the model at `path`, from its config alone (no weights loaded)."""
+    return context_length(AutoConfig.from_pretrained(path))

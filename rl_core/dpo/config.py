@@ -81,3 +81,24 @@ def validate(cfg: DPOConfig) -> None:
     require(cfg.eval.temperature >= 0, "config key 'eval.temperature' must be >= 0 (0 = greedy)")
     require(cfg.eval.prompts > 0 and cfg.eval.response_length > 0 and cfg.eval.query_length > 0,
             "config keys 'eval.prompts', 'eval.query_length' and 'eval.response_length' must be > 0")
+
+
+def check_models(cfg: DPOConfig) -> None:
+    """The rules that need the models' configs (read at parse time, before any process group starts):
+    policy and reference hold a whole sequence, and with eval.reward_model_path the policy and that
+    reward model hold a continued held-out prompt."""
+    from workers.loading import model_context_length
+
+    models = (("model.path", cfg.model.path), ("model.reference_path", cfg.model.reference_path))
+    for key, path in models:
+        context = model_context_length(path) if path else None
+        require(context is None or cfg.data.max_length <= context,
+                f"data.max_length={cfg.data.max_length} exceeds the model's context of {context} ({key}={path}); "
+                f"set data.max_length<={context}")
+    if cfg.eval.reward_model_path:
+        longest = cfg.eval.query_length + cfg.eval.response_length
+        for key, path in (models[0], ("eval.reward_model_path", cfg.eval.reward_model_path)):
+            context = model_context_length(path)
+            require(context is None or longest <= context,
+                    f"eval.query_length + eval.response_length = {longest} tokens exceeds the model's context of "
+                    f"{context} ({key}={path}); shorten eval.query_length or eval.response_length")

@@ -19,7 +19,7 @@ import torch
 
 from rl_core.checkpoint import Checkpointer
 from rl_core.distributed import DataParallel, on_every_rank, rank_seed, seed_everything
-from rl_core.dpo.config import DPOConfig, validate
+from rl_core.dpo.config import DPOConfig, check_models, validate
 from rl_core.dpo.training import PreferencePair, heldout_metrics, to_pairs, train_step
 from rl_core import finetune
 from rl_core.logger import open_run_logger
@@ -34,7 +34,7 @@ from workers.worker import BatchWorker
 
 def main(argv: list[str] | None = None, prepare=None) -> None:
     """`prepare(cfg, log)`: the entry point's offline assets, resolved before any process group exists."""
-    finetune.run_job(argv, __doc__, "dpo_sentiment.yaml", DPOConfig, validate, train, prepare)
+    finetune.run_job(argv, __doc__, "dpo_sentiment.yaml", DPOConfig, validate, train, prepare, check_models)
 
 
 def train(cfg: DPOConfig, dp: DataParallel) -> None:

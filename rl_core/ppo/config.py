@@ -340,15 +340,29 @@ def validate(cfg: PPOConfig) -> None:
             f"rollout.max_turns) but algorithm.max_tokens_per_device={algo.max_tokens_per_device}; raise it")
 
 
-def check_context_length(cfg: PPOConfig, model_max_positions: int | None) -> None:
-    """The model's context must hold the longest query+response; checked once the model config is known."""
+def check_context_length(cfg: PPOConfig, model_max_positions: int | None, which: str | None = None) -> None:
+    """The model `which` names (default: the policy, "model.path=...") must hold the longest query+response."""
     if model_max_positions is None:
         return
     longest = max_sequence_length(cfg)
+    response = "eval.response_length" if (cfg.eval.response_length or 0) > cfg.rollout.response_length \
+        else "rollout.response_length"  # the longer of the two bounds a sequence
     require(longest <= model_max_positions,
-            f"data.max_prompt_length + rollout.response_length * rollout.max_turns = {longest} tokens exceeds "
-            f"the model's context of {model_max_positions} (model.path={cfg.model.path}); shorten "
-            "data.max_prompt_length or rollout.response_length")
+            f"data.max_prompt_length + {response} * rollout.max_turns = {longest} tokens exceeds the model's "
+            f"context of {model_max_positions} ({which or f'model.path={cfg.model.path}'}); shorten "
+            f"data.max_prompt_length or {response}")
+
+
+def check_models(cfg: PPOConfig) -> None:
+    """The rules that need the models' configs (read at parse time, before any process group or engine
+    starts): the policy, which the engines serve, and the reward model, which reads query+response,
+    must each hold the longest sequence."""
+    from workers.loading import model_context_length
+
+    check_context_length(cfg, model_context_length(cfg.model.path))
+    if cfg.reward.model_path:
+        check_context_length(cfg, model_context_length(cfg.reward.model_path),
+                             f"reward.model_path={cfg.reward.model_path}")
 
 
 REWARD_FN_KEYS = ("fn", "weight", "kwargs")

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch.distributed as dist
-from transformers import AutoConfig
 
 from envs.base import load_env_class
 from rl_core.checkpoint import Checkpointer, export_hf
@@ -24,7 +23,7 @@ from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank
 from rl_core.errors import JobError
 from rl_core.logger import MetricsLogger, StepTimer, open_run_logger, print_step
 from rl_core.ppo.collect import AsyncCollector, SyncCollector, make_collector
-from rl_core.ppo.config import PPOConfig, check_context_length, rollout_settings, validate
+from rl_core.ppo.config import PPOConfig, check_models, rollout_settings, validate
 from rl_core.ppo.evaluation import evaluate, print_eval
 from rl_core.ppo import algorithms as alg
 from rl_core.ppo.models import PPOModels
@@ -49,7 +48,7 @@ def main(argv: list[str] | None = None, prepare: Callable[[PPOConfig, Callable[[
 
 
 def _main(argv: list[str] | None, prepare) -> None:
-    cfg = parse_job_config(argv, __doc__, "ppo_sentiment.yaml", PPOConfig, validate, prepare)
+    cfg = parse_job_config(argv, __doc__, "ppo_sentiment.yaml", PPOConfig, validate, prepare, check_models)
     with JobRuntime(cfg) as rt:
         train(cfg, rt)
 
@@ -149,8 +148,7 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
         load_reward_fn(spec["fn"])
     on_every_rank(lambda: check_model_paths(cfg))
     tokenizer = loading.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
-    max_positions = loading.context_length(AutoConfig.from_pretrained(cfg.model.path))
-    check_context_length(cfg, max_positions)
+    max_positions = loading.model_context_length(cfg.model.path)  # checked against the config at parse time
     seed_everything(rank_seed(cfg.trainer.seed, rt.rank))
     algo, run_dir = cfg.algorithm, Path(cfg.trainer.run_dir)
     total_steps = cfg.trainer.total_episodes // algo.batch_size
@@ -161,7 +159,7 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
         held_out = on_rank0(lambda: eval_samples(cfg.data, cfg.data.eval_path, tokenizer, cfg.eval.n,
                                                  cfg.eval.max_prompts))
     collector = make_collector(cfg, prompts)
-    rt.start_engines(cfg.model.path, collector.pauses_in_place)
+    rt.start_engines(cfg.model.path, collector.pauses_in_place, max_positions)
     models = PPOModels(cfg.model, algo, cfg.reward.model_path or None, tokenizer.pad_token_id, total_steps)
     # Every model runs the same micro-batches: balanced, length-sorted, packed when asked.
     worker = BatchWorker(rt.rank, rt.world_size, rt.device, algo.max_tokens_per_device,

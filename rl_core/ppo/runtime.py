@@ -103,10 +103,11 @@ class JobRuntime(JobLifecycle):
         return node_address(self.cfg.rollout.multi_node_host, os.environ["MASTER_ADDR"],
                             int(os.environ["MASTER_PORT"]))
 
-    def start_engines(self, policy_path: str, pauses_in_place: bool) -> None:
+    def start_engines(self, policy_path: str, pauses_in_place: bool, context_length: int | None = None) -> None:
         """Each rank launches its engine; rank 0 starts the router and registers every engine.
 
-        `pauses_in_place`: requests stay in the engine across a weight push (async partial rollout)."""
+        `pauses_in_place`: requests stay in the engine across a weight push (async partial rollout).
+        `context_length`: the policy's, which every engine serves."""
         ro = self.cfg.rollout
         sglang_args = dict(ro.sglang_args)
         if pauses_in_place and ro.engine == "sglang":
@@ -121,7 +122,8 @@ class JobRuntime(JobLifecycle):
                           seed=rank_seed(self.cfg.trainer.seed, self.rank),
                           max_batch_size=ro.engine_max_batch_size, num_threads=self.cpu_threads(),
                           tp_size=ro.tp_size, mem_fraction_static=ro.mem_fraction_static,
-                          sglang_args=sglang_args, gpu_ids=gpus, sglang_python=ro.sglang_python)
+                          sglang_args=sglang_args, gpu_ids=gpus, sglang_python=ro.sglang_python,
+                          context_length=context_length)
         log_path = self.log_dir / f"engine-rank{self.rank}.log"
         deadline = ENGINE_START_TIMEOUT_S * (2 if ro.engine == "sglang" else 1)
         self.engine = RankEngine.launch(spec, log_path, self.procs, deadline, ro.weight_bucket_mb << 20,

@@ -23,7 +23,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", {}),
     "phi3": ("Phi3Config", dict(head_dim=None)),  # fused qkv; head_dim is hidden / heads
     # Gemma: tied heads, scaled embeddings, soft-capped logits (2), sliding-window layers (2 and 3).
-    "gemma2": ("Gemma2Config", dict(tie_word_embeddings=True)),
+    # Google's Gemma 2 configs carry the activation under both names; SGLang reads `hidden_act`.
+    "gemma2": ("Gemma2Config", dict(tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh")),
     "gemma3": ("Gemma3TextConfig", dict(tie_word_embeddings=True)),
 }
 

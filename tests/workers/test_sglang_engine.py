@@ -4,6 +4,7 @@ What the job sends is built by pure functions tested here; the calls themselves 
 real SGLang on CPU in test_engine_conformance.py and the job-level tests.
 """
 
+import dataclasses
 import sys
 
 import pytest
@@ -59,6 +60,9 @@ def test_rank_engine_launches_either_kind_with_the_same_settings():
     assert pairs["--random-seed"] == "7" and pairs["--dtype"] == "bfloat16" and pairs["--port"] == "30001"
     assert pairs["--attention-backend"] == "triton" and env["CUDA_VISIBLE_DEVICES"] == "1"
     assert "--enable-memory-saver" in argv and "SGLANG_USE_CPU_ENGINE" not in env
+    assert "--context-length" not in argv  # not given: SGLang derives it from the model's config
+    served = dataclasses.replace(spec, context_length=512)  # the job passes the one its lengths were checked against
+    assert flags(engine_argv(served, 30001)[0])["--context-length"] == "512"
     argv, env = engine_argv(EngineSpec(kind="embedded", model_path="/m", dtype="float32", device="cpu", seed=7), 30002)
     assert argv[1:3] == ["-m", "workers.engines.embedded"] and env is None
     assert flags(argv)["--seed"] == "7" and flags(argv)["--port"] == "30002"

@@ -46,6 +46,10 @@ class EngineSpec:
     sglang_args: dict = dataclasses.field(default_factory=dict)
     gpu_ids: tuple[int, ...] | None = None  # sglang: the GPUs of this rank's server
     sglang_python: str | None = None  # sglang: the interpreter that runs the server (None: this one)
+    # sglang: the context it serves, the one the trainer checks its lengths against (workers.loading.
+    # context_length; the embedded engine reads the same from the model). None: SGLang's own derivation,
+    # which differs for some configs (it multiplies by a rope-scaling factor, reads other keys first).
+    context_length: int | None = None
 
 
 def engine_argv(spec: EngineSpec, port: int) -> tuple[list[str], dict[str, str] | None]:
@@ -59,7 +63,8 @@ def engine_argv(spec: EngineSpec, port: int) -> tuple[list[str], dict[str, str] 
     from workers.engines.sglang_engine import build_server_argv, server_env, server_kwargs, server_python
 
     kwargs = server_kwargs(spec.model_path, spec.host, port, spec.tp_size, spec.mem_fraction_static, spec.dtype,
-                           extra={"random_seed": spec.seed, **spec.sglang_args}, device=spec.device)
+                           extra={"random_seed": spec.seed, "context_length": spec.context_length,
+                                  **spec.sglang_args}, device=spec.device)
     return build_server_argv(kwargs, server_python(spec.sglang_python)), server_env(spec.gpu_ids, device=spec.device)
 
 

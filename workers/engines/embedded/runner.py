@@ -24,6 +24,7 @@ import torch
 
 from workers.engines.embedded.kv_cache import SlotCache
 from workers.engines.embedded.sampling import GREEDY_TEMPERATURE, RowSampling, cat_padded, draw_uniforms, sample
+from workers.loading import context_length
 
 
 @dataclasses.dataclass
@@ -81,7 +82,10 @@ class ModelRunner:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
         self.model.eval()  # OpenAI detail: no dropout while sampling
         config = self.model.config
-        self.context_len = int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions"))
+        self.context_len = context_length(config)  # the trainer checks its lengths against the same number
+        if self.context_len is None:
+            raise ValueError(f"the model at {model_path} gives no context length (max_position_embeddings or "
+                             "n_positions in its config.json); add it there")
         self.vocab_size = int(config.vocab_size)
         self.num_layers = int(config.get_text_config().num_hidden_layers)
         # Prefill computes the vocabulary projection for the last position only, when the model can.

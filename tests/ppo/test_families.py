@@ -1,0 +1,83 @@
+"""Every model family users train (rl_core/tiny/families.py) through the arithmetic GRPO recipe, as a user
+runs it: torchrun, 2 CPU ranks, 2 steps, on the embedded engine and on real SGLang.
+
+Each family is a tiny random model built here from its `transformers` config with the recipe's chat
+tokenizer. The engine must serve exactly the trainer's weights after every push (the job itself stops
+at a probe gap of 1e-3 or more, and the logged gaps are checked too), and `final/` must load back as
+the same family. Sliding-window families get a window shorter than their sequences, so the window is
+really applied in rollout, training and the probe (21 tokens).
+
+    python -m pytest tests/ppo/test_families.py
+"""
+
+import json
+import time
+
+import pytest
+
+from rl_core.tiny.families import FAMILIES, save_family_model
+from tests.jobs import run_to_end
+from tests.ppo.test_job import read_metrics, torchrun_argv, wait_gone
+from tests.sglang_env import ENGINE_KINDS, require_sglang_python
+
+# Prompts of about 30 tokens + 20 generated: a window of 16 is crossed by every sequence, while
+# the model's CONTEXT positions hold them with room to spare.
+SLIDING_WINDOW = 16
+WINDOWED = {"mistral", "gemma2", "gemma3"}  # the families whose configs use `sliding_window` by default
+CONTEXT = 512
+MAX_GAP = 1e-3  # float32 on both sides: a correct push leaves rounding error only
+# SGLang 0.5.23 runs Mistral as Llama (its MistralForCausalLM is LlamaForCausalLM): no sliding window, so
+# past the window its logprobs are not the trainer's and the first push stops the job (gap 0.0039 here).
+# Strict: the test says so once SGLang applies the window.
+KNOWN_FAILURES = {("mistral", "sglang"): "SGLang serves Mistral without its sliding window"}
+CASES = [pytest.param(family, engine, marks=[pytest.mark.xfail(reason=KNOWN_FAILURES[family, engine], strict=True)]
+                      if (family, engine) in KNOWN_FAILURES else [])
+         for family in FAMILIES for engine in ENGINE_KINDS]
+
+
+@pytest.fixture(scope="module")
+def arithmetic():
+    """The shipped chat tokenizer and problems (built on first use if missing)."""
+    from rl_core.tiny.arithmetic import ensure_arithmetic_assets
+
+    return ensure_arithmetic_assets(log=lambda *_: None)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family, engine", CASES)
+def test_two_grpo_steps_keep_engine_and_trainer_equal_and_export_the_family(arithmetic, tmp_path, family, engine):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    engine_overrides = ["rollout.engine=sglang", f"rollout.sglang_python={require_sglang_python()}"] \
+        if engine == "sglang" else []
+    window = {"sliding_window": SLIDING_WINDOW} if family in WINDOWED else {}
+    model_dir = save_family_model(family, arithmetic.model_dir, tmp_path / "model", max_position_embeddings=CONTEXT,
+                                  **window)
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    run_to_end(torchrun_argv([
+        f"model.path={model_dir}", f"data.train_path={arithmetic.train_file}", "data.eval_path=null",
+        "trainer.eval_every=0", "algorithm.batch_size=16", "algorithm.group_size=4", "env.num_envs=8",
+        "trainer.total_episodes=32", "trainer.progress=false", f"trainer.run_dir={run_dir}",
+        f"rollout.weight_check_tolerance={MAX_GAP}", *engine_overrides], config="grpo_arithmetic.yaml"),
+        timeout=600 if engine == "sglang" else 300)
+    metrics = read_metrics(run_dir)
+    gaps = [m["weight_sync/probe_gap"] for m in metrics]
+    print(json.dumps({"family": family, "engine": engine, "seconds": round(time.monotonic() - started, 1),
+                      "probe_gaps": gaps}))
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(0 <= gap < MAX_GAP for gap in gaps), gaps  # the first push (version 0) is held by the tolerance
+    if engine == "sglang":  # the job asked for the model's whole context, and SGLang serves it
+        log = (run_dir / "logs" / "engine-rank0.log").read_text()
+        assert f"'context_length': {CONTEXT}," in log and f"context_len={CONTEXT}," in log
+    # The window was really crossed: every logged prompt alone is longer than it.
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert samples and min(len(tokenizer(s["query"]).input_ids) for s in samples) > SLIDING_WINDOW
+    final = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    built = AutoConfig.from_pretrained(model_dir)
+    assert final.config.model_type == built.model_type
+    assert getattr(final.config, "sliding_window", None) == getattr(built, "sliding_window", None)
+    if family in WINDOWED:
+        assert final.config.sliding_window == SLIDING_WINDOW
+    assert wait_gone(str(tmp_path)) == []
