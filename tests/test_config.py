@@ -168,3 +168,19 @@ def test_sequences_longer_than_the_models_context_stop_at_parse_time(tmp_path, m
     assert len(lines) == 1, proc.stderr
     assert lengths in lines[0] and f"the model's context of 64 (model.path={model})" in lines[0], lines[0]
     assert not run_dir.exists()  # stopped before the job's lifecycle: no run directory, no engine
+
+
+def test_a_mistral_window_sglang_would_ignore_is_refused_at_parse_time(tmp_path):
+    from rl_core.ppo.config import check_models
+    from rl_core.tiny.arithmetic import ensure_arithmetic_assets
+    from rl_core.tiny.families import save_family_model
+
+    tokenizer_dir = ensure_arithmetic_assets(log=lambda *_: None).model_dir
+    short = save_family_model("mistral", tokenizer_dir, tmp_path / "short", sliding_window=32)
+    long = save_family_model("mistral", tokenizer_dir, tmp_path / "long", sliding_window=512)
+    grpo = lambda *keys: load_config("grpo_arithmetic.yaml", list(keys), PPOConfig, validate_ppo)  # noqa: E731
+    with pytest.raises(ConfigError, match=r"sliding_window=32, which SGLang serves without its window .* sequences "
+                                          r"reach 84 tokens; keep .* within 32, or use rollout.engine=embedded"):
+        check_models(grpo(f"model.path={short}", "rollout.engine=sglang"))
+    check_models(grpo(f"model.path={short}", "rollout.engine=embedded"))  # the embedded engine applies the window
+    check_models(grpo(f"model.path={long}", "rollout.engine=sglang"))  # sequences within the window

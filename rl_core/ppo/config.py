@@ -357,12 +357,29 @@ def check_models(cfg: PPOConfig) -> None:
     """The rules that need the models' configs (read at parse time, before any process group or engine
     starts): the policy, which the engines serve, and the reward model, which reads query+response,
     must each hold the longest sequence."""
-    from workers.loading import model_context_length
+    from transformers import AutoConfig
 
-    check_context_length(cfg, model_context_length(cfg.model.path))
+    from workers.loading import context_length, model_context_length
+
+    policy = AutoConfig.from_pretrained(cfg.model.path)
+    check_context_length(cfg, context_length(policy))
+    if cfg.rollout.engine == "sglang":
+        check_sglang_serves_the_window(cfg, policy)
     if cfg.reward.model_path:
         check_context_length(cfg, model_context_length(cfg.reward.model_path),
                              f"reward.model_path={cfg.reward.model_path}")
+
+
+def check_sglang_serves_the_window(cfg: PPOConfig, policy) -> None:
+    """SGLang 0.5.23 runs Mistral as Llama, with full attention: past a Mistral's sliding window its
+    logprobs and samples are not the trainer's model's. The weight probe (21 tokens) is too short to see
+    a real model's window, so the mismatch is refused here rather than trained on."""
+    window = getattr(policy, "sliding_window", None)
+    longest = max_sequence_length(cfg)
+    require(policy.model_type != "mistral" or window is None or window >= longest,
+            f"model.path={cfg.model.path} is a Mistral with sliding_window={window}, which SGLang serves without "
+            f"its window (full attention), but sequences reach {longest} tokens; keep data.max_prompt_length + "
+            f"rollout.response_length within {window}, or use rollout.engine=embedded")
 
 
 REWARD_FN_KEYS = ("fn", "weight", "kwargs")
