@@ -147,6 +147,9 @@ class BatchWorker:
         def scaled(model, item):
             micro_batch, real = item
             loss, metrics = loss_fn(model, micro_batch)
+            if "loss" in metrics or "real" in metrics:
+                raise ValueError(f"loss_fn's metrics {sorted(metrics)} use a key the worker sets ('loss', 'real'); "
+                                 "rename it")
             return scale_loss(loss, global_count, self.world_size) * float(real), {**metrics, "real": float(real)}
 
         metrics = trainable.forward_backward(micro, scaled)

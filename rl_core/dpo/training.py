@@ -87,12 +87,12 @@ def train_step(trainable, reference, worker: BatchWorker, pairs: list[Preference
 
     def loss_fn(model, micro_batch):
         loss, sums = pair_losses(model, reference, micro_batch, beta, label_smoothing)
-        return loss, dict(zip(METRIC_NAMES, sums))
+        return loss, {f"sum/{name}": value for name, value in zip(METRIC_NAMES, sums)}
 
     metrics, _ = worker.forward_backward(trainable, batch, loss_fn, len(pairs), units)
     lr = trainable.current_lr()
     grad_norm = trainable.step()
-    totals = worker.sum_over_ranks([sum(metrics[name]) for name in METRIC_NAMES])
+    totals = worker.sum_over_ranks([sum(metrics[f"sum/{name}"]) for name in METRIC_NAMES])
     out = {f"train/{name}": value / len(pairs) for name, value in zip(METRIC_NAMES, totals)}
     out.update({"train/grad_norm": grad_norm, "train/lr": lr})
     return out
