@@ -1,0 +1,391 @@
+"""The Python sandbox, with real processes: results, limits, isolation, cleanup and concurrency.
+
+Every test also checks (in the `sandbox_tmp` fixture) that nothing is left behind: no child
+process of the test, no process whose working directory is under the sandbox's temp root
+(the runner, the code and anything the code started all run there), and no temp directory.
+"""
+
+import asyncio
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import tracemalloc
+
+import pytest
+
+import envs.sandbox as sandbox_module
+from envs.sandbox import Sandbox, SandboxError, run_python
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+IS_ROOT = os.geteuid() == 0
+
+
+def children_of(pid: int) -> list[int]:
+    """Live processes whose parent is `pid` (read from /proc: this kernel has no .../children file)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def processes_in(directory: str) -> list[int]:
+    """Processes whose working directory is `directory` or below (deleted ones included)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cwd = os.readlink(f"/proc/{entry}/cwd")
+            except OSError:
+                continue
+            if cwd.startswith(directory + os.sep):
+                found.append(int(entry))
+    return found
+
+
+def wait_until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def run(code: str, **limits):
+    return asyncio.run(run_python(textwrap.dedent(code), **limits))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sandbox_available():
+    try:
+        run("pass")
+    except SandboxError as err:
+        pytest.skip(f"no sandbox on this machine: {err}")
+
+
+@pytest.fixture(autouse=True)
+def sandbox_tmp(monkeypatch):
+    """A temp root of its own for every test, checked to be empty and process-free afterwards."""
+    root = tempfile.mkdtemp(prefix="sandbox-test-")
+    os.chmod(root, 0o755)  # the sandbox user must be able to enter it
+    monkeypatch.setattr(tempfile, "tempdir", root)
+    try:
+        yield root
+        assert children_of(os.getpid()) == []
+        assert processes_in(root) == []
+        assert os.listdir(root) == []
+    finally:
+        for pid in processes_in(root):  # only after a failed check: do not leave them to the next test
+            os.kill(pid, signal.SIGKILL)
+        subprocess.run(["rm", "-rf", root], check=True)
+
+
+def test_prints_to_stdout_in_a_private_directory_that_is_removed():
+    result = run("""
+        import os, sys
+        print("hello", 6 * 7)
+        print(os.getcwd(), sorted(os.environ), sys.flags.isolated, sep="\\n", file=sys.stderr)
+    """)
+    assert result.ok and result.exit_code == 0 and result.signal is None and not result.timed_out
+    assert result.stdout == "hello 42\n"
+    workdir, env, isolated = result.stderr.splitlines()
+    assert workdir.startswith(tempfile.tempdir) and not os.path.exists(workdir)
+    assert env == "['HOME', 'LANG', 'PATH', 'TMPDIR']" and isolated == "1"  # nothing inherited, python -I
+
+
+def test_exception_fails_with_the_traceback_in_stderr():
+    result = run("def f():\n    raise ValueError('boom')\nf()")
+    assert not result.ok and result.exit_code == 1 and not result.timed_out
+    assert result.stderr.startswith("Traceback") and "ValueError: boom" in result.stderr
+    assert result.stdout == ""
+
+
+def test_stdin_is_closed():
+    result = run("import sys; print(repr(sys.stdin.read()))")
+    assert result.ok and result.stdout == "''\n"
+
+
+def test_infinite_loop_is_killed_at_the_wall_clock_limit():
+    result = run("while True: pass", timeout_s=1.0)
+    assert result.timed_out and not result.ok
+    assert result.signal == signal.SIGKILL and result.exit_code is None
+    assert 1.0 <= result.seconds < 4.0
+
+
+def test_infinite_loop_is_stopped_by_the_cpu_limit():
+    result = run("while True: pass", timeout_s=20.0, cpu_s=1)
+    assert result.signal == signal.SIGXCPU and not result.timed_out and not result.ok
+    assert result.seconds < 10.0  # long before the 20 s wall clock
+
+
+def test_sleep_past_the_limit_times_out_and_escaped_children_die_too():
+    # Children that leave the process group and the session still die with the sandbox.
+    result = run("""
+        import os, time
+        for _ in range(3):
+            if os.fork() == 0:
+                os.setsid()
+                time.sleep(60)
+                os._exit(0)
+        print("sleeping", flush=True)
+        time.sleep(60)
+    """, timeout_s=1.0)
+    assert result.timed_out and result.signal == signal.SIGKILL
+    assert result.stdout == "sleeping\n"  # output before the kill is kept
+
+
+def test_background_processes_are_killed_when_the_code_exits():
+    result = run("""
+        import os, subprocess
+        subprocess.Popen(["sleep", "60"], start_new_session=True)
+        os.system("sleep 60 &")
+        print(os.getuid(), os.system("exit 3") >> 8)
+    """)
+    assert result.ok
+    # Ids are not mapped into the sandbox's user namespace, so its uid reads as the overflow 65534.
+    assert result.stdout == "65534 3\n"
+    # The fixture checks that both sleeps are gone.
+
+
+FORK_200 = """
+    import os, time
+    children = 0
+    try:
+        for _ in range(200):
+            if os.fork() == 0:
+                time.sleep(60)
+                os._exit(0)
+            children += 1
+    except BlockingIOError as err:
+        print(children, err.errno)
+"""
+
+
+def test_process_limit_refuses_forks_past_max_processes():
+    result = run(FORK_200, max_processes=8)
+    assert result.ok
+    assert result.stdout == "7 11\n"  # 8 processes: the code and 7 children, then EAGAIN
+
+
+def test_fork_bomb_is_contained_and_killed():
+    # Safe on a shared machine: first make sure the process limit holds here, then let off a
+    # 2-second bomb of at most 8 processes.
+    assert run(FORK_200, max_processes=8).stdout == "7 11\n"
+    result = run("""
+        import os
+        while True:
+            try:
+                os.fork()
+            except OSError:
+                pass
+    """, max_processes=8, timeout_s=2.0)
+    assert result.timed_out and result.signal == signal.SIGKILL
+    assert result.seconds < 6.0
+
+
+def test_memory_bomb_gets_memory_error_not_the_machine():
+    result = run("""
+        chunks = []
+        while True:
+            chunks.append(b"x" * (32 * 2**20))
+    """, memory_mb=256)
+    assert not result.ok and result.exit_code == 1 and not result.timed_out
+    assert "MemoryError" in result.stderr
+    # The largest process this test ever waited for (the sandbox's included) stayed under the limit.
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 256 * 1024
+
+
+def test_huge_output_is_truncated_while_read():
+    tracemalloc.start()
+    try:
+        result = run("""
+            import sys
+            chunk = b"x" * 2**20
+            for _ in range(100):
+                sys.stdout.buffer.write(chunk)
+            print("tail", file=sys.stderr)
+        """, max_output_bytes=16384)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.ok and result.stdout_truncated and not result.stderr_truncated
+    kept, note = result.stdout[:16384], result.stdout[16384:]
+    assert kept == "x" * 16384
+    assert note == f"\n[output truncated: {100 * 2**20} bytes written, the first 16384 kept]"
+    assert result.stderr == "tail\n"
+    assert peak < 4 * 2**20  # 100 MiB went through the parent, never more than a few chunks at once
+
+
+def test_file_size_limit():
+    result = run("open('big', 'wb').write(b'x' * 2 * 2**20)", max_file_mb=1)
+    assert not result.ok and "File too large" in result.stderr
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="a non-root parent runs the code as itself, so it can write where the caller can")
+def test_writing_outside_its_directory_fails():
+    outside = tempfile.mkdtemp(prefix="sandbox-outside-", dir="/tmp")
+    try:
+        os.chmod(outside, 0o755)
+        target = os.path.join(outside, "owned-by-root")
+        with open(target, "w") as f:
+            f.write("original")
+        os.chmod(target, 0o644)
+        result = run(f"""
+            open("mine.txt", "w").write("fine")  # its own directory is writable
+            for path, mode in [({target!r}, "a"), ({outside + '/new'!r}, "w"), ({ROOT + '/envs/pwned.py'!r}, "w")]:
+                try:
+                    open(path, mode).write("pwned")
+                    print("wrote", path)
+                except PermissionError:
+                    print("refused")
+        """)
+        assert result.ok and result.stdout == "refused\nrefused\nrefused\n"
+        assert os.listdir(outside) == ["owned-by-root"] and open(target).read() == "original"
+        assert not os.path.exists(os.path.join(ROOT, "envs", "pwned.py"))
+    finally:
+        subprocess.run(["rm", "-rf", outside], check=True)
+
+
+def test_no_network_even_to_a_port_open_on_this_host():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()  # reachable from here
+        server.accept()[0].close()
+        result = run(f"""
+            import socket
+            try:
+                socket.create_connection(("127.0.0.1", {port}), timeout=5)
+                print("connected")
+            except OSError as err:
+                print(type(err).__name__, err.errno)
+        """)
+        server.settimeout(0)
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nothing got through
+    assert result.ok and result.stdout == "OSError 101\n"  # ENETUNREACH: only a loopback that is down
+
+
+def test_64_concurrent_calls_keep_the_event_loop_responsive():
+    sandbox = Sandbox(max_concurrency=8, timeout_s=20.0)
+    period = 0.02
+
+    async def main():
+        gaps, running = [], []
+        done = False
+
+        async def ticker():
+            last = time.monotonic()
+            while not done:
+                await asyncio.sleep(period)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+                running.append(len(children_of(os.getpid())))  # one `unshare` per running call
+
+        tick = asyncio.create_task(ticker())
+        results = await asyncio.gather(*(sandbox.run_python(f"import time; time.sleep(0.1); print({i})")
+                                         for i in range(64)))
+        done = True
+        await tick
+        return results, gaps, running
+
+    results, gaps, running = asyncio.run(main())
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(64)] and all(r.ok for r in results)
+    assert max(running) <= 8 and max(running) >= 2  # the semaphore bounds the calls, and they overlap
+    assert len(gaps) > 10 and max(gaps) < 0.5  # a 20 ms ticker never stalled for long
+
+
+def test_cancelling_the_caller_kills_the_code_and_removes_its_directory(sandbox_tmp):
+    async def main():
+        task = asyncio.create_task(run_python("import time; print('up', flush=True); time.sleep(60)", timeout_s=60))
+        while len(processes_in(sandbox_tmp)) < 3:  # unshare, the runner, the code
+            await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return processes_in(sandbox_tmp), os.listdir(sandbox_tmp)
+
+    started = time.monotonic()
+    left, dirs = asyncio.run(main())
+    assert left == [] and dirs == []  # already when the cancelled call returns
+    assert time.monotonic() - started < 10
+
+
+def test_code_cannot_ptrace_its_runner():
+    result = run("""
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        print(libc.ptrace(16, 1, None, None), ctypes.get_errno())  # PTRACE_ATTACH to PID 1, the runner
+    """)
+    assert result.ok and result.stdout == "-1 1\n"  # EPERM
+
+
+def test_a_stuck_runner_is_killed_by_the_parent(sandbox_tmp, monkeypatch):
+    monkeypatch.setattr(sandbox_module, "RUNNER_GRACE_S", 0.5)
+
+    def runner():
+        for pid in processes_in(sandbox_tmp):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"\0-S\0-c\0" in f.read():
+                    return pid
+
+    async def main():
+        task = asyncio.create_task(run_python("import time; time.sleep(60)", timeout_s=1.0))
+        while len(processes_in(sandbox_tmp)) < 3:
+            await asyncio.sleep(0.02)
+        os.kill(runner(), signal.SIGSTOP)  # it can no longer enforce the wall clock
+        return await task
+
+    result = asyncio.run(main())
+    assert result.timed_out and result.signal == signal.SIGKILL and 1.5 <= result.seconds < 5
+
+
+def test_code_dies_with_its_parent(sandbox_tmp):
+    """A parent killed with SIGKILL cannot clean up; its sandboxes still end at once."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import asyncio; from envs.sandbox import run_python; "
+         "asyncio.run(run_python('import os, time; os.system(\"sleep 60 &\"); time.sleep(60)', timeout_s=60))"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": sandbox_tmp})
+    try:
+        assert wait_until(lambda: len(processes_in(sandbox_tmp)) >= 4, 20)  # unshare, runner, code, sleep
+        parent.kill()
+        parent.wait()
+        assert wait_until(lambda: processes_in(sandbox_tmp) == [], 5)
+    finally:
+        parent.kill()
+        parent.wait()
+    # Only its directory is left behind, for the system's temp cleaning.
+    subprocess.run(["rm", "-rf", *[os.path.join(sandbox_tmp, d) for d in os.listdir(sandbox_tmp)]], check=True)
+
+
+def test_a_python_that_cannot_start_raises_one_clear_line():
+    with pytest.raises(SandboxError, match=r"^sandbox could not start \(.*/nonexistent/python3.*\); ") as err:
+        run("print(1)", python="/nonexistent/python3")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_concurrency": 0}, "max_concurrency must be > 0"),
+    ({"timeout_s": -1}, "timeout_s must be > 0"),
+    ({"cpu_s": 0}, "cpu_s must be a whole number of seconds"),
+    ({"user": "no-such-user-here"}, "does not exist" if IS_ROOT else None),
+    ({"user": "root"}, "is root" if IS_ROOT else None),
+])
+def test_bad_settings_are_refused_with_the_fix(kwargs, message):
+    if message is None:
+        pytest.skip("the user is only switched by a root parent")
+    with pytest.raises(ValueError, match=message):
+        Sandbox(**kwargs)
