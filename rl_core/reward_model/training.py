@@ -129,7 +129,7 @@ def train_one_epoch(trainable, worker: BatchWorker, examples: list, cfg: RMTrain
         loss_sum += sum(metrics["loss_sum"])
         correct += sum(metrics["correct"])
         if (step + 1) % cfg.log_every == 0 or step + 1 == steps:
-            seen = (step + 1) * cfg.batch_size / worker.world_size
+            seen = (step + 1) * cfg.batch_size / worker.dp_size  # this data-parallel group's share
             log(f"[train_rm] step {step + 1}/{steps} lr {lr:.2e} grad_norm {grad_norm:.3f} "
                 f"loss {loss_sum / seen:.4f} acc {correct / seen:.3f} (rank {worker.rank} running means)")
     loss_sum, correct = worker.sum_over_ranks([loss_sum, correct])
