@@ -1,0 +1,188 @@
+"""Tools for tool-calling environments: plain Python functions become the JSON schemas chat templates
+take, the calls a model writes are parsed out of its text, and each call runs to a `tool` message.
+
+    toolbox = Toolbox([multiply, run_python])          # typed signature + Google-style docstring each
+    tokenizer.apply_chat_template(messages, tools=toolbox.schemas, ...)
+    calls = hermes_tool_calls(action.text)             # or any parser: text -> list[ToolCall]
+    messages += [await toolbox.run(call) for call in calls]
+
+Schemas come from `transformers.utils.get_json_schema`, the function `apply_chat_template(tools=...)`
+applies to a callable, so a model sees exactly what its template renders for that function. Nothing a
+call does stops the job: a call that does not parse, names no tool, has bad arguments, raises or runs
+past its time becomes a `tool` message with the error for the model to read, and its kind is counted
+(`ToolResult.error`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from envs.base import EnvThreadPool
+from envs.plugins import load_by_path
+
+ERROR_KINDS = ("unparsed", "unknown_tool", "bad_arguments", "raised", "timed_out")
+
+
+@dataclass
+class ToolCall:
+    """One call the model wrote: `arguments` parsed, or `problem` saying why they could not be."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    problem: str | None = None
+
+
+@dataclass
+class ToolResult:
+    message: dict[str, str]  # {"role": "tool", "tool_call_id", "name", "content"}
+    error: str | None  # one of ERROR_KINDS, None when the tool answered
+    seconds: float
+
+
+# --------------------------------------------------------------------------- parsers
+
+HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def hermes_tool_calls(text: str) -> list[ToolCall]:
+    """The calls in Hermes/Qwen style, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, in order;
+    ids `call_0`, `call_1`, ... A call whose JSON does not parse keeps a `problem` (and a name if one shows)."""
+    calls = []
+    for index, match in enumerate(HERMES_CALL.finditer(text)):
+        call_id, body = f"call_{index}", match.group(1)
+        try:
+            payload = json.loads(body)
+        except json.JSONDecodeError as err:
+            name = re.search(r'"name"\s*:\s*"([^"]*)"', body)
+            calls.append(ToolCall(call_id, name.group(1) if name else "", problem=f"the call is not JSON ({err.msg})"))
+            continue
+        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+            calls.append(ToolCall(call_id, "", problem='the call must be {"name": ..., "arguments": {...}}'))
+            continue
+        arguments = payload.get("arguments", {})
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string, as OpenAI's API does
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(arguments, dict):
+            calls.append(ToolCall(call_id, payload["name"], problem="the arguments must be a JSON object"))
+            continue
+        calls.append(ToolCall(call_id, payload["name"], arguments))
+    return calls
+
+
+PARSERS: dict[str, Callable[[str], list[ToolCall]]] = {"hermes": hermes_tool_calls}
+
+
+def load_parser(name_or_path: str) -> Callable[[str], list[ToolCall]]:
+    """A parser by name (`PARSERS`) or import path ("pkg.module:function", text -> list[ToolCall])."""
+    if name_or_path in PARSERS:
+        return PARSERS[name_or_path]
+    if ":" not in name_or_path:
+        raise ValueError(f"tool-call parser {name_or_path!r} is neither one of {sorted(PARSERS)} nor an import path "
+                         "'pkg.module:function'")
+    return load_by_path(name_or_path, "tool-call parser", "envs.tools:hermes_tool_calls")
+
+
+# --------------------------------------------------------------------------- the toolbox
+
+_JSON_TYPES = {"integer": int, "number": (int, float), "string": str, "boolean": bool, "array": list, "object": dict}
+
+
+class Toolbox:
+    """The tools of an environment by name; `timeout_s` bounds each call, `max_threads` the blocking
+    (non-async) tool calls running at once."""
+
+    def __init__(self, functions: list[Callable], timeout_s: float = 30.0, max_threads: int = 8):
+        from transformers.utils import get_json_schema
+
+        if timeout_s <= 0:
+            raise ValueError(f"a tool timeout must be > 0 seconds, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self._threads = EnvThreadPool(max_threads, name="tool-worker")
+        self.functions: dict[str, Callable] = {}
+        self.schemas: list[dict] = []
+        for function in functions:
+            try:
+                schema = get_json_schema(function)
+            except Exception as err:  # transformers' own message names the missing hint or docstring entry
+                raise ValueError(f"tool {getattr(function, '__name__', function)!r} has no usable schema: {err}; give "
+                                 "it type hints and a Google-style docstring with an Args: line per argument") from err
+            name = schema["function"]["name"]
+            if name in self.functions:
+                raise ValueError(f"two tools are named {name!r}; tool names must be unique")
+            self.functions[name] = function
+            self.schemas.append(schema)
+
+    @classmethod
+    def from_paths(cls, paths: list[str], **options: Any) -> "Toolbox":
+        """Tools by import path ("pkg.module:function"), as a config lists them."""
+        return cls([load_by_path(path, "tool", "my_pkg.tools:search") for path in paths], **options)
+
+    async def run(self, call: ToolCall) -> ToolResult:
+        """Run `call`; whatever happens, a `tool` message for the model."""
+        started = time.perf_counter()
+        error, content = self._check(call)
+        if error is None:
+            function = self.functions[call.name]
+            try:
+                if inspect.iscoroutinefunction(function):
+                    value = await asyncio.wait_for(function(**call.arguments), self.timeout_s)
+                else:
+                    value = await self._in_thread(function, call.arguments)
+                content = value if isinstance(value, str) else json.dumps(value, default=str)
+            except asyncio.TimeoutError:
+                error, content = "timed_out", f"error: {call.name} did not answer within {self.timeout_s:g} s"
+            except Exception as err:  # noqa: BLE001 - the tool's failure is the model's to read
+                error, content = "raised", f"error: {call.name} raised {type(err).__name__}: {err}"
+        message = {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": content}
+        return ToolResult(message, error, time.perf_counter() - started)
+
+    async def _in_thread(self, function: Callable, arguments: dict) -> Any:
+        """A blocking tool in a thread, so it never stalls the rollout's event loop. One that runs past its
+        time is abandoned (a thread cannot be killed; the pool's are daemons, so it holds up no exit), which
+        is why blocking tools that may hang belong in a subprocess (envs/sandbox.py)."""
+        future = self._threads.submit(function, **arguments)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+        except asyncio.TimeoutError:
+            self._threads.abandon(future)
+            raise
+
+    def _check(self, call: ToolCall) -> tuple[str | None, str]:
+        """(error kind, message) when `call` cannot run, else (None, "")."""
+        if call.problem is not None:
+            return "unparsed", f"error: {call.problem}"
+        if call.name not in self.functions:
+            return "unknown_tool", f"error: no tool named {call.name!r}; the tools are {sorted(self.functions)}"
+        parameters = next(s for s in self.schemas if s["function"]["name"] == call.name)["function"]["parameters"]
+        properties = parameters.get("properties", {})
+        unknown = sorted(set(call.arguments) - set(properties))
+        missing = sorted(set(parameters.get("required", [])) - set(call.arguments))
+        wrong = [f"{name} must be {properties[name]['type']}" for name, value in call.arguments.items()
+                 if name in properties and not _has_type(value, properties[name].get("type"))]
+        if unknown or missing or wrong:
+            problems = ([f"unknown arguments {unknown}"] if unknown else []) + \
+                       ([f"missing arguments {missing}"] if missing else []) + wrong
+            return "bad_arguments", f"error: bad arguments for {call.name}: {'; '.join(problems)}"
+        return None, ""
+
+
+def _has_type(value: Any, json_type: str | list | None) -> bool:
+    """Whether `value` is of a JSON-schema type (a list: any of them; unknown or none: anything goes)."""
+    if isinstance(json_type, list):
+        return any(_has_type(value, each) for each in json_type)
+    expected = _JSON_TYPES.get(json_type)
+    if expected is None or (json_type == "null" and value is None):
+        return True
+    if isinstance(value, bool) and json_type in ("integer", "number"):  # bool is an int in Python, not in JSON
+        return False
+    return isinstance(value, expected)
