@@ -229,32 +229,46 @@ class SyncEnvAdapter(Env):
 def load_env_class(import_path: str) -> type:
     """Import an env class from "pkg.module:ClassName" or "pkg.module.ClassName".
 
-    The class must subclass `Env` or `SyncEnv`; anything else is refused with a message that
-    says what was found and what is expected.
+    The class must subclass `Env`, `SyncEnv` or `envs.chat.ChatEnv`; anything else is refused with a
+    message that says what was found and what is expected.
     """
+    from envs.chat import ChatEnv  # envs.chat builds on this module
+
     env_cls = load_by_path(import_path, "env class", "envs.sentiment:SentimentEnv")
-    if not (inspect.isclass(env_cls) and issubclass(env_cls, (Env, SyncEnv))):
+    if not (inspect.isclass(env_cls) and issubclass(env_cls, (Env, SyncEnv, ChatEnv))):
         raise TypeError(
-            f"{import_path!r} is {env_cls!r}, not an environment class: "
-            "subclass envs.base.Env (async) or envs.base.SyncEnv (blocking)"
+            f"{import_path!r} is {env_cls!r}, not an environment class: subclass envs.base.Env (async), "
+            "envs.base.SyncEnv (blocking) or envs.chat.ChatEnv (chat messages and tools)"
         )
     return env_cls
 
 
 def make_env_factory(env_cls: type | str, env_kwargs: dict | None = None,
-                     executor: Executor | None = None) -> Callable[[], Env]:
+                     executor: Executor | None = None, chat: Any = None) -> Callable[[], Env]:
     """A zero-argument callable building one async `Env` per call (for `EnvPool`).
 
     `env_cls` may be a class or an import path. `SyncEnv` classes are wrapped in
-    `SyncEnvAdapter` running on `executor` (required for them).
+    `SyncEnvAdapter` running on `executor` (required for them); `ChatEnv` classes get `chat`'s
+    toolbox and are wrapped in `ChatEnvAdapter` with its tokenizer and tool-call parser
+    (`envs.chat.ChatSetup`, required for them).
     """
+    from envs.chat import ChatEnv, ChatEnvAdapter
+
     if isinstance(env_cls, str):
         env_cls = load_env_class(env_cls)
     kwargs = dict(env_kwargs or {})
     if issubclass(env_cls, SyncEnv) and executor is None:
         raise ValueError(f"{env_cls.__name__} is a blocking SyncEnv: pass an executor (envs.base.make_executor(n))")
+    is_chat = issubclass(env_cls, ChatEnv)
+    if is_chat and chat is None:
+        raise ValueError(f"{env_cls.__name__} is a ChatEnv: pass chat=envs.chat.ChatSetup(tokenizer, toolbox, parser)")
+    if not is_chat and chat is not None and chat.toolbox is not None:
+        raise ValueError(f"env.tools is set but {env_cls.__name__} is not a chat env that calls them: subclass "
+                         "envs.chat.ChatEnv (or use envs.chat:ToolUseEnv), or remove env.tools")
 
     def build() -> Env:
+        if is_chat:
+            return ChatEnvAdapter(env_cls(toolbox=chat.toolbox, **kwargs), chat.tokenizer, chat.parser)
         env = env_cls(**kwargs)
         return SyncEnvAdapter(env, executor) if isinstance(env, SyncEnv) else env
 

@@ -116,6 +116,11 @@ class EnvConfig:
     step_timeout_s: float = 60.0
     max_failed_ratio: float = 0.1
     thread_pool_size: int = 4
+    # Conversation envs (envs/chat.py): tool functions by import path ("pkg.module:function"), the parser
+    # of the model's calls ("hermes" or "pkg.module:function"), and each call's time limit.
+    tools: list = field(default_factory=list)
+    tool_parser: str = "hermes"
+    tool_timeout_s: float = 30.0
 
 
 @dataclass
@@ -329,6 +334,8 @@ def validate(cfg: PPOConfig) -> None:
     require(cfg.env.num_envs >= 1, "config key 'env.num_envs' must be >= 1")
     require(0.0 <= cfg.env.max_failed_ratio <= 1.0, "config key 'env.max_failed_ratio' must be in [0, 1]")
     require(cfg.env.step_timeout_s > 0, "config key 'env.step_timeout_s' must be > 0")
+    require(0 < cfg.env.tool_timeout_s < cfg.env.step_timeout_s,
+            "config key 'env.tool_timeout_s' must be > 0 and below env.step_timeout_s (a step runs its tool calls)")
     require(trainer.total_episodes >= algo.batch_size,
             f"trainer.total_episodes={trainer.total_episodes} is smaller than one batch "
             f"(algorithm.batch_size={algo.batch_size})")

@@ -194,6 +194,7 @@ class JobRuntime(JobLifecycle):
     def start_rollout_service(self, tokenizer, settings):
         """Rank 0: the envs, the reward functions and the rollout loop that sends `/generate` to the router."""
         from envs.base import make_env_factory, make_executor
+        from envs.chat import ChatSetup
         from rl_core.rollout.service import RolloutService
 
         cfg = self.cfg
@@ -209,7 +210,9 @@ class JobRuntime(JobLifecycle):
             else:
                 self.reward_executor = make_executor(cfg.env.thread_pool_size)
             reward_fns = RewardFunctions.from_config(cfg.reward.fns, cfg.reward.fn_timeout_s, self.reward_executor)
-        env_factory = make_env_factory(cfg.env.cls, dict(cfg.env.kwargs), self.env_executor)
+        chat = ChatSetup.build(tokenizer, list(cfg.env.tools), cfg.env.tool_parser, cfg.env.tool_timeout_s,
+                               cfg.env.thread_pool_size)
+        env_factory = make_env_factory(cfg.env.cls, dict(cfg.env.kwargs), self.env_executor, chat)
         self.service = RolloutService(self.router_url, tokenizer, env_factory, cfg.env, settings,
                                       cfg.rollout.engine_timeout_s, reward_fns)
         return self.service

@@ -430,4 +430,15 @@ def rollout_metrics(kept: list[Trajectory], failed: list[Trajectory], wall_s: fl
         metrics[f"rollout/finish_reason/{reason}"] = count
     if env_pool is not None:
         metrics["rollout/envs_max_in_use"] = env_pool.max_in_use
+    chats = [t for t in kept if "template_divergences" in t.info]  # conversation envs (envs/chat.py)
+    if chats:
+        def mean(key: str) -> float:
+            return sum(t.info.get(key, 0) for t in chats) / len(chats)
+
+        metrics["rollout/tool_calls_mean"] = mean("tool_calls")
+        metrics["rollout/tool_errors_mean"] = mean("tool_errors")
+        metrics["rollout/tool_time_s_mean"] = mean("tool_time_s")
+        metrics["rollout/template_divergences"] = sum(t.info["template_divergences"] for t in chats)
+        for kind in sorted({k for t in chats for k in t.info if k.startswith("tool_errors/")}):
+            metrics[f"rollout/{kind}"] = sum(t.info.get(kind, 0) for t in chats)
     return metrics
