@@ -14,6 +14,7 @@ from rl_core.data import LONG_PROMPT_POLICIES
 from rl_core.ppo.algorithms import GROUP_KINDS, KL_KINDS, LOSS_AGG_MODES, ROLLOUT_CORRECTIONS
 from rl_core.rollout.rollout import RolloutSettings
 from rl_core.optim import OPTIMIZER_NAMES
+from workers.engines.client import OUTPUT_RESERVE, max_input_length
 from workers.layout import packs_into_one_row
 from workers.router import POLICIES
 
@@ -348,16 +349,23 @@ def validate(cfg: PPOConfig) -> None:
 
 
 def check_context_length(cfg: PPOConfig, model_max_positions: int | None, which: str | None = None) -> None:
-    """The model `which` names (default: the policy, "model.path=...") must hold the longest query+response."""
+    """The model `which` names (default: the policy, "model.path=...") must hold the longest query+response,
+    as the engines serve its context (SGLang keeps a few positions: workers/engines/client.py)."""
     if model_max_positions is None:
         return
     longest = max_sequence_length(cfg)
     response = "eval.response_length" if (cfg.eval.response_length or 0) > cfg.rollout.response_length \
         else "rollout.response_length"  # the longer of the two bounds a sequence
-    require(longest <= model_max_positions,
-            f"data.max_prompt_length + {response} * rollout.max_turns = {longest} tokens exceeds the model's "
-            f"context of {model_max_positions} ({which or f'model.path={cfg.model.path}'}); shorten "
+    served = model_max_positions - OUTPUT_RESERVE
+    model = which or f"model.path={cfg.model.path}"
+    require(longest <= served,
+            f"data.max_prompt_length + {response} * rollout.max_turns = {longest} tokens exceeds the {served} "
+            f"tokens the engines serve of the model's context of {model_max_positions} ({model}); shorten "
             f"data.max_prompt_length or {response}")
+    require(cfg.data.max_prompt_length <= max_input_length(model_max_positions),
+            f"data.max_prompt_length={cfg.data.max_prompt_length} exceeds the longest input the engines accept "
+            f"for the model's context of {model_max_positions} ({max_input_length(model_max_positions)}, {model}); "
+            "shorten data.max_prompt_length")
 
 
 def check_models(cfg: PPOConfig) -> None:

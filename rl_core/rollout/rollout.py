@@ -33,6 +33,7 @@ from envs.base import Action, Observation
 from envs.pool import EnvFailure, EnvLease, EnvPool, TooManyEnvFailures
 from rl_core.rewards import RewardFnError, RewardFunctions
 from rl_core.rollout.trajectory import Trajectory, TrajectoryBuilder
+from workers.engines.client import max_input_length, max_output_length
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class RolloutSettings:
 
     `sampling_params`: SGLang's, sent with every /generate. `max_turns`: actions per episode.
     `concurrency`: trajectories in flight at once (None: as many as envs allow).
-    `max_total_tokens`: the model's context; a sequence never grows past it. `max_abort_retries`:
+    `max_total_tokens`: the model's context; a sequence never grows past what engines serve of it. `max_abort_retries`:
     how often one action continues after an `abort` (a weight push pausing the engines).
     """
 
@@ -212,9 +213,12 @@ class _Rollout:
             env.reject(what, f"returned an unusable observation: {err}")
 
     def _room(self, sequence_length: int) -> int:
+        """How many tokens the engine may generate after a sequence this long (0: it may not be sent)."""
         if self.max_total_tokens is None:
             return 1 << 30
-        return self.max_total_tokens - sequence_length
+        if sequence_length > max_input_length(self.max_total_tokens):  # the engines refuse it (SGLang's reserve)
+            return 0
+        return max_output_length(self.max_total_tokens, sequence_length)
 
     async def _act(self, builder: TrajectoryBuilder, room: int, seed: int | None = None) -> Action:
         """Generate one action; an `abort` (engine paused for a weight update) continues where it stopped."""
@@ -234,7 +238,7 @@ class _Rollout:
             ids += gen.output_ids
             logprobs += gen.logprobs
             versions += gen.versions
-            if gen.finish_reason != "abort" or len(ids) >= wanted:
+            if gen.finish_reason != "abort" or len(ids) >= wanted or self._room(len(builder.current) + len(ids)) < 1:
                 break
         if self.bar is not None:
             self.bar.set_postfix_str(f"{len(ids)} tok", refresh=False)

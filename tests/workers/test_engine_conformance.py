@@ -323,3 +323,21 @@ def test_the_log_records_every_call_in_one_shape(engine):
             "/update_weights_from_tensor", "/end_weight_update", "/pause_generation", "/continue_generation",
             "/abort_request", "/flush_cache", "/model_info"} <= paths
     assert ("POST", "/update_weights_from_tensor", 400) in calls  # the refused one outside a session
+
+
+@pytest.mark.timeout(300)
+def test_an_input_must_leave_sglangs_reserve_of_the_context(engine):
+    # SGLang's scheduler serves context - 1 tokens a request: it refuses an input of context - 6 tokens or more
+    # and generates at most context - 2 - input tokens, whatever max_new_tokens asks within the context
+    # (workers/engines/client.py; the rollout stops a growing conversation there).
+    longest = CONTEXT - 7
+    served = {}
+    for params in ({"max_new_tokens": 7}, {"max_new_tokens": None}, {}):
+        answer = run(engine, lambda c: c.generate([5] * longest, {**params, "ignore_eos": True}))
+        served[str(params)] = (answer["meta_info"]["completion_tokens"], answer["meta_info"]["finish_reason"]["type"])
+    assert set(served.values()) == {(5, "length")}, served
+    with pytest.raises(EngineError) as refused:
+        run(engine, lambda c: c.generate([5] * (longest + 1), {"max_new_tokens": 2, "ignore_eos": True}))
+    assert refused.value.status == 400
+    assert f"Input length ({longest + 1} tokens) exceeds the maximum allowed length ({CONTEXT - 6} tokens)" in \
+        refused.value.message

@@ -13,6 +13,22 @@ from typing import Any, Sequence
 
 import aiohttp
 
+# What SGLang 0.5.23 serves of a model's context (its scheduler: max_req_len = context - 1), and so the embedded
+# engine too: an input of context - INPUT_RESERVE tokens or more is refused (HTTP 400), and a request generates
+# at most context - OUTPUT_RESERVE - input tokens (a larger max_new_tokens is cut there and finishes "length").
+INPUT_RESERVE = 6
+OUTPUT_RESERVE = 2
+
+
+def max_input_length(context_len: int) -> int:
+    """The longest input an engine accepts for a model of `context_len` positions."""
+    return context_len - INPUT_RESERVE - 1
+
+
+def max_output_length(context_len: int, input_len: int) -> int:
+    """The most tokens an engine generates after an input of `input_len` tokens."""
+    return max(0, context_len - OUTPUT_RESERVE - input_len)
+
 
 class EngineError(RuntimeError):
     """An engine or router answered with an error, or could not be reached."""

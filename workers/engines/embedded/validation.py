@@ -17,6 +17,7 @@ import dataclasses
 import math
 from typing import Any
 
+from workers.engines.client import INPUT_RESERVE, max_input_length, max_output_length
 from workers.engines.embedded.runner import SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when the field is absent
@@ -220,18 +221,20 @@ def _rids(rid: Any, num_prompts: int, is_batch: bool, n: int) -> list[str]:
 
 
 def fit_to_context(sampling: Sampling, prompt_len: int, context_len: int, row: str = "prompt") -> SamplingParams:
-    """The row's parameters with max_new_tokens resolved against the context (SGLang's clamping rules)."""
+    """The row's parameters with max_new_tokens resolved against the context (SGLang's rules, in its order)."""
     params = dataclasses.replace(sampling.params)
     room = context_len - prompt_len
     if room < 0:
         raise BadRequest(f"{row} of {prompt_len} tokens exceeds the model's context length {context_len}")
-    if params.max_new_tokens is None:  # null: up to the context limit
-        params.max_new_tokens = room
-    elif not sampling.length_given:  # the default is clamped to the context, as SGLang's scheduler does
-        params.max_new_tokens = min(params.max_new_tokens, room)
-    elif params.max_new_tokens > room:
+    if sampling.length_given and params.max_new_tokens > room:
         raise BadRequest(f"{row} of {prompt_len} tokens + max_new_tokens {params.max_new_tokens} "
                          f"exceeds the model's context length {context_len}")
+    if prompt_len > max_input_length(context_len):  # SGLang's own words, so callers match one message
+        raise BadRequest(f"Input length ({prompt_len} tokens) exceeds the maximum allowed length "
+                         f"({context_len - INPUT_RESERVE} tokens). Use a shorter input or enable --allow-auto-truncate.")
+    most = max_output_length(context_len, prompt_len)
+    # Absent: SGLang's default of 128; null: no limit of its own; either way, and a number too, cut at `most`.
+    params.max_new_tokens = most if params.max_new_tokens is None else min(params.max_new_tokens, most)
     return params
 
 
