@@ -139,6 +139,15 @@ class SandboxResult:
     def ok(self) -> bool:
         return self.exit_code == 0 and not self.timed_out
 
+    def for_model(self) -> str:
+        """The result as a tool message's text: what was printed, and what went wrong, if anything."""
+        if self.timed_out:
+            return f"{self.stdout}error: the program did not finish within {self.seconds:.0f} s and was stopped"
+        if not self.ok:
+            how = f"exit code {self.exit_code}" if self.exit_code is not None else f"signal {self.signal}"
+            return f"{self.stdout}{self.stderr}error: the program failed ({how})"
+        return self.stdout
+
 
 class Sandbox:
     """Runs untrusted Python with the limits given here, at most `max_concurrency` at a time."""
@@ -261,6 +270,17 @@ async def run_python(code: str, *, timeout_s: float = 10.0, memory_mb: int = 512
     sandbox = Sandbox(1, timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes,
                       max_processes=max_processes, max_file_mb=max_file_mb, cpu_s=cpu_s, python=python, user=user)
     return await sandbox.run_python(code)
+
+
+async def python(code: str) -> str:
+    """Run a Python program and return what it printed.
+
+    Args:
+        code: The program's source. Print the values you want to see.
+    """
+    # A tool for `env.tools: [envs.sandbox:python]`: each call gets its own sandbox with the default
+    # limits; the env pool's `num_envs` bounds how many run at once.
+    return (await run_python(code)).for_model()
 
 
 async def _read(stream: asyncio.StreamReader, limit: int) -> tuple[bytes, int]:

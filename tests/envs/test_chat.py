@@ -174,7 +174,7 @@ class ScriptedToolEnv(ChatEnv):
 
     async def reset(self, sample: dict) -> list[dict]:
         self.done = 0
-        return [{"role": "user", "content": sample["question"]}]
+        return sample.get("messages") or [{"role": "user", "content": sample["question"]}]
 
     async def step(self, message: AssistantMessage) -> ChatStep:
         self.done += 1

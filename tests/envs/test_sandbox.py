@@ -386,3 +386,21 @@ def test_bad_settings_are_refused_with_the_fix(kwargs, message):
         pytest.skip("the user is only switched by a root parent")
     with pytest.raises(ValueError, match=message):
         Sandbox(**kwargs)
+
+
+def test_the_python_tool_answers_a_tool_call_with_its_output_or_its_error():
+    from envs.tools import Toolbox, ToolCall
+
+    toolbox = Toolbox.from_paths(["envs.sandbox:python"], timeout_s=30)
+    assert toolbox.schemas[0]["function"]["parameters"]["required"] == ["code"]
+
+    async def calls():
+        good = await toolbox.run(ToolCall("call_0", "python", {"code": "print(37 * 48)"}))
+        bad = await toolbox.run(ToolCall("call_1", "python", {"code": "import os\nos.system('echo hi')\n1/0"}))
+        return good, bad
+
+    good, bad = asyncio.run(calls())
+    assert good.error is None and good.message["content"] == "1776\n"
+    assert bad.error is None  # the tool answered: the program's failure is the model's to read
+    assert "ZeroDivisionError" in bad.message["content"] and "error: the program failed (exit code 1)" in \
+        bad.message["content"]
