@@ -182,6 +182,10 @@ class _Rollout:
         builder = TrajectoryBuilder(self.tokenizer)
         first = await env.reset(sample)
         self._guard(env, "reset", builder.start, first if first is not None else first_observation(sample))
+        if self._room(len(builder.current)) < 1:  # e.g. a chat env's prompt with its tool list: nothing to train on
+            env.reject("reset", f"returned a first state of {len(builder.current)} tokens, longer than the engines "
+                                f"accept for a context of {self.max_total_tokens}; shorten the prompt (system prompt, "
+                                "tool descriptions)")
         finish_reasons: list[str] = []
         env_info: dict = {}
         truncated = done = False

@@ -174,7 +174,9 @@ class ScriptedToolEnv(ChatEnv):
 
     async def reset(self, sample: dict) -> list[dict]:
         self.done = 0
-        return sample.get("messages") or [{"role": "user", "content": sample["question"]}]
+        # Short questions (from the arithmetic rows' answers in the job test): three turns fit the tiny context.
+        question = sample["question"] if "question" in sample else f"What is 3 * {sample['answer']}?"
+        return [{"role": "user", "content": question}]
 
     async def step(self, message: AssistantMessage) -> ChatStep:
         self.done += 1

@@ -200,6 +200,26 @@ def test_env_failures_are_excluded_and_too_many_raise(router_url, tokenizer, cap
                     sampling_params=params, max_turns=2, policy_version=0, max_total_tokens=CONTEXT)
 
 
+class LongFirstStateEnv(FlakyEnv):
+    """A first state of `length` token ids (a chat env's prompt with a long tool list, say)."""
+
+    async def reset(self, sample):
+        self.boom = False
+        return [5] * sample["length"]
+
+
+@pytest.mark.timeout(120)
+def test_a_first_state_the_engines_would_refuse_fails_its_trajectory_with_the_reason(router_url, tokenizer):
+    # CONTEXT 64: SGLang (and so the embedded engine) accepts inputs of at most 57 tokens.
+    samples = [{"length": 57}, {"length": 58}]
+    result, calls, _ = run_rollout(router_url, samples, LongFirstStateEnv, tokenizer, max_failed_ratio=0.5,
+                                   sampling_params={"max_new_tokens": 4, "ignore_eos": True}, max_turns=1,
+                                   policy_version=0, max_total_tokens=CONTEXT)
+    (kept,), (failed,) = result.trajectories, result.failed
+    assert kept.num_action_tokens == 4 and len(calls) == 1  # 57 + 4 tokens: within context - 2
+    assert "first state of 58 tokens, longer than the engines accept for a context of 64" in failed.error
+
+
 @pytest.mark.timeout(120)
 def test_readme_example_env_plugged_by_import_path(router_url, tokenizer):
     factory = make_env_factory("envs.examples.echo_length:TargetLengthEnv", {"target_words": 3})
