@@ -142,6 +142,13 @@ def test_tool_use_env_answers_calls_with_tool_messages_and_counts_every_failure(
     assert stats["tool_errors/unknown_tool"] == stats["tool_errors/unparsed"] == stats["tool_errors/bad_arguments"] == 1
 
 
+def test_without_tools_a_call_is_answered_with_an_error_not_a_failure():
+    env = ToolUseEnv(None)  # a job without env.tools: the policy answering on its own
+    turn = asyncio.run(env.step(AssistantMessage(CALL, [], hermes_tool_calls(CALL))))
+    assert not turn.done and "no tool named 'multiply'" in turn.messages[0]["content"]
+    assert env.tool_stats.errors == {"unknown_tool": 1}
+
+
 def test_the_env_factory_wraps_chat_envs_and_refuses_tools_for_other_envs(chat_tokenizer_dir):
     tokenizer = tokenizer_with(chat_tokenizer_dir, "tools_in_system")
     setup = ChatSetup.build(tokenizer, ["tests.envs.test_chat:multiply"], "hermes", timeout_s=5)
