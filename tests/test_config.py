@@ -184,3 +184,18 @@ def test_a_mistral_window_sglang_would_ignore_is_refused_at_parse_time(tmp_path)
         check_models(grpo(f"model.path={short}", "rollout.engine=sglang"))
     check_models(grpo(f"model.path={short}", "rollout.engine=embedded"))  # the embedded engine applies the window
     check_models(grpo(f"model.path={long}", "rollout.engine=sglang"))  # sequences within the window
+
+
+def test_the_context_check_leaves_the_engines_reserve_for_the_policy_not_the_reward_model():
+    from rl_core.ppo.config import check_context_length
+
+    grpo = lambda *keys: load_config("grpo_arithmetic.yaml", list(keys), PPOConfig, validate_ppo)  # noqa: E731
+    cfg = grpo()  # 64 prompt tokens + 20 response tokens
+    check_context_length(cfg, 86)  # SGLang serves 86 - 2 positions of a request
+    with pytest.raises(ConfigError, match="84 tokens exceeds the 83 tokens the engines serve of the model's context "
+                                          "of 85"):
+        check_context_length(cfg, 85)
+    check_context_length(cfg, 84, "reward.model_path=rm", served=False)  # the reward model reads it directly
+    with pytest.raises(ConfigError, match=r"data.max_prompt_length=64 exceeds the longest input the engines accept "
+                                          r"for the model's context of 70 \(63"):
+        check_context_length(grpo("rollout.response_length=1"), 70)

@@ -348,21 +348,23 @@ def validate(cfg: PPOConfig) -> None:
             f"rollout.max_turns) but algorithm.max_tokens_per_device={algo.max_tokens_per_device}; raise it")
 
 
-def check_context_length(cfg: PPOConfig, model_max_positions: int | None, which: str | None = None) -> None:
-    """The model `which` names (default: the policy, "model.path=...") must hold the longest query+response,
-    as the engines serve its context (SGLang keeps a few positions: workers/engines/client.py)."""
+def check_context_length(cfg: PPOConfig, model_max_positions: int | None, which: str | None = None,
+                         served: bool = True) -> None:
+    """The model `which` names (default: the policy, "model.path=...") must hold the longest query+response;
+    `served`: as the engines serve its context (SGLang keeps a few positions: workers/engines/client.py)."""
     if model_max_positions is None:
         return
     longest = max_sequence_length(cfg)
     response = "eval.response_length" if (cfg.eval.response_length or 0) > cfg.rollout.response_length \
         else "rollout.response_length"  # the longer of the two bounds a sequence
-    served = model_max_positions - OUTPUT_RESERVE
+    limit = model_max_positions - OUTPUT_RESERVE if served else model_max_positions
     model = which or f"model.path={cfg.model.path}"
-    require(longest <= served,
-            f"data.max_prompt_length + {response} * rollout.max_turns = {longest} tokens exceeds the {served} "
-            f"tokens the engines serve of the model's context of {model_max_positions} ({model}); shorten "
-            f"data.max_prompt_length or {response}")
-    require(cfg.data.max_prompt_length <= max_input_length(model_max_positions),
+    held = f"the {limit} tokens the engines serve of the model's context of {model_max_positions}" if served \
+        else f"the model's context of {model_max_positions}"
+    require(longest <= limit,
+            f"data.max_prompt_length + {response} * rollout.max_turns = {longest} tokens exceeds {held} ({model}); "
+            f"shorten data.max_prompt_length or {response}")
+    require(not served or cfg.data.max_prompt_length <= max_input_length(model_max_positions),
             f"data.max_prompt_length={cfg.data.max_prompt_length} exceeds the longest input the engines accept "
             f"for the model's context of {model_max_positions} ({max_input_length(model_max_positions)}, {model}); "
             "shorten data.max_prompt_length")
@@ -382,7 +384,7 @@ def check_models(cfg: PPOConfig) -> None:
         check_sglang_serves_the_window(cfg, policy)
     if cfg.reward.model_path:
         check_context_length(cfg, model_context_length(cfg.reward.model_path),
-                             f"reward.model_path={cfg.reward.model_path}")
+                             f"reward.model_path={cfg.reward.model_path}", served=False)
 
 
 def check_sglang_serves_the_window(cfg: PPOConfig, policy) -> None:

@@ -20,7 +20,7 @@ def test_packed_ppo_step_equals_the_padded_one_with_less_padding(small_job, tmp_
         # Prompts of 12 to 54 tokens and responses that stop at EOS: rows of unequal length, so padding,
         # and short rows that two can share a packed row; 4 responses per prompt for shared prompts.
         run_job(small_job, run_dir, "trainer.total_episodes=32", "algorithm.batch_size=32", "algorithm.group_size=4",
-                "data.max_prompt_length=54", "rollout.ignore_eos=false", "rollout.response_length=10", *keys)
+                "data.max_prompt_length=52", "rollout.ignore_eos=false", "rollout.response_length=10", *keys)
         steps[name] = read_metrics(run_dir)[-1]
     padded = steps["padded"]
     assert padded["step"] == steps["packed"]["step"] == steps["shared"]["step"] == 1
