@@ -20,12 +20,15 @@ sequence holding the whole re-rendered conversation, counted as a template diver
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from envs.base import Action, Env, StepResult
 from envs.tools import ERROR_KINDS, ToolCall, Toolbox, load_parser
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -211,7 +214,20 @@ class ChatSetup:
               max_threads: int = 8) -> "ChatSetup":
         """From the env config's `tools` (import paths), `tool_parser` and `tool_timeout_s`."""
         toolbox = Toolbox.from_paths(list(tools), timeout_s=timeout_s, max_threads=max_threads) if tools else None
+        if toolbox is not None and not template_renders_tools(tokenizer, toolbox.schemas):
+            logger.warning("the tokenizer's chat template ignores `tools`: the model is not shown env.tools; use a "
+                           "template that renders them, or describe them in the env's system prompt")
         return cls(tokenizer, toolbox, load_parser(parser))
+
+
+def template_renders_tools(tokenizer: Any, schemas: list[dict]) -> bool:
+    """Whether the tokenizer's chat template shows `tools` at all (many plain templates drop them)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return False
+    probe = [{"role": "user", "content": "hi"}]
+    render = lambda tools: tokenizer.apply_chat_template(probe, tools=tools, add_generation_prompt=True,  # noqa: E731
+                                                         tokenize=False)
+    return render(schemas) != render(None)
 
 
 class ChatEnvAdapter(Env):

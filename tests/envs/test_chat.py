@@ -4,13 +4,15 @@ messages with their use counted, and a multi-turn tool conversation runs through
 """
 
 import asyncio
+import logging
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from envs.base import Action, make_env_factory
-from envs.chat import AssistantMessage, ChatEnv, ChatEnvAdapter, ChatSetup, ChatStep, ChatTokens, ToolUseEnv
+from envs.chat import (AssistantMessage, ChatEnv, ChatEnvAdapter, ChatSetup, ChatStep, ChatTokens, ToolUseEnv,
+                       template_renders_tools)
 from envs.tools import ToolCall, Toolbox, hermes_tool_calls
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
@@ -149,7 +151,7 @@ def test_without_tools_a_call_is_answered_with_an_error_not_a_failure():
     assert env.tool_stats.errors == {"unknown_tool": 1}
 
 
-def test_the_env_factory_wraps_chat_envs_and_refuses_tools_for_other_envs(chat_tokenizer_dir):
+def test_the_env_factory_wraps_chat_envs_and_refuses_tools_for_other_envs(chat_tokenizer_dir, caplog):
     tokenizer = tokenizer_with(chat_tokenizer_dir, "tools_in_system")
     setup = ChatSetup.build(tokenizer, ["tests.envs.test_chat:multiply"], "hermes", timeout_s=5)
     env = make_env_factory("envs.chat:ToolUseEnv", {"max_tool_turns": 1}, chat=setup)()
@@ -166,6 +168,11 @@ def test_the_env_factory_wraps_chat_envs_and_refuses_tools_for_other_envs(chat_t
     assert result.observation[:len(ids) + len(call_ids)] == ids + call_ids
     assert tokenizer.decode(result.observation[len(ids) + len(call_ids):]) == "\nTool multiply: 408\nAssistant:\n"
     assert result.info["tool_calls"] == 1 and result.info["template_divergences"] == 0
+    assert template_renders_tools(tokenizer, setup.toolbox.schemas)
+    plain = AutoTokenizer.from_pretrained(chat_tokenizer_dir)  # the arithmetic template: no tools in it
+    with caplog.at_level(logging.WARNING, logger="envs.chat"):
+        ChatSetup.build(plain, ["tests.envs.test_chat:multiply"])
+    assert "chat template ignores `tools`" in caplog.text
     with pytest.raises(ValueError, match="env.tools is set but SingleTurnEnv"):
         make_env_factory("envs.single_turn:SingleTurnEnv", chat=setup)
     with pytest.raises(ValueError, match="is a ChatEnv"):
