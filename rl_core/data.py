@@ -120,7 +120,9 @@ def _load_local(path: Path, text_key: str, on_malformed: str, keys: "ConfigKeys"
     if loader is None:
         raise PromptDataError(f"{path}: unsupported extension '{path.suffix}'; "
                               f"use one of {sorted(LOADERS_BY_SUFFIX)}")
-    if loader != "parquet" and not path.read_text(encoding="utf-8", errors="replace").strip():
+    if loader != "parquet" and (problem := utf8_problem(path)) is not None:
+        raise PromptDataError(problem)
+    if loader != "parquet" and not path.read_text(encoding="utf-8").strip():
         raise PromptDataError(f"{path} is empty; add prompt rows with a '{text_key or 'prompt'}' field")
     try:
         return datasets.load_dataset(loader, data_files=str(path), split="train"), 0
@@ -130,6 +132,21 @@ def _load_local(path: Path, text_key: str, on_malformed: str, keys: "ConfigKeys"
         if loader == "csv" and _count_nonblank_lines(path) <= 1:
             raise PromptDataError(f"{path} has a header but no rows; add prompt rows") from error
         raise PromptDataError(f"could not read {path} as {loader}: {error}") from error
+
+
+def utf8_problem(path: Path) -> str | None:
+    """Where a text data file stops being UTF-8, as "<file>, line N: ...; fix", or None when it is UTF-8.
+
+    Checked before a parser reads the file: parsers name a bad byte by its offset alone, or not at all."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        line = data.count(b"\n", 0, bad.start) + 1
+        column = bad.start - data.rfind(b"\n", 0, bad.start)
+        return (f"{path}, line {line}: byte 0x{data[bad.start]:02x} at column {column} is not UTF-8 ({bad.reason}); "
+                "save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)")
+    return None
 
 
 def _count_nonblank_lines(path: Path) -> int:

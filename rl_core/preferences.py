@@ -24,6 +24,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
+from rl_core.data import utf8_problem
 from rl_core.errors import PreferenceDataError
 
 logger = logging.getLogger(__name__)
@@ -258,6 +259,8 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
     import datasets
 
     builder = SUPPORTED_SUFFIXES[path.suffix.lower()]
+    if builder != "parquet" and (problem := utf8_problem(path)) is not None:
+        raise PreferenceDataError(problem)
     kwargs: dict[str, Any] = {}
     if builder == "csv":
         header = _csv_header(path)

@@ -276,3 +276,18 @@ def test_long_prompts_are_skipped_and_counted_or_refused_never_cut(chat_tokenize
     openai = PromptEncoder(chat_tokenizer, limit, on_long="truncate",
                            query_processor=QueryProcessor(chat_tokenizer, query_length=limit))
     assert openai(long) == _ids(chat_tokenizer, long)[:limit]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv"])
+def test_a_byte_that_is_not_utf8_names_file_line_and_fix(tmp_path, suffix):
+    # 0xe9 is Latin-1's "é": the usual way such a byte gets into a file
+    body = {".jsonl": b'{"text": "one."}\n{"text": "caf\xe9 two."}\n',
+            ".json": b'[{"text": "one."},\n {"text": "caf\xe9 two."}]\n',
+            ".csv": b'text\ncaf\xe9 two.\n'}[suffix]  # the header is line 1
+    path = tmp_path / f"prompts{suffix}"
+    path.write_bytes(body)
+    with pytest.raises(PromptDataError) as caught:
+        load_prompt_dataset(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}, line 2: byte 0xe9") and "not UTF-8" in message, message
+    assert "save the file as UTF-8" in message and "\n" not in message

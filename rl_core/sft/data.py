@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rl_core.data import utf8_problem
 from rl_core.errors import JobError
 
 
@@ -40,6 +41,8 @@ def load_rows(path_or_name: str) -> list[dict]:
         if path.suffix in kinds:
             if not path.is_file():
                 raise SFTDataError(f"data file {path} does not exist; check data.train_path / data.eval_path")
+            if path.suffix != ".parquet" and (problem := utf8_problem(path)) is not None:
+                raise SFTDataError(problem)
             dataset = datasets.load_dataset(kinds[path.suffix], data_files=str(path), split="train")
         else:
             dataset = datasets.load_dataset(path_or_name, split="train")

@@ -240,3 +240,17 @@ def test_tokenize_truncates_responses_and_rejects_long_prompts(tmp_path, tokeniz
     assert len(row.input_ids[1]) <= prompt_len + 3
     with pytest.raises(ValueError, match="example 0: the prompt alone is"):
         tokenize_preferences(examples, tokenizer, max_length=prompt_len)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_a_byte_that_is_not_utf8_names_file_and_line(tmp_path, suffix):
+    body = {".jsonl": b'{"prompt": "p", "chosen": "a", "rejected": "b"}\n'
+                      b'{"prompt": "caf\xe9", "chosen": "a", "rejected": "b"}\n',
+            ".csv": b'prompt,chosen,rejected\np,a,b\ncaf\xe9,a,b\n'}[suffix]
+    path = tmp_path / f"prefs{suffix}"
+    path.write_bytes(body)
+    line = 2 if suffix == ".jsonl" else 3
+    with pytest.raises(PreferenceDataError) as caught:
+        load_preference_dataset(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}, line {line}: byte 0xe9") and "save the file as UTF-8" in message, message

@@ -116,3 +116,12 @@ def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir, layout):
     assert nll == pytest.approx(padded_nll, rel=1e-5)
     for name, grad in grads.items():
         assert torch.allclose(grad, padded_grads[name], rtol=1e-5, atol=1e-6), name
+
+
+def test_a_byte_that_is_not_utf8_names_file_and_line(tmp_path):
+    from rl_core.sft.data import load_rows
+
+    path = tmp_path / "sft.jsonl"
+    path.write_bytes(b'{"prompt": "1+1=", "response": "2"}\n{"prompt": "caf\xe9", "response": "x"}\n')
+    with pytest.raises(SFTDataError, match=rf"^{path}, line 2: byte 0xe9 .*not UTF-8.*save the file as UTF-8"):
+        load_rows(str(path))
