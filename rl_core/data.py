@@ -369,7 +369,7 @@ class PromptEncoder:
         ids = self.tokenizer(self.render(prompt), add_special_tokens=messages is None)["input_ids"]
         if len(ids) > self.max_length:
             if self.on_long == "error":
-                raise PromptDataError(f"a prompt has {len(ids)} tokens, more than data.max_prompt_length="
+                raise PromptDataError(f"the prompt has {len(ids)} tokens, more than data.max_prompt_length="
                                       f"{self.max_length}: raise data.max_prompt_length or set "
                                       "data.on_long_prompt=skip to skip (and count) such prompts")
             if self.on_long == "skip":
@@ -377,6 +377,22 @@ class PromptEncoder:
                 return None
             ids = ids[:self.max_length]
         return list(ids) or None
+
+
+def encode_row(encode: PromptEncoder, dataset: PromptDataset, index: int) -> list[int] | None:
+    """`encode` of one dataset row; a refusal names the file and the row."""
+    try:
+        return encode(dataset[index][dataset.text_key])
+    except PromptDataError as error:
+        raise PromptDataError(f"{dataset.source}, row {index + 1}: {error}") from None
+
+
+def refuse_long_prompts(dataset: PromptDataset, encode: PromptEncoder) -> None:
+    """With `on_long="error"`, encode every row now: a long prompt stops the job while the data is
+    read, before any engine starts, not at the step that first draws it."""
+    if encode.on_long == "error":
+        for index in range(len(dataset)):
+            encode_row(encode, dataset, index)
 
 
 # --- deterministic, resumable prompt batches -----------------------------------------------------

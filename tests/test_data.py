@@ -291,3 +291,19 @@ def test_a_byte_that_is_not_utf8_names_file_line_and_fix(tmp_path, suffix):
     message = str(caught.value)
     assert message.startswith(f"{path}, line 2: byte 0xe9") and "not UTF-8" in message, message
     assert "save the file as UTF-8" in message and "\n" not in message
+
+
+def test_on_long_prompt_error_is_checked_when_the_data_is_read_and_names_the_row(tmp_path, chat_tokenizer):
+    # The PPO job reads its prompts before any engine starts: a long prompt must stop it there, not at
+    # the step that first draws it (after the engines are up).
+    from rl_core.ppo.config import DataConfig
+    from rl_core.rollout.prompts import eval_samples, prompt_samples
+
+    short, long = "she smiled.", "the old man walked to the market and felt happy. " * 4
+    path = _write_jsonl(tmp_path / "prompts.jsonl", [{"text": short}] * 3 + [{"text": long}])
+    data = DataConfig(max_prompt_length=len(_ids(chat_tokenizer, short)) + 2, on_long_prompt="error")
+    expected = rf"^{path}, row 4: the prompt has \d+ tokens, more than data.max_prompt_length="
+    with pytest.raises(PromptDataError, match=expected):
+        prompt_samples(data, str(path), chat_tokenizer, batch_size=2, group_size=2, seed=0)
+    with pytest.raises(PromptDataError, match=expected):
+        eval_samples(data, str(path), chat_tokenizer, n=1, max_prompts=None)

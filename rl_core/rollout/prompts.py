@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from rl_core.data import ConfigKeys, PromptEncoder, PromptLoader, QueryProcessor, load_prompt_dataset
+from rl_core.data import (ConfigKeys, PromptEncoder, PromptLoader, QueryProcessor, encode_row, load_prompt_dataset,
+                          refuse_long_prompts)
 
 
 class PromptSamples:
@@ -74,7 +75,9 @@ def prompt_samples(data_cfg, prompts_path: str, tokenizer, batch_size: int, grou
                                   on_malformed=data_cfg.on_malformed, hub_config=data_cfg.hub_config)
     if dataset.skipped:
         print(f"skipped {dataset.skipped} malformed prompt rows in {dataset.source}")
-    loader = PromptLoader(dataset, batch_size // group_size, seed=seed, processor=prompt_encoder(data_cfg, tokenizer))
+    encode = prompt_encoder(data_cfg, tokenizer)
+    refuse_long_prompts(dataset, encode)
+    loader = PromptLoader(dataset, batch_size // group_size, seed=seed, processor=encode)
     return PromptSamples(loader, group_size, seed)
 
 
@@ -90,7 +93,7 @@ def eval_samples(data_cfg, eval_path: str, tokenizer, n: int, max_prompts: int |
         if max_prompts is not None and len(samples) >= max_prompts * n:
             break
         row = dataset[index]
-        prompt_ids = encode(row[dataset.text_key])
+        prompt_ids = encode_row(encode, dataset, index)
         if prompt_ids is None:
             skipped += 1
             continue

@@ -269,12 +269,28 @@ def _bad_prompts(tmp_path: Path) -> Path:
     return path
 
 
+def _latin1_prompts(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b'{"text": "the old man walked to the market."}\n{"text": "caf\xe9 au lait."}\n')
+    return path
+
+
+def _long_prompts(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"text": "she smiled."}\n{"text": "' + "the old man walked to the market. " * 8 + '"}\n')
+    return path
+
+
 # A directory that is not a model, a file, a hub name: tests/workers/test_model_paths.py (no job needed).
 BAD_INPUTS = {
     "missing model": (lambda tmp: "model.path=/nonexistent/model",
                       "[rank 0] error: model.path=/nonexistent/model does not exist"),
     "malformed data": (lambda tmp: f"data.train_path={_bad_prompts(tmp)}",
                        "[rank 0] error: {tmp}/prompts.jsonl, line 2: invalid JSON"),
+    "data not UTF-8": (lambda tmp: f"data.train_path={_latin1_prompts(tmp)}",
+                       "[rank 0] error: {tmp}/prompts.jsonl, line 2: byte 0xe9 at column 14 is not UTF-8"),
+    "long prompt refused": (lambda tmp: f"data.train_path={_long_prompts(tmp)} data.on_long_prompt=error",
+                            "[rank 0] error: {tmp}/prompts.jsonl, row 2: the prompt has"),
 }
 
 
@@ -285,7 +301,7 @@ def test_bad_model_or_data_paths_stop_before_any_engine_with_one_line(small_job,
     inputs = tmp_path / "inputs"
     inputs.mkdir()
     run_dir = tmp_path / "run"
-    job = Job(small_job, run_dir, "trainer.total_episodes=16", make_override(inputs))
+    job = Job(small_job, run_dir, "trainer.total_episodes=16", *make_override(inputs).split())
     started = time.monotonic()
     try:
         code = job.wait(240)
