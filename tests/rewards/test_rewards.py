@@ -65,6 +65,55 @@ def test_answer_reward_on_tricky_formats(completion, reference, expected):
     assert answer_reward(completion, {"answer": reference}) == expected
 
 
+# Odd ways of writing an answer, where our own conventions (a bare reference is boxed, LaTeX without
+# delimiters is math) once cost what math-verify alone reads right.
+@pytest.mark.parametrize("completion, reference, expected", [
+    ("The answer is 4 4/9.", "4 4/9", 1.0),                      # a mixed number: 4 and 4/9
+    ("$\\frac{40}{9}$", "4 4/9", 1.0),
+    ("The answer is 4.", "4 4/9", 0.0),                          # not its whole part
+    ("$4\\frac{4}{9}$", "40/9", 1.0),                             # the LaTeX mixed number
+    ("It takes -2 1/2 hours", "-2.5", 1.0),
+    ("The answer is 1.22", "1,22", 1.0),                         # a decimal comma in the reference
+    ("$1,22$", "1.22", 1.0),                                     # ... and in the answer
+    ("\\boxed{0,5}", "1/2", 1.0),
+    ("$1,22$", "122", 0.0),
+    ("\\boxed{1,2}", "\\{1, 2\\}", 1.0),                         # a set stays a set
+    ("$\n2\\sqrt{3}\n$", "2\\sqrt{3}", 1.0),                    # inline math over several lines
+    ("So\n\\(\n2\\sqrt{3}\n\\)\n", "2\\sqrt{3}", 1.0),
+    ("$\n2\\sqrt{5}\n$", "2", 0.0),                              # not its first number
+    ("The answer is\n\\(\n10\\pi\n\\)", "10", 0.0),
+    ("It costs $5.\nSo\n$\n\\frac{1}{2}\n$", "0.5", 1.0),
+])
+def test_answer_reward_reads_mixed_numbers_decimal_commas_and_multiline_math(completion, reference, expected):
+    assert answer_reward(completion, {"answer": reference}) == expected
+
+
+# Where no convention of ours applies (a reference in math delimiters, a completion with no `####`,
+# no mixed number, no decimal comma, no formula split over lines), the reward is math-verify's verdict.
+@pytest.mark.parametrize("completion, reference", [
+    ("The answer is $\\frac{3}{6}$", "$0.5$"),
+    ("$\\sqrt{12}$", "$2\\sqrt{3}$"),
+    ("$\\sqrt{12}$", "$3\\sqrt{2}$"),
+    ("The answer is \\boxed{(3, -1)}", "$(3,-1)$"),
+    ("\\boxed{(-1, 3)}", "$(3,-1)$"),
+    ("$x \\in (2, \\infty)$", "$(2,\\infty)$"),
+    ("$\\{3, 1, 2\\}$", "$\\{1,2,3\\}$"),
+    ("So $y = 2x + 1$", "$2x+1$"),
+    ("The final answer is $\\pi/2$", "$\\frac{\\pi}{2}$"),
+    ("$25\\%$", "$\\frac{1}{4}$"),
+    ("$1{,}234$", "$1234$"),
+    ("I get 7 apples", "$7$"),
+    ("I get 7 apples", "$8$"),
+    ("$$\n\\frac{2}{3}\n$$", "$\\frac{4}{6}$"),
+    ("$a^2 - b^2$", "$(a-b)(a+b)$"),
+    ("$\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}$", "$\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}$"),
+])
+def test_answer_reward_agrees_with_math_verify_where_no_convention_applies(completion, reference):
+    from math_verify import parse, verify
+
+    assert answer_reward(completion, {"answer": reference}) == float(verify(parse(reference), parse(completion)))
+
+
 def test_answer_reward_reads_the_configured_column_and_says_when_it_is_missing():
     assert answer_reward("#### 4", {"label": "4"}, answer_key="label") == 1.0
     with pytest.raises(KeyError, match="answer_key"):
