@@ -68,9 +68,9 @@ class RecordingClient:
 
 
 def run_rollout(router_url, samples, env_factory, tokenizer, *, num_envs=4, max_failed_ratio=0.1, policy_version=0,
-                reward_fns=None, **settings):
+                reward_fns=None, step_timeout_s=30, **settings):
     """One rollout on a fresh loop; `settings` are RolloutSettings'; returns (result, recorded engine calls, pool)."""
-    pool = EnvPool(env_factory, num_envs=num_envs, step_timeout_s=30, max_failed_ratio=max_failed_ratio)
+    pool = EnvPool(env_factory, num_envs=num_envs, step_timeout_s=step_timeout_s, max_failed_ratio=max_failed_ratio)
 
     async def main():
         async with EngineClient(router_url, timeout_s=60) as client:
@@ -198,6 +198,34 @@ def test_env_failures_are_excluded_and_too_many_raise(router_url, tokenizer, cap
     with pytest.raises(TooManyEnvFailures, match="failed in their environment"):
         run_rollout(router_url, samples, FlakyEnv, tokenizer, max_failed_ratio=0.1,
                     sampling_params=params, max_turns=2, policy_version=0, max_total_tokens=CONTEXT)
+
+
+class MisbehavingEnv(Env):
+    """Per sample: `step` answers right, answers with the wrong type, or never answers."""
+
+    async def reset(self, sample):
+        self.fault = sample["fault"]
+        return sample["text"]
+
+    async def step(self, action: Action) -> StepResult:
+        if self.fault == "wrong type":
+            return {"observation": None, "reward": 1.0, "done": True}  # a dict, not a StepResult
+        if self.fault == "hang":
+            await asyncio.sleep(3600)
+        return StepResult(None, 1.0, True)
+
+
+@pytest.mark.timeout(120)
+def test_a_step_of_the_wrong_type_or_past_its_timeout_fails_only_its_trajectory(router_url, tokenizer):
+    samples = [{"text": "she smiled", "fault": fault} for fault in ("none", "wrong type", "none", "hang") * 2]
+    result, _, pool = run_rollout(router_url, samples, MisbehavingEnv, tokenizer, max_failed_ratio=0.5,
+                                  step_timeout_s=0.5, sampling_params={"max_new_tokens": 4}, max_turns=1,
+                                  policy_version=0, max_total_tokens=CONTEXT)
+    assert len(result.trajectories) == 4 and all(not t.failed and t.env_reward == 1.0 for t in result.trajectories)
+    errors = sorted(t.error for t in result.failed)
+    assert len(errors) == 4 and pool.failed == 4 and result.metrics["rollout/failed"] == 4
+    assert all(e == "MisbehavingEnv.step returned dict, expected envs.base.StepResult" for e in errors[:2]), errors
+    assert all(e == "MisbehavingEnv.step timed out after 0.5 s (env.step_timeout_s)" for e in errors[2:]), errors
 
 
 class LongFirstStateEnv(FlakyEnv):
