@@ -73,21 +73,25 @@ class Checkpointer:
             old.rename(doomed)
             shutil.rmtree(doomed, ignore_errors=True)
 
+    def resume_path(self, mode: str) -> Path | None:
+        """The checkpoint `maybe_resume(mode)` loads; None when the run starts fresh."""
+        if mode == "never":
+            return None
+        if mode == "auto":
+            found = self.complete()
+            return found[-1] if found else None
+        path = Path(mode)
+        if not (path / "trainer_state.json").is_file():
+            raise FileNotFoundError(f"trainer.resume={mode}: {path} is not a complete checkpoint "
+                                    f"(no trainer_state.json); use 'auto' or a {PREFIX}N directory")
+        return path
+
     def maybe_resume(self, mode: str, models: dict) -> tuple[int, dict]:
         """Load the checkpoint `mode` asks for into `models`; returns (the step to continue from, the
         job state saved with it); (0, {}) when starting fresh."""
-        if mode == "never":
+        path = self.resume_path(mode)
+        if path is None:
             return 0, {}
-        if mode == "auto":
-            found = self.complete()
-            if not found:
-                return 0, {}
-            path = found[-1]
-        else:
-            path = Path(mode)
-            if not (path / "trainer_state.json").is_file():
-                raise FileNotFoundError(f"trainer.resume={mode}: {path} is not a complete checkpoint "
-                                        f"(no trainer_state.json); use 'auto' or a {PREFIX}N directory")
         for name, model in models.items():
             model.load_checkpoint(str(path / name))
         state = json.loads((path / "trainer_state.json").read_text())
@@ -100,8 +104,24 @@ class Checkpointer:
             if rng.get("cuda") is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
         if self.rank == 0:
-            print(f"resumed from {path} at step {state['step']}", flush=True)
+            print(f"resumed from {path} at step {state['step']}{_world_size_change(path)}", flush=True)
         return int(state.pop("step")), state
+
+
+def saved_step(path: Path) -> int:
+    """The step a complete checkpoint was written at."""
+    return int(json.loads((path / "trainer_state.json").read_text())["step"])
+
+
+def _world_size_change(path: Path) -> str:
+    """What a resume on another number of ranks keeps, or "" on the same number (each rank saved its RNG)."""
+    saved = len(list(path.glob("rng_rank*.pt")))
+    now = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if not saved or saved == now:
+        return ""
+    return (f", written by {saved} ranks, on {now} now: the model and optimizer states are resharded and the "
+            f"data order goes on where it stopped (it does not depend on the ranks); the random state of "
+            f"rank{'s 0 to' if min(saved, now) > 1 else ''} {min(saved, now) - 1} only is restored")
 
 
 def export_hf(model, tokenizer, base_path: str, out_dir: Path, rank: int, lora: LoraSettings) -> None:

@@ -25,3 +25,30 @@ def test_only_the_newest_keep_last_checkpoints_stay(tmp_path, keep_last, kept):
 def test_keep_last_must_not_be_negative(tmp_path):
     with pytest.raises(ValueError, match="keep_last"):
         Checkpointer(tmp_path, rank=0, keep_last=-1)
+
+
+def test_resuming_on_another_world_size_says_so_and_what_carries_over(tmp_path, capsys):
+    import json
+    import random
+
+    import numpy as np
+    import torch
+
+    checkpoint = tmp_path / "step_00000003"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 3, "prompts": {"epoch": 0}}))
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(), "cuda": None}
+    for rank in (0, 1):  # written by 2 ranks; this process resumes it alone (no process group: 1 rank)
+        torch.save(rng, checkpoint / f"rng_rank{rank}.pt")
+    step, state = Checkpointer(tmp_path, rank=0).maybe_resume("auto", {})
+    assert (step, state) == (3, {"prompts": {"epoch": 0}})
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith(f"resumed from {checkpoint} at step 3, written by 2 ranks, on 1 now: "), line
+    assert "data order" in line and "optimizer" in line, line
+
+
+def test_resuming_on_the_same_world_size_says_nothing_more(tmp_path, capsys):
+    make_checkpoints(tmp_path, [2])
+    (tmp_path / "step_00000002" / "trainer_state.json").write_text('{"step": 2}')
+    assert Checkpointer(tmp_path, rank=0).maybe_resume("auto", {}) == (2, {})
+    assert capsys.readouterr().out.splitlines() == [f"resumed from {tmp_path / 'step_00000002'} at step 2"]
