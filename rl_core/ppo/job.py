@@ -16,7 +16,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from envs.base import load_env_class
-from rl_core.checkpoint import Checkpointer, export_hf
+from rl_core.checkpoint import Checkpointer, export_hf, saved_step
 from rl_core.cli import parse_job_config, run_main
 from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank, on_rank0, rank_seed,
                                  seed_everything)
@@ -54,6 +54,11 @@ def _main(argv: list[str] | None, prepare) -> None:
 
 
 def train(cfg: PPOConfig, rt: JobRuntime) -> None:
+    done = nothing_left_to_train(cfg)  # every rank reads the same run dir: all end here, or none
+    if done is not None:
+        if rt.rank == 0:
+            print(done, flush=True)
+        return
     job = start_job(cfg, rt)  # checks, prompts, engines, models, resume, logger, first push, rollout service
     models, worker, settings, collector, logger = job.models, job.worker, job.settings, job.collector, job.logger
     if job.eval_due(0) and job.start_step == 0:  # the baseline every later evaluation compares with
@@ -138,6 +143,20 @@ class Job:
     def eval_due(self, step: int) -> bool:
         every = self.cfg.trainer.eval_every
         return self.cfg.data.eval_path is not None and (step in (0, self.total_steps) or bool(every and step % every == 0))
+
+
+def nothing_left_to_train(cfg: PPOConfig) -> str | None:
+    """The line to end with when the checkpoint to resume from is at the last step and the final model is
+    exported: a finished run, which must not start engines and rewrite final/ for nothing. None: train."""
+    path = Checkpointer(Path(cfg.trainer.run_dir) / "checkpoints", rank=0).resume_path(cfg.trainer.resume)
+    total_steps = cfg.trainer.total_episodes // cfg.algorithm.batch_size
+    final = Path(cfg.trainer.run_dir) / "final"
+    if path is None or saved_step(path) < total_steps or (cfg.trainer.export_hf and not final.is_dir()):
+        return None  # (a run stopped between its last checkpoint and the export resumes to write final/)
+    return (f"nothing left to train: {path} is at step {saved_step(path)}, the last one (trainer.total_episodes="
+            f"{cfg.trainer.total_episodes} / algorithm.batch_size={cfg.algorithm.batch_size})"
+            + (f", and {final} holds the model" if cfg.trainer.export_hf else "")
+            + "; raise trainer.total_episodes to train on, or give a new trainer.run_dir")
 
 
 def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:

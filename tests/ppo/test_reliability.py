@@ -319,6 +319,29 @@ def test_bad_model_or_data_paths_stop_before_any_engine_with_one_line(small_job,
     print(f"\n{case}: '{lines[0]}' after {seconds:.1f}s")
 
 
+@pytest.mark.timeout(300)
+def test_resuming_a_finished_run_says_so_and_exits_before_any_engine(small_job, tmp_path):
+    # A run that ended: its last checkpoint is at the final step (16 episodes / batch 8) and final/ holds
+    # its model. Only the checkpoint's trainer_state.json is read, so a stand-in is enough.
+    run_dir = tmp_path / "finished"
+    checkpoint = run_dir / "checkpoints" / "step_00000002"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text('{"step": 2}')
+    (run_dir / "final").mkdir()
+    (run_dir / "final" / "config.json").write_text("{}")
+    job = Job(small_job, run_dir, "trainer.total_episodes=16", "trainer.resume=auto")
+    try:
+        code = job.wait(240)
+    finally:
+        job.abort()
+    lines = [line for _, line in job.lines if "nothing left to train" in line]
+    assert code == 0 and len(lines) == 1, job.output[-4000:]
+    assert lines[0].startswith(f"nothing left to train: {checkpoint} is at step 2, the last one"), lines[0]
+    assert not (run_dir / "logs" / "engine-rank0.log").exists(), "an engine started"
+    assert (run_dir / "final" / "config.json").read_text() == "{}"  # final/ is not rewritten
+    print(f"\n'{lines[0]}'")
+
+
 @pytest.mark.timeout(600)
 def test_a_dead_router_is_named_with_its_log(small_job, tmp_path):
     run_dir = tmp_path / "router"
