@@ -142,7 +142,10 @@ class Checkpointer:
                 if self.rank == 0:
                     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(state or {})}))
             except (OSError, RuntimeError, CheckpointException) as err:  # the latter is a BaseException
-                problem = _describe(_os_error(_root_cause(err), tmp, self.rank))
+                cause = _os_error(_root_cause(err), tmp, self.rank)
+                if not isinstance(cause, OSError):  # a peer stopped or died mid-save: not a storage problem
+                    raise
+                problem = _describe(cause)
             problem = self._agree(problem)  # every rank has written (or failed) before the manifest lists files
         if problem is None and self.rank == 0:
             try:
