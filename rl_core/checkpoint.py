@@ -4,13 +4,19 @@ JSON) and every rank's RNG; and the final export in Hugging Face format.
 
 A checkpoint is written to `step_N.tmp/` and renamed to `step_N/` only after every rank has
 finished, so a run killed mid-save leaves the previous checkpoint as the latest complete one.
+Before the rename rank 0 lists every file and its size in `manifest.json`; a resume verifies them,
+so a truncated or missing shard is found before loading (`resume=auto` then takes the newest
+checkpoint that verifies and says which it skipped). A write that fails (disk full, permissions)
+removes the partial checkpoint and stops the job with one line; older checkpoints are untouched.
 Only the newest `keep_last` complete checkpoints are kept (0 keeps all): each one holds the
 models and optimizer states, so unbounded they fill the disk.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -18,13 +24,85 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from rl_core.config import LoraSettings
+from rl_core.errors import JobError, PeerFailed
 from workers import loading
 from workers.fsdp import full_state_dict
 from workers.lora import with_lora
 
 PREFIX = "step_"
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(JobError):
+    """A checkpoint that cannot be written or read; the message names the path and the cause."""
+
+
+def write_manifest(directory: Path) -> None:
+    """List every file of a finished checkpoint with its size (the shards of every rank are in by now)."""
+    files = {str(path.relative_to(directory)): path.stat().st_size
+             for path in sorted(directory.rglob("*")) if path.is_file() and path.name != MANIFEST}
+    (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=0))
+
+
+def verify(directory: Path) -> str | None:
+    """What is wrong with a checkpoint, or None. Sizes catch what an interrupted copy, a full disk or a
+    damaged file leave: missing and truncated files (a checksum would cost a full read of every shard)."""
+    manifest = directory / MANIFEST
+    if not manifest.is_file():
+        # Checkpoints from before manifests: complete if their trainer state is there, as then.
+        return None if (directory / "trainer_state.json").is_file() else f"{manifest} is missing"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as err:
+        return f"{manifest} is unreadable ({type(err).__name__}: {err})"
+    for name, size in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != size:
+            return f"{path} has {path.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def checkpoint_bytes(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """torch.distributed.checkpoint wraps each rank's error in a CheckpointException: the first one's cause."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return failures[min(failures)][0]
+    return err
+
+
+def _os_error(err: BaseException, directory: Path, rank: int) -> BaseException:
+    """The OS error behind a failed write. torch.save reports a full disk as 'unexpected pos ...' (a
+    RuntimeError), so a small probe file written to the same directory recovers the errno it hid."""
+    if isinstance(err, OSError):
+        return err
+    probe = directory / f".write_probe_rank{rank}"
+    try:
+        with open(probe, "wb") as handle:
+            handle.write(bytes(1 << 20))
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as hidden:
+        return hidden
+    finally:
+        probe.unlink(missing_ok=True)
+    return err
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.errno is not None:
+        name = errno.errorcode.get(err.errno, str(err.errno))
+        where = f" ({err.filename})" if err.filename else ""
+        return f"{err.strerror} [{name}]{where}"
+    return f"{type(err).__name__}: {err}"
 
 
 class Checkpointer:
@@ -45,24 +123,67 @@ class Checkpointer:
         """Collective. `models`: name -> TrainableModel; `state`: rank 0's JSON-able job state."""
         final = self.root / f"{PREFIX}{step:08d}"
         tmp = final.with_name(final.name + ".tmp")
+        problem = None
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        for name, model in models.items():
-            model.save_checkpoint(str(tmp / name))
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                   tmp / f"rng_rank{self.rank}.pt")
+            try:
+                tmp.mkdir(parents=True)
+            except OSError as err:
+                problem = _describe(err)
+        problem = self._agree(problem)
+        if problem is None:
+            try:
+                for name, model in models.items():
+                    model.save_checkpoint(str(tmp / name))
+                torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
+                            "numpy": np.random.get_state(),
+                            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+                           tmp / f"rng_rank{self.rank}.pt")
+                if self.rank == 0:
+                    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(state or {})}))
+            except (OSError, RuntimeError, CheckpointException) as err:  # the latter is a BaseException
+                cause = _os_error(_root_cause(err), tmp, self.rank)
+                if not isinstance(cause, OSError):  # a peer stopped or died mid-save: not a storage problem
+                    raise
+                problem = _describe(cause)
+            problem = self._agree(problem)  # every rank has written (or failed) before the manifest lists files
+        if problem is None and self.rank == 0:
+            try:
+                write_manifest(tmp)
+                tmp.rename(final)
+            except OSError as err:
+                problem = _describe(err)
+        problem = self._agree(problem)
+        if problem is not None:
+            self._fail_save(final, tmp, problem)
         if self.rank == 0:
-            (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(state or {})}))
-        dist.barrier()
-        if self.rank == 0:
-            tmp.rename(final)
             print(f"checkpoint saved: {final}", flush=True)
             self._prune()
         dist.barrier()
         return final
+
+    def _agree(self, problem: str | None) -> str | None:
+        """Collective: the first rank's problem, on every rank (None when all went well)."""
+        problems: list = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        return next((p for p in problems if p is not None), None)
+
+    def _fail_save(self, final: Path, tmp: Path, problem: str) -> None:
+        """Remove the partial checkpoint and stop with one line (rank 0 says it; the others follow)."""
+        if self.rank != 0:
+            dist.barrier()
+            raise PeerFailed(f"checkpoint {final.name} could not be written (rank 0 says why)")
+        written = checkpoint_bytes(tmp) if tmp.is_dir() else 0
+        free = shutil.disk_usage(self.root).free if self.root.exists() else 0  # at the failure, before clean-up
+        shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        previous = self.complete()
+        need = (f"a checkpoint takes about {checkpoint_bytes(previous[-1])} bytes ({previous[-1].name})" if previous
+                else f"{written} bytes were written before it failed")
+        kept = f"; {len(previous)} older checkpoints are untouched" if previous else ""
+        raise CheckpointError(f"checkpoint {final.name} could not be written to {self.root}: {problem}; {need}, "
+                              f"{free} bytes were free there; the partial checkpoint was removed{kept}. Free space "
+                              "or fix the directory's permissions, then resume")
 
     def _prune(self) -> None:
         """Delete all but the newest `keep_last` complete checkpoints (rank 0, after a save)."""
@@ -74,26 +195,51 @@ class Checkpointer:
             shutil.rmtree(doomed, ignore_errors=True)
 
     def resume_path(self, mode: str) -> Path | None:
-        """The checkpoint `maybe_resume(mode)` loads; None when the run starts fresh."""
+        """The checkpoint `maybe_resume(mode)` starts from unless it fails to load: for `auto` the newest
+        that verifies, else `mode` itself; None when the run starts fresh (no loading: read before engines)."""
         if mode == "never":
             return None
         if mode == "auto":
-            found = self.complete()
-            return found[-1] if found else None
+            return next((path for path in reversed(self.complete()) if verify(path) is None), None)
         path = Path(mode)
-        if not (path / "trainer_state.json").is_file():
-            raise FileNotFoundError(f"trainer.resume={mode}: {path} is not a complete checkpoint "
-                                    f"(no trainer_state.json); use 'auto' or a {PREFIX}N directory")
+        if not path.is_dir():
+            raise CheckpointError(f"trainer.resume={mode}: no such checkpoint directory; use 'auto' or a "
+                                  f"{PREFIX}N directory")
         return path
 
     def maybe_resume(self, mode: str, models: dict) -> tuple[int, dict]:
         """Load the checkpoint `mode` asks for into `models`; returns (the step to continue from, the
-        job state saved with it); (0, {}) when starting fresh."""
-        path = self.resume_path(mode)
-        if path is None:
+        job state saved with it); (0, {}) when starting fresh. `auto` takes the newest checkpoint that
+        verifies and loads, saying which it skipped; an explicit path must verify and load."""
+        if mode == "never":
             return 0, {}
-        for name, model in models.items():
-            model.load_checkpoint(str(path / name))
+        if mode != "auto":
+            path = self.resume_path(mode)
+            problem = verify(path) or self._load(path, models)
+            if problem is not None and self.rank != 0:
+                raise PeerFailed(f"trainer.resume={mode} is damaged (rank 0 says how)")
+            if problem is not None:
+                raise CheckpointError(f"trainer.resume={mode}: the checkpoint is damaged: {problem}; resume from "
+                                      "another one (or 'auto', which takes the newest one that verifies)")
+            return self._state(path)
+        for path in reversed(self.complete()):
+            problem = verify(path) or self._load(path, models)
+            if problem is None:
+                return self._state(path)
+            if self.rank == 0:
+                print(f"skipping checkpoint {path}: {problem}", flush=True)
+        return 0, {}
+
+    def _load(self, path: Path, models: dict) -> str | None:
+        """Collective: load every model's shards; the problem if loading failed on any rank."""
+        try:
+            for name, model in models.items():
+                model.load_checkpoint(str(path / name))
+        except (OSError, RuntimeError, ValueError, CheckpointException) as err:
+            return f"loading it failed: {_describe(_root_cause(err))}"
+        return None
+
+    def _state(self, path: Path) -> tuple[int, dict]:
         state = json.loads((path / "trainer_state.json").read_text())
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():

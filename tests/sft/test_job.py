@@ -2,6 +2,7 @@
 the loss-scaling rule (the same losses on one rank as on two)."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -153,3 +154,32 @@ def test_the_arithmetic_recipe_policy_is_what_the_sft_job_exports(tmp_path):
     assert any(not torch.equal(initial[name], tensor) for name, tensor in shipped.items())  # it trained
     recorded = json.loads((built / "build.json").read_text())["settings"]["sft_recipe"]["train"]
     assert recorded["max_steps"] == 10 and recorded["schedule"] == "constant"
+
+
+@pytest.mark.timeout(600)
+def test_a_damaged_checkpoint_is_skipped_on_auto_and_refused_by_name_with_one_line(sft_job, tmp_path):
+    import subprocess
+
+    run_dir = tmp_path / "run"
+    run_sft(sft_job, run_dir, "train.max_steps=2", "trainer.save_every=1", "eval.every=0")
+    newest = run_dir / "checkpoints" / "step_00000002"
+    shard = sorted(newest.rglob("*.distcp"))[-1]
+    written = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: written // 2])  # an interrupted copy, say
+
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+            "-m", "rl_core.train_sft", "--config", "sft_arithmetic.yaml", *sft_job, f"trainer.run_dir={run_dir}",
+            "train.max_steps=2", "eval.every=0", f"trainer.resume={newest}"]
+    refused = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("[rank") and "error:" in line]
+    assert refused.returncode != 0 and errors == [
+        f"[rank 0] error: trainer.resume={newest}: the checkpoint is damaged: {shard} has {shard.stat().st_size} "
+        f"bytes, {written} were written; resume from another one (or 'auto', which takes the "
+        "newest one that verifies)"], refused.stderr[-3000:]
+    # No traceback of ours: torchrun's own summary is all that follows the line.
+    assert not re.search(r'File "[^"]*/(rl_core|workers|envs)/', refused.stderr), refused.stderr[-3000:]
+
+    output = run_sft(sft_job, run_dir, "train.max_steps=3", "eval.every=0", "trainer.resume=auto")
+    assert output.count("skipping checkpoint") == 1 and f"skipping checkpoint {newest}: {shard} has" in output
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000001'} at step 1" in output
+    assert [r["step"] for r in metrics(run_dir) if "train/loss" in r][-2:] == [2, 3]  # steps 2 and 3 trained again
