@@ -192,6 +192,7 @@ class _Rollout:
         for _ in range(self.max_turns):
             room = self._room(len(builder.current))
             if room < 1:  # context budget spent: stop before the engine would overflow
+                builder.drop_trailing_context()
                 finish_reasons.append("length")
                 truncated = True
                 break

@@ -195,6 +195,21 @@ class TrajectoryBuilder:
         self.new_sequences += 1
         return False
 
+    def drop_trailing_context(self) -> None:
+        """Remove what follows the last action: an observation the model never acts on (it left no room in
+        the context) must not reach the trainer, whose model has no positions for it. A sequence it started
+        is dropped whole."""
+        seq = self.current
+        actions = [t for t, m in enumerate(seq.action_mask) if m]
+        if not actions:
+            if len(self.sequences) > 1:
+                self.sequences.pop()
+            return
+        cut = actions[-1] + 1
+        for values in (seq.input_ids, seq.action_mask, seq.behaviour_logprobs, seq.versions, seq.token_rewards,
+                       seq.attention_mask):
+            del values[cut:]
+
     def _new_sequence(self, state: Observation) -> None:
         seq = TokenSequence()
         if isinstance(state, str):

@@ -248,6 +248,30 @@ def test_a_first_state_the_engines_would_refuse_fails_its_trajectory_with_the_re
     assert "first state of 58 tokens, longer than the engines accept for a context of 64" in failed.error
 
 
+class LongAnswerEnv(FlakyEnv):
+    """Answers the first action with `length` more ids (a long tool result, say), appended to the state."""
+
+    async def reset(self, sample):
+        self.ids = [5, 6, 7]
+        return self.ids
+
+    async def step(self, action: Action) -> StepResult:
+        self.ids = self.ids + list(action.token_ids) + [8] * 40
+        return StepResult(self.ids, 0.5, False)
+
+
+@pytest.mark.timeout(120)
+def test_an_observation_that_leaves_no_room_to_act_is_not_trained_on(router_url, tokenizer):
+    result, calls, _ = run_rollout(router_url, [{}, {}], LongAnswerEnv, tokenizer, sampling_params={
+        "max_new_tokens": 20, "ignore_eos": True}, max_turns=3, policy_version=0, max_total_tokens=CONTEXT)
+    for traj in result.trajectories:
+        (seq,) = traj.sequences
+        # 3 + 20 + 40 = 63 tokens would leave no room to act: the 40 are dropped and the episode ends there.
+        assert seq.input_ids[:3] == [5, 6, 7] and seq.input_ids[3:] in [answer["output_ids"] for _, answer in calls]
+        assert seq.action_mask == [0] * 3 + [1] * 20 and traj.truncated and traj.env_reward == 0.5
+    assert len(calls) == 2
+
+
 @pytest.mark.timeout(120)
 def test_readme_example_env_plugged_by_import_path(router_url, tokenizer):
     factory = make_env_factory("envs.examples.echo_length:TargetLengthEnv", {"target_words": 3})
