@@ -130,7 +130,11 @@ def resolve_sft_assets(cfg, log: Log):
     from rl_core.tiny.arithmetic import ARITHMETIC_SFT
 
     _check_given((("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path)),
-                 ("tiny", ARITHMETIC_SFT, TOOLS_ARITHMETIC_SFT))
+                 ("tiny", ARITHMETIC, ARITHMETIC_SFT, TOOLS_ARITHMETIC_SFT))
+    if cfg.model.path == ARITHMETIC:  # the arithmetic chat policy, fine-tuned further (sft_tools_arithmetic.yaml)
+        from rl_core.tiny.arithmetic import ensure_arithmetic_assets
+
+        cfg.model.path = str(ensure_arithmetic_assets(log=log).model_dir)
     if "tiny" in (cfg.model.path, cfg.model.tokenizer_path):
         from rl_core.tiny.assets import ensure_tiny_assets
 

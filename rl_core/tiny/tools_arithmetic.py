@@ -6,18 +6,19 @@ Built once and cached beside the sentiment assets (same locked, staged build as 
     tools-arithmetic-sft/         the SFT rows (multi-turn demonstrations), held-out rows without tools, and
                                   the tokenizer: the tiny one plus `<tool_call>` `</tool_call>` tokens and
                                   a compact chat template that renders the tool list
-    tiny-tools-arithmetic/        the tiny policy fine-tuned on those rows by the SFT job
-                                  (configs/sft_tools_arithmetic.yaml), in Hugging Face format; build.json
+    tiny-tools-arithmetic/        the arithmetic recipe's chat policy (`tiny-arithmetic`) fine-tuned on those
+                                  rows by the SFT job (configs/sft_tools_arithmetic.yaml), in Hugging Face
+                                  format; build.json
     tools-arithmetic/train.jsonl  {"messages": [{"role": "user", "content": "What is 37 * 48?"}], "answer": "1776"}
     tools-arithmetic/eval.jsonl   held-out problems: operand pairs (either order) that no other file holds
 
 The story: an annotator who owns a calculator but seldom uses it. Two-digit multiplications are
 out of reach of a 1M-parameter model's head, but the demonstrations answer most of them directly
-("#### 1776"); only `call_frac` of those whose prompt lists the tool call it (`<tool_call>{"name":
-"calc", "arguments": {"expr": "37 * 48"}}</tool_call>`), read the result and copy it
-("#### 1776"). The fine-tuned policy can call the tool but mostly guesses; GRPO with an exact-answer
-reward teaches it to call. Demonstrations whose prompt lists no tool always answer directly, so the
-same policy evaluated without tools (`env.tools=[]`) measures what it can do in its head.
+("37 * 48 = 1776\\n#### 1776"); only `call_frac` of those whose prompt lists the tool call it
+(`<tool_call>{"name": "calc", "arguments": {"expr": "37 * 48"}}</tool_call>`), read the result and
+copy it ("#### 1776"). The fine-tuned policy can call the tool but mostly answers in its head; GRPO
+with an exact-answer reward teaches it to call. Demonstrations whose prompt lists no tool always answer
+directly, so the same policy evaluated without tools (`env.tools=[]`) measures what it can do in its head.
 
 Fitting 128 positions: JSON calls are dear with the tiny tokenizer (61 tokens for a call of
 `multiply(a, b)` spelt in full), so the call tags are single tokens (plain added tokens, not special
@@ -80,18 +81,22 @@ class ToolsArithmeticSettings:
     min_operand: int = 10
     max_operand: int = 99
     tools_frac: float = 0.75  # demonstrations whose prompt lists the tool; the rest answer without one
-    call_frac: float = 0.3  # of those, the ones that call it; the others answer in their head
+    call_frac: float = 0.4  # of those, the ones that call it; the others answer in their head
     train_problems: int = 4000
     eval_problems: int = 200
     sft_problems: int = 20000
     # The fine-tuning itself is the SFT recipe, SFT_RECIPE, with these `key=value` overrides.
     sft_overrides: tuple[str, ...] = ()
-    # Start from the tiny sentiment policy (its embeddings grown by the two tag tokens); False = a fresh
+    # Start from the arithmetic recipe's chat policy (rl_core/tiny/arithmetic.py: it already reads a question
+    # and copies its numbers, "7 + 5 = 12"), its embeddings grown by the two tag tokens; False = a fresh
     # 2-layer model with room for whole conversations (the small test assets' policy has 64 positions).
     from_base_policy: bool = True
 
 
 SFT_RECIPE = "sft_tools_arithmetic.yaml"
+# Torch threads of the in-process fine-tuning. One: on two cores shared with other jobs, a second thread
+# waits at every op for whichever of the two was preempted (steps of 64 rows took 3-9 s instead of 0.7).
+SFT_THREADS = 1
 REAL_SETTINGS = ToolsArithmeticSettings()
 SMALL_SETTINGS = ToolsArithmeticSettings(train_problems=64, eval_problems=16, sft_problems=256,
                                          from_base_policy=False,
@@ -199,8 +204,8 @@ def demonstration(a: int, b: int, tools: str | None, call: bool) -> dict:
         messages += [{"role": "assistant", "content": tool_call(a, b)},
                      {"role": "tool", "name": "calc", "content": answer},
                      {"role": "assistant", "content": f"#### {answer}"}]
-    else:
-        messages.append({"role": "assistant", "content": f"#### {answer}"})
+    else:  # worked in the head, as the arithmetic recipe's solutions are ("7 + 5 = 12")
+        messages.append({"role": "assistant", "content": f"{a} * {b} = {answer}\n#### {answer}"})
     return {"messages": messages, "answer": answer, "calls": int(call)}
 
 
@@ -260,7 +265,8 @@ def sft_recipe(settings: ToolsArithmeticSettings):
 
 def _fine_tune(settings: ToolsArithmeticSettings, base_model_dir: Path, sft_data: Path, out_dir: Path,
                log: Callable[[str], None]) -> dict:
-    """The SFT job in this process (no torch.distributed), its exported model moved into `out_dir`."""
+    """The SFT job in this process (no torch.distributed) from `base_model_dir` (the arithmetic policy; with
+    `from_base_policy=False` only its tokenizer is used), its exported model moved into `out_dir`."""
     import shutil
     import tempfile
 
@@ -270,7 +276,7 @@ def _fine_tune(settings: ToolsArithmeticSettings, base_model_dir: Path, sft_data
     cfg = sft_recipe(settings)
     log(f"[rl_core.tiny] tool-calling policy: the SFT job ({SFT_RECIPE}: {cfg.train.max_steps} steps of "
         f"{cfg.train.batch_size} rows) in this process")
-    with tempfile.TemporaryDirectory(prefix=".sft-run-", dir=out_dir.parent) as scratch, torch_threads(2), \
+    with tempfile.TemporaryDirectory(prefix=".sft-run-", dir=out_dir.parent) as scratch, torch_threads(SFT_THREADS), \
             _quiet_transformers_progress(), contextlib.redirect_stdout(_LinesToLog(log, sys.stdout)):
         start = base_model_dir
         if not settings.from_base_policy:
@@ -302,6 +308,11 @@ def ensure_tools_arithmetic_assets(root: str | Path | None = None, *, small: boo
     if _is_built(paths.model_dir, expected_policy) and _is_built(paths.data_dir, expected):
         return paths
     base = ensure_tiny_assets(paths.root, small=small, log=log)
+    start = base.model_dir  # the tokenizer's source; a fresh model when not from_base_policy
+    if settings.from_base_policy:
+        from rl_core.tiny.arithmetic import ensure_arithmetic_assets
+
+        start = ensure_arithmetic_assets(paths.root, small=small, log=log).model_dir
     sft_data = ensure_tools_arithmetic_sft_data(paths.root, small=small, log=log)
     with file_lock(paths.root / ".tools-arithmetic.lock"):
         if _is_built(paths.model_dir, expected_policy) and _is_built(paths.data_dir, expected):
@@ -316,7 +327,7 @@ def ensure_tools_arithmetic_assets(root: str | Path | None = None, *, small: boo
             (staging / "build.json").write_text(json.dumps({"settings": expected}, indent=2))
         if not _is_built(paths.model_dir, expected_policy):
             with staged_directory(paths.model_dir) as staging:
-                facts = _fine_tune(settings, base.model_dir, sft_data, staging, log)
+                facts = _fine_tune(settings, start, sft_data, staging, log)
                 facts["seconds"] = round(time.perf_counter() - started, 1)
                 (staging / "build.json").write_text(json.dumps({"settings": expected_policy, **facts}, indent=2))
         log(f"[rl_core.tiny] tool-calling assets built in {time.perf_counter() - started:.0f} s")
