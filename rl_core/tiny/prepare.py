@@ -1,4 +1,5 @@
-"""The recipes' offline names ("tiny", "tiny-arithmetic") turned into paths before a job starts.
+"""The recipes' offline names ("tiny", "tiny-arithmetic", "tiny-tools-arithmetic", ...) turned into paths
+before a job starts.
 
 The entry points (`rl_core/train.py`, `rl_core/train_rm.py`) run this on every rank before any
 process group exists (`rl_core.distributed.prepare_before_process_group`): what is missing is
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from rl_core.tiny import ARITHMETIC
+from rl_core.tiny import ARITHMETIC, TOOLS_ARITHMETIC, TOOLS_ARITHMETIC_SFT
 from workers.loading import check_model_path
 
 Log = Callable[[str], None]
@@ -25,7 +26,7 @@ def _check_given(pairs: tuple[tuple[str, str | None], ...], offline_names: tuple
 def resolve_ppo_assets(cfg, log: Log):
     """A PPO config whose model, reward-model and data paths name no offline asset any more."""
     _check_given((("model.path", cfg.model.path), ("reward.model_path", cfg.reward.model_path),
-                  ("model.tokenizer_path", cfg.model.tokenizer_path)), ("tiny", ARITHMETIC))
+                  ("model.tokenizer_path", cfg.model.tokenizer_path)), ("tiny", ARITHMETIC, TOOLS_ARITHMETIC))
     named = (cfg.model.path, cfg.reward.model_path, cfg.data.train_path, cfg.data.eval_path)
     if "tiny" in named:
         from rl_core.tiny.assets import ensure_tiny_assets
@@ -45,6 +46,13 @@ def resolve_ppo_assets(cfg, log: Log):
         cfg.model.path = str(arithmetic.model_dir) if cfg.model.path == ARITHMETIC else cfg.model.path
         cfg.data.train_path = str(arithmetic.train_file) if cfg.data.train_path == ARITHMETIC else cfg.data.train_path
         cfg.data.eval_path = str(arithmetic.eval_file) if cfg.data.eval_path == ARITHMETIC else cfg.data.eval_path
+    if TOOLS_ARITHMETIC in named:
+        from rl_core.tiny.tools_arithmetic import ensure_tools_arithmetic_assets
+
+        tools = ensure_tools_arithmetic_assets(log=log)
+        cfg.model.path = str(tools.model_dir) if cfg.model.path == TOOLS_ARITHMETIC else cfg.model.path
+        cfg.data.train_path = str(tools.train_file) if cfg.data.train_path == TOOLS_ARITHMETIC else cfg.data.train_path
+        cfg.data.eval_path = str(tools.eval_file) if cfg.data.eval_path == TOOLS_ARITHMETIC else cfg.data.eval_path
     return cfg
 
 
@@ -122,7 +130,11 @@ def resolve_sft_assets(cfg, log: Log):
     from rl_core.tiny.arithmetic import ARITHMETIC_SFT
 
     _check_given((("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path)),
-                 ("tiny", ARITHMETIC_SFT))
+                 ("tiny", ARITHMETIC, ARITHMETIC_SFT, TOOLS_ARITHMETIC_SFT))
+    if cfg.model.path == ARITHMETIC:  # the arithmetic chat policy, fine-tuned further (sft_tools_arithmetic.yaml)
+        from rl_core.tiny.arithmetic import ensure_arithmetic_assets
+
+        cfg.model.path = str(ensure_arithmetic_assets(log=log).model_dir)
     if "tiny" in (cfg.model.path, cfg.model.tokenizer_path):
         from rl_core.tiny.assets import ensure_tiny_assets
 
@@ -137,6 +149,15 @@ def resolve_sft_assets(cfg, log: Log):
             cfg.model.tokenizer_path = str(data / "tokenizer")
         cfg.data.train_path = str(data / "train.jsonl") if cfg.data.train_path == ARITHMETIC_SFT else cfg.data.train_path
         cfg.data.eval_path = str(data / "eval.jsonl") if cfg.data.eval_path == ARITHMETIC_SFT else cfg.data.eval_path
+    if TOOLS_ARITHMETIC_SFT in (cfg.model.tokenizer_path, cfg.data.train_path, cfg.data.eval_path):
+        from rl_core.tiny.tools_arithmetic import ensure_tools_arithmetic_sft_data
+
+        data = ensure_tools_arithmetic_sft_data(log=log)
+        if cfg.model.tokenizer_path == TOOLS_ARITHMETIC_SFT:
+            cfg.model.tokenizer_path = str(data / "tokenizer")
+        for key in ("train_path", "eval_path"):
+            if getattr(cfg.data, key) == TOOLS_ARITHMETIC_SFT:
+                setattr(cfg.data, key, str(data / f"{key.split('_')[0]}.jsonl"))
     return cfg
 
 
