@@ -108,15 +108,20 @@ class ToolUseEnv(ChatEnv):
     call is the answer, which the job's reward functions score (`reward.fns`; the env gives no reward).
 
     `prompt_key`: the sample's column holding the messages (or a text, sent as the user turn);
-    `system_prompt`: prepended when given; `max_tool_turns`: turns with calls before the episode ends.
+    `system_prompt`: prepended when given; `max_tool_turns`: turns with calls before the episode ends;
+    `max_result_chars`: each tool message cut to this many characters (a small context cannot take a
+    long result or error; None keeps them whole).
     """
 
     def __init__(self, toolbox: Toolbox | None = None, prompt_key: str = "messages", system_prompt: str | None = None,
-                 max_tool_turns: int = 4):
+                 max_tool_turns: int = 4, max_result_chars: int | None = None):
         super().__init__(toolbox)
         if max_tool_turns < 0:
             raise ValueError(f"ToolUseEnv: max_tool_turns must be >= 0, got {max_tool_turns}")
+        if max_result_chars is not None and max_result_chars < 1:
+            raise ValueError(f"ToolUseEnv: max_result_chars must be >= 1 or null, got {max_result_chars}")
         self.prompt_key, self.system_prompt, self.max_tool_turns = prompt_key, system_prompt, max_tool_turns
+        self.max_result_chars = max_result_chars
         self.tool_turns = 0
 
     async def reset(self, sample: dict) -> list[dict]:
@@ -135,7 +140,10 @@ class ToolUseEnv(ChatEnv):
         if self.tool_turns >= self.max_tool_turns:
             return ChatStep(done=True, info={"answered": False, "out_of_tool_turns": True})
         self.tool_turns += 1
-        return ChatStep(await self.call_tools(message.tool_calls))
+        results = await self.call_tools(message.tool_calls)
+        if self.max_result_chars is not None:
+            results = [{**result, "content": result["content"][:self.max_result_chars]} for result in results]
+        return ChatStep(results)
 
 
 class ChatTokens:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from envs.arithmetic_tools import ShortResultsToolUseEnv, calc
+from envs.arithmetic_tools import calc
 from envs.base import Action
-from envs.chat import ChatEnvAdapter
+from envs.chat import ChatEnvAdapter, ToolUseEnv
 from envs.tools import Toolbox, hermes_tool_calls
 from rl_core.rewards.math import answer_reward
 from rl_core.sft.data import encode_messages
@@ -77,7 +77,7 @@ def test_a_conversation_in_the_env_is_the_demonstration_token_for_token(tokenize
     `tools=` renders as the demonstration's system message does."""
     a, b = 37, 48
     row = prompt_row(a, b)
-    env = ChatEnvAdapter(ShortResultsToolUseEnv(Toolbox.from_paths(list(TOOL_PATHS)), max_tool_turns=1), tokenizer,
+    env = ChatEnvAdapter(ToolUseEnv(Toolbox.from_paths(list(TOOL_PATHS)), max_tool_turns=1), tokenizer,
                          hermes_tool_calls)
 
     def act(text):
@@ -116,8 +116,8 @@ def test_held_out_pairs_are_in_neither_order_in_the_fine_tuning_or_training_prob
 def test_a_failed_call_comes_back_short_enough_for_the_answer_to_fit(tokenizer):
     """The longest first turn (a 48-token call that fails) leaves its error short: the conversation stays
     inside 128 positions with room for the answer."""
-    env = ChatEnvAdapter(ShortResultsToolUseEnv(Toolbox.from_paths(list(TOOL_PATHS)), max_tool_turns=1,
-                                                max_result_chars=16), tokenizer, hermes_tool_calls)
+    env = ChatEnvAdapter(ToolUseEnv(Toolbox.from_paths(list(TOOL_PATHS)), max_tool_turns=1,
+                                    max_result_chars=16), tokenizer, hermes_tool_calls)
     bad = '<tool_call>{"name": "calc", "arguments": {"expr": "46 * 9 3 + 1111 * 2222 - 3333"}}</tool_call>'
     ids = tokenizer.encode(bad, add_special_tokens=False)[:46] + tokenizer.encode("}</tool_call>")[-1:]
     ids = ids + [tokenizer.eos_token_id]
