@@ -155,15 +155,15 @@ class _LinesToLog(io.TextIOBase):
     """The SFT job's console lines, each passed to the build's `log`: what a rank waiting for the
     build reports (`prepare_before_process_group`)."""
 
-    def __init__(self, log: Callable[[str], None], stdout):
-        self.log, self.stdout, self.pending = log, stdout, ""
+    def __init__(self, log: Callable[[str], None], stdout, label: str = "arithmetic policy"):
+        self.log, self.stdout, self.label, self.pending = log, stdout, label, ""
 
     def write(self, text: str) -> int:
         self.pending += text
         *lines, self.pending = self.pending.split("\n")
         with contextlib.redirect_stdout(self.stdout):  # a `log` that prints must not write back here
             for line in filter(str.strip, lines):
-                self.log(f"[rl_core.tiny] arithmetic policy: {line}")
+                self.log(f"[rl_core.tiny] {self.label}: {line}")
         return len(text)
 
 

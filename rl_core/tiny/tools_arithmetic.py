@@ -277,7 +277,7 @@ def _fine_tune(settings: ToolsArithmeticSettings, base_model_dir: Path, sft_data
     log(f"[rl_core.tiny] tool-calling policy: the SFT job ({SFT_RECIPE}: {cfg.train.max_steps} steps of "
         f"{cfg.train.batch_size} rows) in this process")
     with tempfile.TemporaryDirectory(prefix=".sft-run-", dir=out_dir.parent) as scratch, torch_threads(SFT_THREADS), \
-            _quiet_transformers_progress(), contextlib.redirect_stdout(_LinesToLog(log, sys.stdout)):
+            _quiet_transformers_progress(), contextlib.redirect_stdout(_LinesToLog(log, sys.stdout, "tool-calling policy")):
         start = base_model_dir
         if not settings.from_base_policy:
             start = Path(scratch) / "init"
