@@ -199,3 +199,10 @@ def test_the_context_check_leaves_the_engines_reserve_for_the_policy_not_the_rew
     with pytest.raises(ConfigError, match=r"data.max_prompt_length=64 exceeds the longest input the engines accept "
                                           r"for the model's context of 70 \(63"):
         check_context_length(grpo("rollout.response_length=1"), 70)
+
+
+def test_the_tool_timeout_must_fit_the_step_timeout_only_when_there_are_tools():
+    grpo = lambda *keys: load_config("grpo_arithmetic.yaml", list(keys), PPOConfig, validate_ppo)  # noqa: E731
+    grpo("env.step_timeout_s=2")  # no tools: the tool timeout does not matter
+    with pytest.raises(ConfigError, match=r"'env.tool_timeout_s' \(30\) must be below env.step_timeout_s \(2\)"):
+        grpo("env.step_timeout_s=2", "env.tools=[envs.arithmetic_tools:calc]")

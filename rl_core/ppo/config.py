@@ -335,8 +335,10 @@ def validate(cfg: PPOConfig) -> None:
     require(cfg.env.num_envs >= 1, "config key 'env.num_envs' must be >= 1")
     require(0.0 <= cfg.env.max_failed_ratio <= 1.0, "config key 'env.max_failed_ratio' must be in [0, 1]")
     require(cfg.env.step_timeout_s > 0, "config key 'env.step_timeout_s' must be > 0")
-    require(0 < cfg.env.tool_timeout_s < cfg.env.step_timeout_s,
-            "config key 'env.tool_timeout_s' must be > 0 and below env.step_timeout_s (a step runs its tool calls)")
+    require(cfg.env.tool_timeout_s > 0, "config key 'env.tool_timeout_s' must be > 0")
+    require(not cfg.env.tools or cfg.env.tool_timeout_s < cfg.env.step_timeout_s,
+            f"config key 'env.tool_timeout_s' ({cfg.env.tool_timeout_s:g}) must be below env.step_timeout_s "
+            f"({cfg.env.step_timeout_s:g}): a step runs its tool calls")
     require(trainer.total_episodes >= algo.batch_size,
             f"trainer.total_episodes={trainer.total_episodes} is smaller than one batch "
             f"(algorithm.batch_size={algo.batch_size})")
