@@ -70,8 +70,8 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
         with timer("rollout"):  # 1. rollout through the router (rank 0), broadcast to every rank
             trajectories, metrics = collect_batch(collector, rt, cfg.algorithm, version)
         with timer("inference"):
-            if collector.engines_idle_while_training:
-                rt.release_engine_memory()  # 2. sync mode: engines free their KV cache and weights
+            if collector.engines_idle_while_training:  # 2. sync mode: engines free their KV cache and weights
+                metrics["perf/release_s"] = rt.release_engine_memory()
             # 3. the step's batch as [N, T] tensors, once; old/ref logprobs, values, reward-model scores.
             #    pi_old is the engine's own logprobs when they are the trainer's (sync, probe gap within
             #    algorithm.old_logprobs_max_gap): no recompute

@@ -225,14 +225,17 @@ class JobRuntime(JobLifecycle):
             raise RuntimeError(f"engine {self.engine.url} failed during {what}: {err or type(err).__name__}; "
                                f"its log: {self.engine.log_path}") from err
 
-    def release_engine_memory(self) -> None:
+    def release_engine_memory(self) -> float:
         """Every engine frees its KV cache and weights while the trainer runs (it must be idle: sync mode).
+        Returns the seconds it took (0 when `rollout.release_memory` is off).
 
         The same call on CPU as on GPU, so every CI run exercises the GPU control flow.
         """
         if not self.cfg.rollout.release_memory:
-            return
+            return 0.0
+        started = time.perf_counter()
         self._engine_call(self.engine.release_memory(), "releasing memory")
+        return time.perf_counter() - started
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                      probe_ids: list[int], trainer_logprobs: list[float], pause_in_place: bool) -> dict[str, float]:
@@ -253,8 +256,10 @@ class JobRuntime(JobLifecycle):
             finally:
                 if pause_in_place:
                     await self.engine.continue_generation()
+            probing = time.perf_counter()
             stats["weight_sync/probe_gap"] = await self.engine.check_weights(version, probe_ids, trainer_logprobs,
                                                                          tolerance)
+            stats["weight_sync/probe_s"] = time.perf_counter() - probing
             return stats
 
         stats = self._engine_call(push_and_check(), f"the weight push of version {version}")

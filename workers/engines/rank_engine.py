@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -141,13 +142,18 @@ class RankEngine:
     async def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                            flush_cache: bool = True) -> dict[str, Any]:
         """Resume released weights, stream the new ones in, resume the KV cache; returns timings."""
+        resume_s = 0.0  # timed apart from the push: on a GPU the memory saver's remapping is its own cost
         if self.released:
+            started = time.perf_counter()
             await self.client.resume_memory(RESUME_BEFORE_PUSH)
+            resume_s += time.perf_counter() - started
         stats = await self.pusher.push(self.client, named_tensors, str(version), flush_cache)
         if self.released:
+            started = time.perf_counter()
             await self.client.resume_memory(RESUME_AFTER_PUSH)
+            resume_s += time.perf_counter() - started
             self.released = False
-        return stats
+        return {**stats, "weight_sync/resume_s": resume_s}
 
     async def check_weights(self, version: int, probe_ids: list[int], trainer_logprobs: list[float],
                             tolerance: float) -> float:
