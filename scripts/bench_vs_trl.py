@@ -18,8 +18,9 @@ batch times). The project runs the recipe as shipped: packed micro-batches holdi
 prompt once (`algorithm.share_prompts`, exact; `--project-overrides algorithm.packing=false
 algorithm.share_prompts=false` trains on padded rows as TRL does).
 
-TRL runs from its own environment (`.venv-trl`, built by this script when absent: torch 2.13.0,
-trl 1.16.0, and the transformers this project runs, so both use the same model code).
+TRL runs in this interpreter when trl 1.16.0 imports here (the dev extras install it), else from its
+own environment (`.venv-trl`, built by this script when absent: torch 2.13.0, trl 1.16.0, and the
+transformers this project runs, so both use the same model code).
 `--trl-position-ids`: stock TRL scores left-padded rows without position ids, which puts a
 GPT-2 (absolute positions) prompt at the wrong positions; `on` adds position ids from the
 attention mask to every full-sequence forward of TRL's models (what the project does, OpenAI's

@@ -255,3 +255,12 @@ def test_worker_processes_run_checkers_on_a_main_thread_and_a_hung_one_costs_onl
         executor.shutdown(wait=True)
     assert right == {"main": 1.0, "correct": 1.0} and wrong == {"main": 1.0, "correct": 0.0}
     assert multiprocessing.active_children() == []  # the stuck worker was killed, not waited for
+
+
+def test_vader_compound_scores_a_completion_by_sentiment_through_its_import_path():
+    from rl_core.rewards import load_reward_fn
+
+    fn = load_reward_fn("rl_core.rewards.sentiment:vader_compound")
+    happy, sad = fn("What a wonderful, lovely, happy day!", {}), fn("This is a terrible, awful, sad mess.", {})
+    assert 0.5 < happy <= 1.0 and -1.0 <= sad < -0.5
+    assert fn("", {}) == 0.0 and fn("the table is in the room", {}) == 0.0
