@@ -53,9 +53,11 @@ def within(inner: dict, outer: dict) -> bool:
 
 
 @pytest.mark.timeout(600)
-def test_listed_steps_write_a_trace_per_rank_with_phases_and_engine_calls(small_job, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_listed_steps_write_a_trace_per_rank_with_phases_and_engine_calls(small_job, tmp_path, mode):  # noqa: F811
     run_dir = tmp_path / "profiled"
-    output = run_job(small_job, run_dir, "trainer.total_episodes=24", "trainer.profile_steps=[2,3]")
+    output = run_job(small_job, run_dir, "trainer.total_episodes=24", "trainer.profile_steps=[2,3]",
+                     f"trainer.mode={mode}")
     traces = sorted(p.relative_to(run_dir / "profile").as_posix() for p in (run_dir / "profile").rglob("*"))
     assert traces == ["step_2", "step_2/rank0.pt.trace.json", "step_2/rank1.pt.trace.json",
                       "step_3", "step_3/rank0.pt.trace.json", "step_3/rank1.pt.trace.json"]
@@ -71,25 +73,30 @@ def test_listed_steps_write_a_trace_per_rank_with_phases_and_engine_calls(small_
             assert {"forward passes", "reward model scores", "advantages", "ppo epochs", "push", "probe",
                     "trainer probe logprobs", "ppo epoch 1 minibatch 0"} <= names, sorted(names)
             assert any(e["cat"] == "cpu_op" and e["name"].startswith("aten::") for e in events)  # CPU activity
-            # This rank's engine calls: released for the inference phase, then the push and probe of the sync phase.
+            # This rank's engine calls: the push and the probe of the sync phase; in sync mode also the release
+            # for the inference phase and the resumes around the push.
             calls = {name: [e for e in events if e["name"] == name] for name in (
-                "engine POST /release_memory_occupation", "engine POST /resume_memory_occupation",
                 "engine POST /begin_weight_update", "engine POST /update_weights_from_tensor",
-                "engine POST /end_weight_update", "engine POST /generate")}
-            assert all(calls.values()), {name: len(found) for name, found in calls.items()}
-            assert within(calls["engine POST /release_memory_occupation"][0], phases["inference"])
+                "engine POST /end_weight_update", "engine POST /generate", "engine POST /release_memory_occupation",
+                "engine POST /resume_memory_occupation")}
+            released = mode == "sync"
+            assert {name: bool(found) for name, found in calls.items()} == {
+                name: released or "memory" not in name for name in calls}
             push = next(e for e in events if e["name"] == "push")
             assert all(within(e, push) and within(e, phases["sync"])
                        for e in calls["engine POST /update_weights_from_tensor"])
-            assert len(calls["engine POST /resume_memory_occupation"]) == 2  # weights before the push, KV after
             probe = next(e for e in events if e["name"] == "probe")
             assert any(within(e, probe) for e in calls["engine POST /generate"])  # the probe's /generate
+            if released:
+                assert within(calls["engine POST /release_memory_occupation"][0], phases["inference"])
+                assert len(calls["engine POST /resume_memory_occupation"]) == 2  # weights before the push, KV after
             generate = [e for e in events if e["name"] == "router POST /generate"]
             if rank == 0:
-                # The rollout's batch, sent from the rollout's asyncio thread: recorded there, inside the phase.
-                assert len(generate) == 8, len(generate)
-                assert all(within(e, phases["rollout"]) for e in generate)
-                assert {e["tid"] for e in generate} != {phases["rollout"]["tid"]}
+                # The rollout's requests, sent from the rollout's asyncio thread: recorded there. Sync mode
+                # sends the step's batch inside its rollout phase; async mode generates throughout the step.
+                assert generate and {e["tid"] for e in generate} != {phases["rollout"]["tid"]}
+                if released:
+                    assert len(generate) == 8 and all(within(e, phases["rollout"]) for e in generate)
             else:
                 assert generate == []  # rank 0 alone talks to the router
     assert not (run_dir / "profile" / "step_1").exists()
