@@ -135,10 +135,12 @@ def run_steps(start_step: int, total_steps: int, steps_per_epoch: int, one_step:
     every `eval_every` steps and at the end (when `evaluate` is given), the log line, the checkpoint;
     the steps of `trainer.profile_steps` traced on each rank."""
     for step in range(start_step, total_steps):
-        started = time.perf_counter()
-        with profile_step(trainer.profile_steps, step + 1, trainer.run_dir, dp.rank, dp.device), span("train step"):
-            metrics = one_step(step)
-        metrics.update({"perf/step_s": time.perf_counter() - started, "epoch": step / steps_per_epoch})
+        with profile_step(trainer.profile_steps, step + 1, trainer.run_dir, dp.rank, dp.device):
+            started = time.perf_counter()  # inside: the profiler's start and the trace's export are not the step's
+            with span("train step"):
+                metrics = one_step(step)
+            metrics["perf/step_s"] = time.perf_counter() - started
+        metrics["epoch"] = step / steps_per_epoch
         if evaluate is not None and (step + 1 == total_steps or (eval_every and (step + 1) % eval_every == 0)):
             metrics.update(evaluate())
         log_step(logger, step + 1, total_steps, metrics, shown, every=tr.log_every)

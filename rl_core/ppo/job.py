@@ -68,9 +68,9 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
         log_step(job, 0, evaluation, eval_rows, sample_rows=None)
     version = job.start_step
     for step in range(job.start_step, job.total_steps):
-        timer = StepTimer()
         # trainer.profile_steps: this step's torch.profiler trace on every rank (a null context otherwise)
         with profile_step(cfg.trainer.profile_steps, step + 1, cfg.trainer.run_dir, rt.rank, rt.device):
+            timer = StepTimer()  # inside: perf/step_s leaves out the profiler's start and the trace's export
             with timer("rollout"):  # 1. rollout through the router (rank 0), broadcast to every rank
                 trajectories, metrics = collect_batch(collector, rt, cfg.algorithm, version)
             with timer("inference"):
@@ -100,7 +100,7 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
             with timer("sync"):  # 7. new weights into every engine, checked by version and probe logprobs
                 version = step + 1
                 metrics.update(push_weights(rt, job, version))
-        metrics.update(step_metrics(timer, trajectories, step + 1, job))
+            metrics.update(step_metrics(timer, trajectories, step + 1, job))
         eval_rows = None
         if job.eval_due(step + 1):  # 8. held-out prompts with the new weights (not in perf/step_s)
             started = time.perf_counter()

@@ -10,7 +10,7 @@ import pytest
 
 from rl_core.config import ConfigError, load_config
 from rl_core.ppo.config import PPOConfig, validate
-from tests.ppo.test_job import run_job, small_job  # noqa: F401 (the module's fixture)
+from tests.ppo.test_job import read_metrics, run_job, small_job  # noqa: F401 (the module's fixture)
 
 
 def ppo(*overrides):
@@ -101,3 +101,7 @@ def test_listed_steps_write_a_trace_per_rank_with_phases_and_engine_calls(small_
                 assert generate == []  # rank 0 alone talks to the router
     assert not (run_dir / "profile" / "step_1").exists()
     assert "profile of step 1" not in output
+    # A profiled step's time is its phases': the profiler's start and the trace's export are left out.
+    for row in read_metrics(run_dir):
+        phases = sum(row[f"perf/{phase}_s"] for phase in ("rollout", "inference", "train", "sync"))
+        assert row["perf/step_s"] - phases < 0.05, row
