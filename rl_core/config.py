@@ -106,6 +106,18 @@ def validate_checkpoint_keys(save_every: int, keep_last: int) -> None:
     require(keep_last >= 0, "config key 'trainer.keep_last' must be >= 0 (0 keeps every checkpoint)")
 
 
+def validate_profile_steps(steps: list, total_steps: int | None, unit: str) -> None:
+    """`trainer.profile_steps` (rl_core.profiling): step numbers as logged, within the run's `total_steps`
+    (`unit` says what sets them); None when the data sets the run's length, checked again once it is known."""
+    require(all(isinstance(s, int) and not isinstance(s, bool) for s in steps),
+            f"config key 'trainer.profile_steps' must be a list of step numbers, e.g. [3, 4], got {steps!r}")
+    outside = sorted({s for s in steps if s < 1 or (total_steps is not None and s > total_steps)})
+    if outside:
+        bound = f"1..{total_steps}, the run's steps ({unit})" if total_steps is not None else "1 or more"
+        raise ConfigError(f"trainer.profile_steps={steps} names step(s) {outside} outside {bound}; "
+                          "list steps of the run, e.g. trainer.profile_steps=[3,4]")
+
+
 # ------------------------------------------------------------------------------------ loading
 
 

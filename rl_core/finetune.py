@@ -5,19 +5,23 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from rl_core.checkpoint import export_hf
 from rl_core.cli import parse_job_config, run_main
-from rl_core.config import LoraSettings, TrainerConfig, choice, require, validate_checkpoint_keys
+from rl_core.config import (LoraSettings, TrainerConfig, choice, require, validate_checkpoint_keys,
+                            validate_profile_steps)
+from rl_core.distributed import DataParallel
 from rl_core.lifecycle import JobLifecycle
 from rl_core.logger import MetricsLogger
 from rl_core.optim import OPTIMIZER_NAMES, build_optimizer, linear_anneal_schedule
+from rl_core.profiling import profile_step
 from workers.fsdp import TrainableModel
+from workers.trace import span
 
 
 def run_job(argv, description: str, default_config: str, schema: type, validate, train, prepare=None,
@@ -58,10 +62,14 @@ class FinetuneTrainerConfig(TrainerConfig):
     keep_last: int = 2  # newest complete checkpoints kept on disk; 0 keeps all
     resume: str = "never"  # never | auto | <checkpoint dir>
     export_hf: bool = True  # <run_dir>/final in Hugging Face format
+    # Steps (as logged) traced by torch.profiler into <run_dir>/profile/step_N/rankR.pt.trace.json
+    # (rl_core/profiling.py); within the run's steps, which the data sets (checked once it is read).
+    profile_steps: list = field(default_factory=list)
 
     def validate(self) -> None:
         super().validate()
         validate_checkpoint_keys(self.save_every, self.keep_last)
+        validate_profile_steps(self.profile_steps, None, "")
 
 
 def validate_training(tr: FinetuneTrainConfig, trainer: FinetuneTrainerConfig, lora: LoraSettings) -> None:
@@ -79,8 +87,10 @@ def validate_training(tr: FinetuneTrainConfig, trainer: FinetuneTrainerConfig, l
     require(tr.log_every > 0, f"config key 'train.log_every' must be > 0, got {tr.log_every}")
 
 
-def total_steps(tr: FinetuneTrainConfig, rows: int, what: str, source: str) -> tuple[int, int]:
-    """(steps per epoch, steps of the run), or one line when the data holds less than a batch."""
+def total_steps(tr: FinetuneTrainConfig, rows: int, what: str, source: str,
+                profile_steps: Sequence[int] = ()) -> tuple[int, int]:
+    """(steps per epoch, steps of the run), or one line when the data holds less than a batch or
+    `profile_steps` (trainer.profile_steps) names a step beyond the run."""
     per_epoch = rows // tr.batch_size
     if per_epoch < 1:
         raise ValueError(f"{source} gives {rows} {what}, fewer than one batch (train.batch_size={tr.batch_size}); "
@@ -89,6 +99,9 @@ def total_steps(tr: FinetuneTrainConfig, rows: int, what: str, source: str) -> t
     if tr.schedule == "linear" and tr.warmup_steps >= steps:
         raise ValueError(f"train.warmup_steps={tr.warmup_steps} is not below the run's {steps} steps, so the "
                          "learning rate would never anneal; lower train.warmup_steps (or train.schedule=constant)")
+    cap = f", train.max_steps={tr.max_steps}" if tr.max_steps else ""
+    validate_profile_steps(list(profile_steps), steps, f"{rows} {what} of {source} / train.batch_size={tr.batch_size} "
+                                                       f"x train.epochs={tr.epochs}{cap}")
     return per_epoch, steps
 
 
@@ -116,13 +129,18 @@ def step_rows(rows: list, step: int, batch_size: int, seed: int) -> list:
 
 def run_steps(start_step: int, total_steps: int, steps_per_epoch: int, one_step: Callable[[int], dict],
               evaluate: Callable[[], dict] | None, save: Callable[[int], None], logger: MetricsLogger | None,
-              shown: tuple[str, ...], tr: FinetuneTrainConfig, trainer: FinetuneTrainerConfig, eval_every: int) -> None:
+              shown: tuple[str, ...], tr: FinetuneTrainConfig, trainer: FinetuneTrainerConfig, eval_every: int,
+              dp: DataParallel) -> None:
     """The step loop both jobs share: `one_step(step)`'s metrics with the step time, an evaluation
-    every `eval_every` steps and at the end (when `evaluate` is given), the log line, the checkpoint."""
+    every `eval_every` steps and at the end (when `evaluate` is given), the log line, the checkpoint;
+    the steps of `trainer.profile_steps` traced on each rank."""
     for step in range(start_step, total_steps):
-        started = time.perf_counter()
-        metrics = one_step(step)
-        metrics.update({"perf/step_s": time.perf_counter() - started, "epoch": step / steps_per_epoch})
+        with profile_step(trainer.profile_steps, step + 1, trainer.run_dir, dp.rank, dp.device):
+            started = time.perf_counter()  # inside: the profiler's start and the trace's export are not the step's
+            with span("train step"):
+                metrics = one_step(step)
+            metrics["perf/step_s"] = time.perf_counter() - started
+        metrics["epoch"] = step / steps_per_epoch
         if evaluate is not None and (step + 1 == total_steps or (eval_every and (step + 1) % eval_every == 0)):
             metrics.update(evaluate())
         log_step(logger, step + 1, total_steps, metrics, shown, every=tr.log_every)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 from rl_core.config import save_config, to_dict
+from workers.trace import span
 
 
 def open_run_logger(cfg, resume_step: int) -> "MetricsLogger":
@@ -127,7 +128,8 @@ def _cell(value) -> str:
 
 
 class StepTimer:
-    """Wall time of each phase of one step: ``with timer("rollout"): ...``, then ``timer.metrics()``."""
+    """Wall time of each phase of one step: ``with timer("rollout"): ...``, then ``timer.metrics()``.
+    Each phase is also a range of its name in a profiled step's trace."""
 
     def __init__(self):
         self.started = time.perf_counter()
@@ -137,7 +139,8 @@ class StepTimer:
     def __call__(self, phase: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
-            yield
+            with span(phase):
+                yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 

@@ -57,6 +57,32 @@ def test_every_job_checks_the_trainer_section_with_the_same_lines(job):
         assert str(error.value) == line
 
 
+@pytest.mark.parametrize("job", ["ppo", "rm", "sft", "dpo"])
+def test_profile_steps_are_step_numbers_where_a_job_traces_steps_and_refused_by_name_elsewhere(job):
+    from rl_core.dpo.config import DPOConfig
+    from rl_core.dpo.config import validate as validate_dpo
+    from rl_core.sft.config import SFTConfig
+    from rl_core.sft.config import validate as validate_sft
+
+    recipe, schema, validate = {
+        "ppo": ("ppo_sentiment.yaml", PPOConfig, validate_ppo), "rm": ("rm_sentiment.yaml", RMConfig, validate_rm),
+        "sft": ("sft_arithmetic.yaml", SFTConfig, validate_sft), "dpo": ("dpo_sentiment.yaml", DPOConfig, validate_dpo),
+    }[job]
+    assert load_config(recipe, [], schema, validate).trainer.profile_steps == []
+    with pytest.raises(ConfigError) as error:
+        load_config(recipe, ["trainer.profile_steps=[0,2]"], schema, validate)
+    if job == "rm":
+        assert str(error.value) == ("trainer.profile_steps is a key of the PPO, SFT and DPO jobs; the reward-model job "
+                                    "traces no steps: drop the key")
+        return
+    assert load_config(recipe, ["trainer.profile_steps=[2]"], schema, validate).trainer.profile_steps == [2]
+    # PPO knows its steps from the config (checked in tests/ppo/test_profile.py); SFT and DPO from the data.
+    bound = "1..64, the run's steps (trainer.total_episodes=4096 / algorithm.batch_size=64)" if job == "ppo" \
+        else "1 or more"
+    assert str(error.value) == (f"trainer.profile_steps=[0, 2] names step(s) [0] outside {bound}; list steps of the "
+                                "run, e.g. trainer.profile_steps=[3,4]")
+
+
 PACKING_KEY = {"ppo": "algorithm.packing", "rm": "train.packing", "sft": "train.packing", "dpo": "train.packing"}
 
 

@@ -46,7 +46,8 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
     train_examples, test_examples = load_preference_splits(cfg.data, cfg.data.train_path, cfg.data.test_path,
                                                            tokenizer, cfg.trainer.seed)
     train_pairs, test_pairs = to_pairs(train_examples), to_pairs(test_examples)[:cfg.data.eval_max_pairs]
-    steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_pairs), "pairs", cfg.data.train_path)
+    steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_pairs), "pairs", cfg.data.train_path,
+                                                      cfg.trainer.profile_steps)
     seed_everything(cfg.trainer.seed)
     attention = cfg.model.attn_implementation
     policy = loading.prepare_for_run(loading.load_causal_lm(cfg.model.path, attn_implementation=attention),
@@ -79,7 +80,7 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
                                 finetune.step_rows(train_pairs, step, tr.batch_size, cfg.trainer.seed),
                                 tokenizer.pad_token_id, beta, smoothing),
         evaluate if test_pairs else None, lambda step: checkpointer.save(step, {"policy": trainable}, {}),
-        logger, SHOWN, tr, cfg.trainer, cfg.eval.every)
+        logger, SHOWN, tr, cfg.trainer, cfg.eval.every, dp)
     finetune.finish(cfg, policy, tokenizer, dp.rank, logger)
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rl_core.config import LoraSettings, ModelRunConfig, TrainerConfig, choice, require, validate_checkpoint_keys
+from rl_core.config import (LoraSettings, ModelRunConfig, TrainerConfig, choice, require, validate_checkpoint_keys,
+                            validate_profile_steps)
 from rl_core.data import LONG_PROMPT_POLICIES
 from rl_core.ppo.algorithms import GROUP_KINDS, KL_KINDS, LOSS_AGG_MODES, ROLLOUT_CORRECTIONS
 from rl_core.rollout.rollout import RolloutSettings
@@ -232,6 +233,9 @@ class PPOTrainerConfig(TrainerConfig):
     log_samples_every: int = 10
     eval_every: int = 0  # steps between evaluations (besides step 0 and the end); 0 = only those two
     export_hf: bool = True
+    # Steps (as logged, 1..total) traced by torch.profiler into <run_dir>/profile/step_N/rankR.pt.trace.json
+    # (rl_core/profiling.py): CPU (and CUDA) activity, the phases and engine HTTP calls as named ranges.
+    profile_steps: list = field(default_factory=list)
 
     def validate(self) -> None:
         super().validate()
@@ -342,6 +346,8 @@ def validate(cfg: PPOConfig) -> None:
     require(trainer.total_episodes >= algo.batch_size,
             f"trainer.total_episodes={trainer.total_episodes} is smaller than one batch "
             f"(algorithm.batch_size={algo.batch_size})")
+    validate_profile_steps(trainer.profile_steps, trainer.total_episodes // algo.batch_size,
+                           f"trainer.total_episodes={trainer.total_episodes} / algorithm.batch_size={algo.batch_size}")
     require(cfg.async_.max_staleness >= 0, "config key 'async.max_staleness' must be >= 0")
     require(cfg.reward.truncate_after >= 0, "config key 'reward.truncate_after' must be >= 0")
     longest = max_sequence_length(cfg)

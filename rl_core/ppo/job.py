@@ -31,12 +31,14 @@ from rl_core.ppo.step import (Experience, StepSettings, apply_group_rule, comput
                               forward_passes, reward_model_scores, score_metrics, task_scores)
 from rl_core.rewards import load_reward_fn
 from rl_core.ppo.runtime import JobRuntime
+from rl_core.profiling import profile_step
 from rl_core.rollout.prompts import eval_samples, prompt_samples
 from rl_core.rollout.service import RolloutService
 from workers import layout, loading
 from workers.engines.client import EngineError
 from workers.engines.weights import probe_token_ids
 from workers.forward import ForwardSettings
+from workers.trace import span
 from workers.worker import BatchWorker
 
 
@@ -66,33 +68,39 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
         log_step(job, 0, evaluation, eval_rows, sample_rows=None)
     version = job.start_step
     for step in range(job.start_step, job.total_steps):
-        timer = StepTimer()
-        with timer("rollout"):  # 1. rollout through the router (rank 0), broadcast to every rank
-            trajectories, metrics = collect_batch(collector, rt, cfg.algorithm, version)
-        with timer("inference"):
-            if collector.engines_idle_while_training:  # 2. sync mode: engines free their KV cache and weights
-                metrics["perf/release_s"] = rt.release_engine_memory()
-            # 3. the step's batch as [N, T] tensors, once; old/ref logprobs, values, reward-model scores.
-            #    pi_old is the engine's own logprobs when they are the trainer's (sync, probe gap within
-            #    algorithm.old_logprobs_max_gap): no recompute
-            old_from_engine = old_logprobs_from_engine(cfg, job.probe_gap)
-            exp = Experience.from_trajectories(trajectories, job.tokenizer.pad_token_id)
-            forward_passes(exp, models, worker, settings, old_from_engine)
-            metrics.update(score_metrics(exp, old_from_engine))
-            metrics["perf/old_logprobs_from_engine"] = float(old_from_engine)
-        with timer("train"):
-            # 4. scores: reward model (OpenAI rejection penalty: no period after token 16 -> fixed score)
-            #    + reward functions, truncation penalty, overlong shaping
-            scores, stats = task_scores(exp, settings.scoring)
-            metrics.update(stats)
-            # 5. KL-penalised rewards, reward whitening, GAE (or group baselines by group id), advantage whitening
-            targets = compute_advantages(exp, scores, job.kl_ctl.value, cfg.algorithm)
-            # 6. PPO epochs x minibatches x micro-batches, then the adaptive KL step
-            metrics.update(ppo_epochs(exp, targets, models, worker, settings, job.kl_ctl, step))
-        with timer("sync"):  # 7. new weights into every engine, checked by version and probe logprobs
-            version = step + 1
-            metrics.update(push_weights(rt, job, version))
-        metrics.update(step_metrics(timer, trajectories, step + 1, job))
+        # trainer.profile_steps: this step's torch.profiler trace on every rank (a null context otherwise)
+        with profile_step(cfg.trainer.profile_steps, step + 1, cfg.trainer.run_dir, rt.rank, rt.device):
+            timer = StepTimer()  # inside: perf/step_s leaves out the profiler's start and the trace's export
+            with timer("rollout"):  # 1. rollout through the router (rank 0), broadcast to every rank
+                trajectories, metrics = collect_batch(collector, rt, cfg.algorithm, version)
+            with timer("inference"):
+                if collector.engines_idle_while_training:  # 2. sync mode: engines free their KV cache and weights
+                    metrics["perf/release_s"] = rt.release_engine_memory()
+                # 3. the step's batch as [N, T] tensors, once; old/ref logprobs, values, reward-model scores.
+                #    pi_old is the engine's own logprobs when they are the trainer's (sync, probe gap within
+                #    algorithm.old_logprobs_max_gap): no recompute
+                old_from_engine = old_logprobs_from_engine(cfg, job.probe_gap)
+                exp = Experience.from_trajectories(trajectories, job.tokenizer.pad_token_id)
+                with span("forward passes"):
+                    forward_passes(exp, models, worker, settings, old_from_engine)
+                metrics.update(score_metrics(exp, old_from_engine))
+                metrics["perf/old_logprobs_from_engine"] = float(old_from_engine)
+            with timer("train"):
+                # 4. scores: reward model (OpenAI rejection penalty: no period after token 16 -> fixed score)
+                #    + reward functions, truncation penalty, overlong shaping
+                scores, stats = task_scores(exp, settings.scoring)
+                metrics.update(stats)
+                # 5. KL-penalised rewards, reward whitening, GAE (or group baselines by group id), advantage
+                #    whitening
+                with span("advantages"):
+                    targets = compute_advantages(exp, scores, job.kl_ctl.value, cfg.algorithm)
+                # 6. PPO epochs x minibatches x micro-batches, then the adaptive KL step
+                with span("ppo epochs"):
+                    metrics.update(ppo_epochs(exp, targets, models, worker, settings, job.kl_ctl, step))
+            with timer("sync"):  # 7. new weights into every engine, checked by version and probe logprobs
+                version = step + 1
+                metrics.update(push_weights(rt, job, version))
+            metrics.update(step_metrics(timer, trajectories, step + 1, job))
         eval_rows = None
         if job.eval_due(step + 1):  # 8. held-out prompts with the new weights (not in perf/step_s)
             started = time.perf_counter()
@@ -213,8 +221,9 @@ def push_weights(rt: JobRuntime, job: Job, version: int) -> dict[str, float]:
     """Every rank's engine gets the trainer's weights as `version`, checked by the probe's logprobs."""
     models, collector = job.models, job.collector
     with collector.weight_push():
-        stats = rt.sync_weights(models.actor_weights(), version, job.probe, models.probe_logprobs(job.probe, job.worker),
-                                collector.pauses_in_place)
+        with span("trainer probe logprobs"):
+            trainer_logprobs = models.probe_logprobs(job.probe, job.worker)
+        stats = rt.sync_weights(models.actor_weights(), version, job.probe, trainer_logprobs, collector.pauses_in_place)
     job.probe_gap = max_over_ranks(stats["weight_sync/probe_gap"])  # every rank decides the same
     return stats
 

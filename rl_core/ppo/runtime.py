@@ -24,6 +24,7 @@ from workers.engines.client import EngineError
 from workers.engines.rank_engine import EngineSpec, RankEngine
 from workers.engines.weights import PROBE_TOLERANCE, WeightSyncError
 from workers.procs import ManagedProcesses, ProcessStartError, node_address, stop_this_process
+from workers.trace import span
 
 ENGINE_START_TIMEOUT_S = 300.0
 
@@ -252,14 +253,16 @@ class JobRuntime(JobLifecycle):
             if pause_in_place:
                 await self.engine.pause_generation("in_place")
             try:
-                stats = await self.engine.push_weights(named_tensors, version, flush_cache=not pause_in_place)
+                with span("push"):  # resume weights, gather and send the buckets, flush, resume the KV cache
+                    stats = await self.engine.push_weights(named_tensors, version, flush_cache=not pause_in_place)
             finally:
                 if pause_in_place:
                     await self.engine.continue_generation()
-            probing = time.perf_counter()
-            stats["weight_sync/probe_gap"] = await self.engine.check_weights(version, probe_ids, trainer_logprobs,
-                                                                         tolerance)
-            stats["weight_sync/probe_s"] = time.perf_counter() - probing
+            with span("probe"):
+                probing = time.perf_counter()
+                stats["weight_sync/probe_gap"] = await self.engine.check_weights(version, probe_ids,
+                                                                             trainer_logprobs, tolerance)
+                stats["weight_sync/probe_s"] = time.perf_counter() - probing
             return stats
 
         stats = self._engine_call(push_and_check(), f"the weight push of version {version}")

@@ -30,6 +30,7 @@ from rl_core.rollout.trajectory import TokenSequence, Trajectory
 from workers import forward, layout
 from workers.balance import minibatch_indices
 from workers.layout import make_micro_batch
+from workers.trace import span
 from workers.worker import BatchWorker
 
 
@@ -166,11 +167,13 @@ def forward_passes(exp: Experience, models: PPOModels, worker: BatchWorker, sett
 
     names = [name for name, needed in wanted.items() if needed]
     if names:
-        batch.update(zip(names, worker.gather(batch, scoring_pass)))
+        with span(f"forward {' '.join(names)}"):
+            batch.update(zip(names, worker.gather(batch, scoring_pass)))
     batch.setdefault("old_logprobs", batch["behaviour_logprobs"].clone())
     batch.setdefault("ref_logprobs", batch["old_logprobs"].clone())  # no KL: KL 0
     batch.setdefault("values", torch.zeros_like(batch["old_logprobs"]))
-    exp.scores, exp.rejected = reward_model_scores(exp.trajectories, models, worker, settings.scoring)
+    with span("reward model scores"):
+        exp.scores, exp.rejected = reward_model_scores(exp.trajectories, models, worker, settings.scoring)
 
 
 def reward_model_scores(trajectories: list[Trajectory], models: PPOModels, worker: BatchWorker,
@@ -331,12 +334,13 @@ def ppo_epochs(exp: Experience, targets: Targets, models: PPOModels, worker: Bat
     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
     exp.batch.update(advantages=targets.advantages, returns=targets.returns)
     history: dict[str, list[float]] = {}
-    for _epoch in range(algo.noptepochs):
+    for epoch in range(algo.noptepochs):
         # Advantages were computed over whole groups before this point, so any split is safe; a batch
         # short of failed trajectories gives minibatches that differ in size by at most one.
-        for minibatch in minibatch_indices(n_traj, algo.nminibatches, generator):
-            for key, value in train_minibatch(exp.select(minibatch), models, worker, settings, kl_coef).items():
-                history.setdefault(key, []).append(value)
+        for number, minibatch in enumerate(minibatch_indices(n_traj, algo.nminibatches, generator)):
+            with span(f"ppo epoch {epoch} minibatch {number}"):
+                for key, value in train_minibatch(exp.select(minibatch), models, worker, settings, kl_coef).items():
+                    history.setdefault(key, []).append(value)
     # Adaptive KL (OpenAI): steer the per-episode KL of this batch towards the target.
     kl_ctl.update(targets.stats["kl/mean"], n_traj)
     # Every rank's rows, not rank 0's alone: a rank's loss is its share of the global loss x dp_size, so the

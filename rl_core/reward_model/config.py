@@ -74,6 +74,8 @@ class LabelerConfig:
 class RMTrainerConfig(TrainerConfig):
     run_dir: str = "runs/rm_sentiment"
     output_dir: Optional[str] = None  # null = <run_dir>/reward_model
+    # Here only to be refused by name (validate): the PPO, SFT and DPO jobs take it, this job traces no steps.
+    profile_steps: list = field(default_factory=list)
 
 
 @dataclass
@@ -90,6 +92,9 @@ def validate(cfg: RMConfig) -> None:
     """Cross-field rules of the reward-model job; raises ConfigError naming the key and the fix."""
     tr, norm, data = cfg.train, cfg.normalize, cfg.data
     cfg.trainer.validate()
+    require(not cfg.trainer.profile_steps,
+            "trainer.profile_steps is a key of the PPO, SFT and DPO jobs; the reward-model job traces no steps: "
+            "drop the key")
     cfg.model.validate(tr.packing)
     require(tr.batch_size > 0, f"config key 'train.batch_size' must be > 0, got {tr.batch_size}")
     require(tr.lr > 0, f"config key 'train.lr' must be > 0, got {tr.lr}")

@@ -76,7 +76,8 @@ class RolloutService:
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True)
         self.thread.start()
         # aiohttp sessions and the pool's semaphore belong to the loop they are created on.
-        self.client = self._call(self._make(GatedClient, EngineClient(router_url, timeout_s=engine_timeout_s)))
+        router = EngineClient(router_url, timeout_s=engine_timeout_s, label="router")
+        self.client = self._call(self._make(GatedClient, router))
         self.env_pool = self._call(self._make(EnvPool, env_factory, num_envs=env.num_envs,
                                               step_timeout_s=env.step_timeout_s,
                                               max_failed_ratio=env.max_failed_ratio))

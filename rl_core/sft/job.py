@@ -46,7 +46,8 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
         loading.check_model_path(cfg.model.path, "model.path")
     tokenizer = loading.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
     train_rows, eval_rows = load_data(cfg, tokenizer, dp.rank)
-    steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_rows), "usable rows", cfg.data.train_path)
+    steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_rows), "usable rows", cfg.data.train_path,
+                                                      cfg.trainer.profile_steps)
     seed_everything(cfg.trainer.seed)  # the same initial weights on every rank
     model = loading.load_causal_lm(cfg.model.path, attn_implementation=cfg.model.attn_implementation)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
@@ -81,7 +82,7 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
         lambda step: train_step(trainable, worker, finetune.step_rows(train_rows, step, tr.batch_size, cfg.trainer.seed),
                                 tokenizer.pad_token_id),
         evaluate if eval_rows else None, lambda step: checkpointer.save(step, {"model": trainable}, {}),
-        logger, SHOWN, tr, cfg.trainer, cfg.eval.every)
+        logger, SHOWN, tr, cfg.trainer, cfg.eval.every, dp)
     finetune.finish(cfg, model, tokenizer, dp.rank, logger)
 
 

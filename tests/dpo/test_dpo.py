@@ -97,3 +97,15 @@ def test_dpo_with_lora_adapters_learns_against_the_frozen_base(dpo_job, tmp_path
     assert rows[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-5)  # adapters start at zero
     assert rows[-1]["eval/loss"] < rows[0]["eval/loss"] and rows[-1]["eval/reward_margin"] > 0
     assert (run_dir / "final" / "model.safetensors").exists()  # merged by default
+
+
+@pytest.mark.timeout(600)
+def test_profile_steps_trace_the_listed_step_on_each_rank(dpo_job, tmp_path):
+    run_dir = tmp_path / "profiled"
+    output = run_dpo(dpo_job, run_dir, "train.max_steps=2", "trainer.export_hf=false", "trainer.profile_steps=[1]")
+    for rank in (0, 1):
+        path = run_dir / "profile" / "step_1" / f"rank{rank}.pt.trace.json"
+        assert f"[rank {rank}] profile of step 1: {path}\n" in output
+        names = {e["name"] for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"}
+        assert "train step" in names and any(name.startswith("FSDP::") for name in names)
+    assert sorted(p.name for p in (run_dir / "profile").iterdir()) == ["step_1"]

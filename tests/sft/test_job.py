@@ -183,3 +183,35 @@ def test_a_damaged_checkpoint_is_skipped_on_auto_and_refused_by_name_with_one_li
     assert output.count("skipping checkpoint") == 1 and f"skipping checkpoint {newest}: {shard} has" in output
     assert f"resumed from {run_dir / 'checkpoints' / 'step_00000001'} at step 1" in output
     assert [r["step"] for r in metrics(run_dir) if "train/loss" in r][-2:] == [2, 3]  # steps 2 and 3 trained again
+
+
+@pytest.mark.timeout(600)
+def test_profile_steps_trace_the_listed_steps_on_each_rank_and_steps_beyond_the_data_stop(sft_job, tmp_path):
+    import subprocess
+
+    run_dir = tmp_path / "profiled"
+    output = run_sft(sft_job, run_dir, "train.max_steps=3", "eval.every=0", "trainer.export_hf=false",
+                     "trainer.profile_steps=[2]")
+    profile = run_dir / "profile"
+    assert sorted(p.relative_to(profile).as_posix() for p in profile.rglob("*.json")) == [
+        "step_2/rank0.pt.trace.json", "step_2/rank1.pt.trace.json"]
+    for rank in (0, 1):
+        path = profile / "step_2" / f"rank{rank}.pt.trace.json"
+        assert f"[rank {rank}] profile of step 2: {path}\n" in output
+        events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+        step = next(e for e in events if e["name"] == "train step")
+        inside = [e for e in events if step["ts"] <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1]
+        assert any(e["name"].startswith("aten::") for e in inside) and any("FSDP::" in e["name"] for e in inside)
+        assert any(e["name"] == "Optimizer.step#AdamW.step" for e in inside), sorted({e["name"] for e in inside})
+    # The run's length comes from the data: a step beyond it stops with one line once the rows are read.
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--standalone",
+            "-m", "rl_core.train_sft", "--config", "sft_arithmetic.yaml", *sft_job,
+            f"trainer.run_dir={tmp_path / 'refused'}", "train.max_steps=3", "trainer.profile_steps=[2,4]"]
+    refused = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("[rank") and "error:" in line]
+    assert refused.returncode != 0 and len(errors) == 1, refused.stderr[-3000:]
+    assert re.fullmatch(r"\[rank 0\] error: trainer.profile_steps=\[2, 4\] names step\(s\) \[4\] outside 1\.\.3, the "
+                        r"run's steps \(\d+ usable rows of \S+ / train.batch_size=8 x train.epochs=\d+, "
+                        r"train.max_steps=3\); list steps of the run, e.g. trainer.profile_steps=\[3,4\]", errors[0]), \
+        errors[0]
+    assert not re.search(r'File "[^"]*/(rl_core|workers|envs)/', refused.stderr), refused.stderr[-3000:]

@@ -13,6 +13,8 @@ from typing import Any, Sequence
 
 import aiohttp
 
+from workers.trace import span
+
 # What SGLang 0.5.23 serves of a model's context (its scheduler: max_req_len = context - 1), and so the embedded
 # engine too: an input of context - INPUT_RESERVE tokens or more is refused (HTTP 400), and a request generates
 # at most context - OUTPUT_RESERVE - input tokens (a larger max_new_tokens is cut there and finishes "length").
@@ -63,11 +65,15 @@ def _error_message(body: str) -> str:
 
 
 class EngineClient:
-    """One pooled aiohttp session per client; create and use it inside a running event loop."""
+    """One pooled aiohttp session per client; create and use it inside a running event loop.
+
+    `label` names what answers ("engine", "router") in a profiled step's trace: each call is a range
+    such as `engine POST /update_weights_from_tensor` (workers.trace)."""
 
     def __init__(self, base_url: str, timeout_s: float = 600.0, control_timeout_s: float = 60.0,
-                 max_connections: int = 1024):
+                 max_connections: int = 1024, label: str = "engine"):
         self.base_url = base_url.rstrip("/")
+        self.label = label
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
         self.max_connections = max_connections
@@ -91,8 +97,10 @@ class EngineClient:
         deadline = timeout_s if timeout_s is not None else self.control_timeout_s
         try:
             timeout = aiohttp.ClientTimeout(total=deadline)
-            async with self._get_session().request(method, url, json=payload, timeout=timeout) as response:
-                body = await response.text()
+            # Ends when the answer is read: concurrent calls on one loop are overlapping ranges of one thread.
+            with span(f"{self.label} {method} {path}"):
+                async with self._get_session().request(method, url, json=payload, timeout=timeout) as response:
+                    body = await response.text()
         except asyncio.TimeoutError:
             raise EngineTimeout(url, deadline) from None
         except aiohttp.ClientError as err:
