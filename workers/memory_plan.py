@@ -145,13 +145,18 @@ class MemoryPlan:
         """The compact block printed at start."""
         gib = lambda n: f"{n / GIB:.2f}"  # noqa: E731
         dev = self.device
-        return [f"memory plan ({dev.kind}, {gib(dev.total_bytes)} GiB per rank, reserve {gib(dev.reserve_bytes)}):",
+        lines = [f"memory plan ({dev.kind}, {gib(dev.total_bytes)} GiB per rank, reserve {gib(dev.reserve_bytes)}):",
                 f"  trainer {gib(self.trainer_total)} GiB = params {gib(self.trainer_params)} + grads "
                 f"{gib(self.trainer_grads)} + optimizer {gib(self.trainer_optimizer)} + frozen models "
                 f"{gib(self.trainer_frozen)} + activations {gib(self.trainer_activations)}",
                 f"  engine {gib(self.engine_total)} GiB = weights {gib(self.engine_weights)} + KV {gib(self.engine_kv)} "
                 f"({self.kv_tokens} tokens x {self.kv_bytes_per_token} B; the rollout needs {self.work_tokens})",
                 f"  {self.reason}; release engine memory each step: {'yes' if release else 'no'}"]
+        if not self.trainer_fits:
+            lines.append(f"  warning: the trainer alone needs {gib(self.trainer_total)} GiB of "
+                         f"{gib(dev.total_bytes - dev.reserve_bytes)} usable: expect out-of-memory errors; shard over "
+                         "more ranks, or use model.cpu_offload, LoRA or a smaller algorithm.max_tokens_per_device")
+        return lines
 
 
 def plan_memory(inputs: MemoryInputs, device: Device) -> MemoryPlan:
