@@ -143,20 +143,23 @@ class MemoryPlan:
 
     def lines(self, release: bool) -> list[str]:
         """The compact block printed at start."""
-        gib = lambda n: f"{n / GIB:.2f}"  # noqa: E731
         dev = self.device
-        lines = [f"memory plan ({dev.kind}, {gib(dev.total_bytes)} GiB per rank, reserve {gib(dev.reserve_bytes)}):",
-                f"  trainer {gib(self.trainer_total)} GiB = params {gib(self.trainer_params)} + grads "
-                f"{gib(self.trainer_grads)} + optimizer {gib(self.trainer_optimizer)} + frozen models "
-                f"{gib(self.trainer_frozen)} + activations {gib(self.trainer_activations)}",
-                f"  engine {gib(self.engine_total)} GiB = weights {gib(self.engine_weights)} + KV {gib(self.engine_kv)} "
-                f"({self.kv_tokens} tokens x {self.kv_bytes_per_token} B; the rollout needs {self.work_tokens})",
-                f"  {self.reason}; release engine memory each step: {'yes' if release else 'no'}"]
+        lines = [f"memory plan ({dev.kind}, {size(dev.total_bytes)} per rank and engine, reserve {size(dev.reserve_bytes)}):",
+                 f"  trainer {size(self.trainer_total)} = params {size(self.trainer_params)} + grads "
+                 f"{size(self.trainer_grads)} + optimizer {size(self.trainer_optimizer)} + frozen models "
+                 f"{size(self.trainer_frozen)} + activations {size(self.trainer_activations)}",
+                 f"  engine {size(self.engine_total)} = weights {size(self.engine_weights)} + KV {size(self.engine_kv)} "
+                 f"({self.kv_tokens} tokens x {self.kv_bytes_per_token} B; the rollout needs {self.work_tokens})",
+                 f"  {self.reason}; release engine memory each step: {'yes' if release else 'no'}"]
         if not self.trainer_fits:
-            lines.append(f"  warning: the trainer alone needs {gib(self.trainer_total)} GiB of "
-                         f"{gib(dev.total_bytes - dev.reserve_bytes)} usable: expect out-of-memory errors; shard over "
+            lines.append(f"  warning: the trainer alone needs {size(self.trainer_total)} of "
+                         f"{size(dev.total_bytes - dev.reserve_bytes)} usable: expect out-of-memory errors; shard over "
                          "more ranks, or use model.cpu_offload, LoRA or a smaller algorithm.max_tokens_per_device")
         return lines
+
+
+def size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / (1 << 20):.1f} MiB"
 
 
 def plan_memory(inputs: MemoryInputs, device: Device) -> MemoryPlan:
@@ -191,7 +194,7 @@ def plan_memory(inputs: MemoryInputs, device: Device) -> MemoryPlan:
     together = trainer_peak + engine_weights + kv_tokens * per_token
     fits = together <= usable
     verdict = "fit together" if fits else "do not fit together"
-    reason = f"trainer and engine {verdict} ({together / GIB:.2f} GiB of {usable / GIB:.2f} usable); KV {why}"
+    reason = f"trainer and engine {verdict} ({size(together)} of {size(usable)} usable); KV {why}"
     return MemoryPlan(device, params, grads, optimizer, frozen, activations, engine_weights, per_token, work,
                       int(kv_tokens), fits, trainer_peak <= usable, reason)
 
