@@ -24,7 +24,7 @@ from rl_core.errors import JobError
 from rl_core.logger import MetricsLogger, StepTimer, open_run_logger, print_step
 from rl_core.ppo.collect import AsyncCollector, SyncCollector, make_collector
 from rl_core.ppo.config import PPOConfig, check_models, release_mode, rollout_settings, validate
-from rl_core.ppo.memory import plan_job_memory, report_plan
+from rl_core.ppo.memory import decide, plan_job_memory, report_plan
 from rl_core.ppo.evaluation import evaluate, print_eval
 from rl_core.ppo import algorithms as alg
 from rl_core.ppo.models import PPOModels
@@ -39,7 +39,7 @@ from workers import layout, loading
 from workers.engines.client import EngineError
 from workers.engines.weights import probe_token_ids
 from workers.forward import ForwardSettings
-from workers.memory_plan import MemoryPlan, decide_release, detect_device
+from workers.memory_plan import MemoryPlan, detect_device
 from workers.trace import span
 from workers.worker import BatchWorker
 
@@ -194,10 +194,10 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
     # The memory plan sizes the engines' KV pool and decides whether they release memory each step.
     plan = broadcast_object(on_rank0(lambda: plan_job_memory(cfg, detect_device(rt.device, rt.local_world_size),
                                                              rt.world_size, max_positions)))
-    rt.release_each_step = decide_release(release_mode(cfg.rollout), plan) and collector.engines_idle_while_training
-    if rt.rank == 0:
+    rt.release_each_step = decide(release_mode(cfg.rollout), plan) and collector.engines_idle_while_training
+    if rt.rank == 0 and plan is not None:
         report_plan(plan, rt.release_each_step, run_dir)
-    rt.start_engines(cfg.model.path, collector.pauses_in_place, max_positions, plan.kv_tokens)
+    rt.start_engines(cfg.model.path, collector.pauses_in_place, max_positions, plan and plan.kv_tokens)
     models = PPOModels(cfg.model, algo, cfg.reward.model_path or None, tokenizer.pad_token_id, total_steps)
     # Every model runs the same micro-batches: balanced, length-sorted, packed when asked.
     worker = BatchWorker(rt.rank, rt.world_size, rt.device, algo.max_tokens_per_device,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rl_core.ppo.config import PPOConfig, engine_dtype, max_sequence_length
 from workers.memory_plan import (DTYPE_BYTES, GIB, OPTIMIZER_STATES, Device, MemoryInputs, MemoryPlan,
-                                 count_parameters, model_shape, plan_memory)
+                                 count_parameters, decide_release, model_shape, plan_memory)
 
 
 def memory_inputs(cfg: PPOConfig, policy_config, reward_params: int, dp_size: int, device: Device,
@@ -53,8 +53,18 @@ def memory_inputs(cfg: PPOConfig, policy_config, reward_params: int, dp_size: in
                         kv_tokens=None if user_tokens is None else int(user_tokens), engine_static_bytes=static)
 
 
-def plan_job_memory(cfg: PPOConfig, detected: Device, world_size: int, context_length: int | None) -> MemoryPlan:
-    """Read the models' configs (no weights: parameters are counted on the meta device) and plan."""
+def plan_job_memory(cfg: PPOConfig, detected: Device, world_size: int, context_length: int | None) -> MemoryPlan | None:
+    """Read the models' configs (no weights: parameters are counted on the meta device) and plan; None (and
+    a line saying why) for a model whose config the plan cannot read, which must not stop a job that runs."""
+    try:
+        return _plan(cfg, detected, world_size, context_length)
+    except Exception as err:  # noqa: BLE001 - e.g. a remote-code model that builds only with its own code
+        print(f"memory plan unavailable ({type(err).__name__}: {err}); engines release memory each sync step "
+              "unless rollout.release_memory=never, and SGLang sizes its own KV pool", flush=True)
+        return None
+
+
+def _plan(cfg: PPOConfig, detected: Device, world_size: int, context_length: int | None) -> MemoryPlan:
     from transformers import AutoConfig
 
     device = detected
@@ -66,6 +76,13 @@ def plan_job_memory(cfg: PPOConfig, detected: Device, world_size: int, context_l
     inputs = memory_inputs(cfg, AutoConfig.from_pretrained(cfg.model.path), reward_params, world_size, device,
                            context_length)
     return plan_memory(inputs, device)
+
+
+def decide(mode: str, plan: MemoryPlan | None) -> bool:
+    """Whether engines release memory each sync step; without a plan, auto keeps the safe old behaviour."""
+    if plan is None:
+        return mode != "never"
+    return decide_release(mode, plan)
 
 
 def report_plan(plan: MemoryPlan, release: bool, run_dir: Path) -> None:

@@ -112,3 +112,14 @@ def test_the_memory_plan_reads_which_models_train_and_what_the_rollout_keeps_in_
     assert memory_inputs(ppo("rollout.kv_tokens=777"), policy, 0, 1, cpu, 128).kv_tokens == 777
     sglang_pool = ppo("rollout.engine=sglang", "rollout.sglang_args.max_total_tokens=999")
     assert memory_inputs(sglang_pool, policy, 0, 1, cpu, 128).kv_tokens == 999
+
+
+def test_a_model_the_plan_cannot_read_leaves_the_job_on_the_safe_old_behaviour(tmp_path, capsys):
+    from rl_core.ppo.memory import decide, plan_job_memory
+    from workers.memory_plan import GIB, Device
+
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-family"}')
+    cfg = ppo(f"model.path={tmp_path}", "reward.model_path=null")
+    assert plan_job_memory(cfg, Device.of("cuda", 80 * GIB), 1, None) is None
+    assert "memory plan unavailable" in capsys.readouterr().out
+    assert decide("auto", None) and decide("always", None) and not decide("never", None)
