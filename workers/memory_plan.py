@@ -184,6 +184,8 @@ def plan_memory(inputs: MemoryInputs, device: Device) -> MemoryPlan:
     if inputs.kv_tokens is not None:
         kv_tokens, why = inputs.kv_tokens, "rollout.kv_tokens as set"
     else:
+        # A pool that cannot sit beside the training peak stays whole and is released while training rather
+        # than shrunk to fit: requests queued for KV cost more than a release and resume (17 ms on an H200).
         whole_pool_fits = trainer_peak + engine_weights + work * per_token <= usable
         room = usable - (trainer_peak if whole_pool_fits else trainer_between_steps) - engine_weights
         if inputs.engine_static_bytes is not None:
