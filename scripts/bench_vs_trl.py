@@ -46,7 +46,8 @@ policy can still move. No held-out evaluation: the reward trend of each side is 
 TRL runs in this interpreter when trl 1.16.0 imports here (the GPU kit: `--no-deps` beside SGLang),
 else from `.venv-trl` as above; position ids are on (prompts are unpadded, so it changes nothing).
 The project runs each of `--project-runs` (default `sync async`; `NAME:key=value;key=value` adds
-a run with those overrides, e.g. `keep:trainer.mode=sync;rollout.release_memory=false`) on
+a run with those overrides, e.g. `release:trainer.mode=sync;rollout.release_memory=always` beside the
+memory plan's default, which keeps an 86M model's engine resident) on
 `--engine` (SGLang on a GPU, with the offline kit's server flags; embedded on CPU), and reports its
 phase split with the parts inside it (release, resume, push, probe). Peak GPU memory is the
 device's used memory (nvidia-smi) above what was in use before the side started, sampled every

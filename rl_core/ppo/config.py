@@ -7,7 +7,7 @@ cross-field rules that would otherwise fail minutes into a run are in `validate`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from rl_core.config import (LoraSettings, ModelRunConfig, TrainerConfig, choice, require, validate_checkpoint_keys,
                             validate_profile_steps)
@@ -20,6 +20,7 @@ from workers.layout import packs_into_one_row
 from workers.router import POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
+RELEASE_CHOICES = ("auto", "always", "never", True, False)
 
 
 @dataclass
@@ -94,9 +95,18 @@ class RolloutConfig:
     # GPU memory): a batch's requests beyond it wait for a whole second wave of decode steps.
     engine_max_batch_size: int = 256
     dtype: Optional[str] = choice(None, (None, *DTYPES))  # engine weights; null = the training compute dtype
-    # Sync mode frees the engine's KV cache and weights while the trainer runs (GPU colocation);
-    # false keeps them resident when memory allows (faster, no resume).
-    release_memory: bool = True
+    # Sync mode: whether engines free their KV cache and weights while the trainer runs. auto: only when the
+    # memory plan (workers/memory_plan.py) says trainer and engine do not fit on the device together (on CPU
+    # the device is the machine's memory shared by the node's ranks); always / never (true / false, the
+    # old boolean, still read as always / never).
+    release_memory: Any = choice("auto", RELEASE_CHOICES)
+    # The engine's KV pool in tokens (SGLang's max_total_tokens); null = the memory plan's: the rollout's
+    # sequences in flight at their longest, capped by memory. The embedded engine sizes its cache per batch
+    # (engine_max_batch_size) and ignores it.
+    kv_tokens: Optional[int] = None
+    # The memory one rank and its engine share, for the plan; null = the GPU's total, or on CPU the
+    # machine's divided by the node's ranks. Set it when the device is shared with other work.
+    device_memory_gb: Optional[float] = None
     weight_bucket_mb: int = 512  # weight push: tensors travel in flattened buckets of this size
     # After each push the engine's logprobs of a probe sequence must match the trainer's within this
     # mean absolute gap; null = by engine dtype (see workers/engines/weights.py).
@@ -270,6 +280,12 @@ def rollout_settings(ro: RolloutConfig, max_positions: int | None, progress: boo
                            max_total_tokens=max_positions, progress=progress)
 
 
+def release_mode(ro: RolloutConfig) -> str:
+    """rollout.release_memory as auto | always | never (the old booleans: true = always, false = never)."""
+    value = ro.release_memory
+    return value if isinstance(value, str) else ("always" if value else "never")
+
+
 def engine_dtype(cfg: PPOConfig) -> str:
     """The dtype engines hold weights in: rollout.dtype, else the training compute dtype."""
     if cfg.rollout.dtype is not None:
@@ -323,6 +339,11 @@ def validate(cfg: PPOConfig) -> None:
     require(0.0 < ro.mem_fraction_static < 1.0,
             f"rollout.mem_fraction_static={ro.mem_fraction_static} cannot fit colocated with training; use (0, 1)")
     require(ro.tp_size >= 1, "config key 'rollout.tp_size' must be >= 1")
+    require(ro.kv_tokens is None or ro.kv_tokens > 0, "config key 'rollout.kv_tokens' must be > 0 or null (planned)")
+    require(ro.kv_tokens is None or "max_total_tokens" not in ro.sglang_args,
+            "rollout.kv_tokens and rollout.sglang_args.max_total_tokens both set the engine's KV pool; keep one")
+    require(ro.device_memory_gb is None or ro.device_memory_gb > 0,
+            "config key 'rollout.device_memory_gb' must be > 0 or null (detected)")
     require(ro.weight_bucket_mb >= 1, "config key 'rollout.weight_bucket_mb' must be >= 1")
     require(ro.weight_check_tolerance is None or ro.weight_check_tolerance > 0,
             "config key 'rollout.weight_check_tolerance' must be > 0 or null (by engine dtype)")

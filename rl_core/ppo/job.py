@@ -23,7 +23,8 @@ from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank
 from rl_core.errors import JobError
 from rl_core.logger import MetricsLogger, StepTimer, open_run_logger, print_step
 from rl_core.ppo.collect import AsyncCollector, SyncCollector, make_collector
-from rl_core.ppo.config import PPOConfig, check_models, rollout_settings, validate
+from rl_core.ppo.config import PPOConfig, check_models, release_mode, rollout_settings, validate
+from rl_core.ppo.memory import decide, plan_job_memory, report_plan
 from rl_core.ppo.evaluation import evaluate, print_eval
 from rl_core.ppo import algorithms as alg
 from rl_core.ppo.models import PPOModels
@@ -38,6 +39,7 @@ from workers import layout, loading
 from workers.engines.client import EngineError
 from workers.engines.weights import probe_token_ids
 from workers.forward import ForwardSettings
+from workers.memory_plan import MemoryPlan, detect_device
 from workers.trace import span
 from workers.worker import BatchWorker
 
@@ -75,7 +77,9 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
                 trajectories, metrics = collect_batch(collector, rt, cfg.algorithm, version)
             with timer("inference"):
                 if collector.engines_idle_while_training:  # 2. sync mode: engines free their KV cache and weights
+                    # (when the memory plan or rollout.release_memory says so)
                     metrics["perf/release_s"] = rt.release_engine_memory()
+                    metrics["memory/released"] = float(rt.release_each_step)
                 # 3. the step's batch as [N, T] tensors, once; old/ref logprobs, values, reward-model scores.
                 #    pi_old is the engine's own logprobs when they are the trainer's (sync, probe gap within
                 #    algorithm.old_logprobs_max_gap): no recompute
@@ -141,6 +145,7 @@ class Job:
     logger: MetricsLogger | None = None
     service: RolloutService | None = None
     probe_gap: float = float("inf")  # the last push's, max over ranks (see old_logprobs_from_engine)
+    memory_plan: MemoryPlan | None = None  # its memory_plan/* go into this run's first logged step
 
     def reward_model(self):
         """Held-out trajectories -> (reward-model scores, rejected), or None without a reward model."""
@@ -186,7 +191,13 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
         held_out = on_rank0(lambda: eval_samples(cfg.data, cfg.data.eval_path, tokenizer, cfg.eval.n,
                                                  cfg.eval.max_prompts))
     collector = make_collector(cfg, prompts)
-    rt.start_engines(cfg.model.path, collector.pauses_in_place, max_positions)
+    # The memory plan sizes the engines' KV pool and decides whether they release memory each step.
+    plan = broadcast_object(on_rank0(lambda: plan_job_memory(cfg, detect_device(rt.device, rt.local_world_size),
+                                                             rt.world_size, max_positions)))
+    rt.release_each_step = decide(release_mode(cfg.rollout), plan) and collector.engines_idle_while_training
+    if rt.rank == 0 and plan is not None:
+        report_plan(plan, rt.release_each_step, run_dir)
+    rt.start_engines(cfg.model.path, collector.pauses_in_place, max_positions, plan and plan.kv_tokens)
     models = PPOModels(cfg.model, algo, cfg.reward.model_path or None, tokenizer.pad_token_id, total_steps)
     # Every model runs the same micro-batches: balanced, length-sorted, packed when asked.
     worker = BatchWorker(rt.rank, rt.world_size, rt.device, algo.max_tokens_per_device,
@@ -204,7 +215,8 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
         if prompts is not None and saved.get("prompts") is not None:
             prompts.load_state_dict(saved["prompts"])
     job = Job(cfg, tokenizer, models, worker, StepSettings.from_config(cfg, truncate_id), kl_ctl, collector,
-              checkpointer, probe_token_ids(tokenizer), start_step, total_steps, prompts, held_out)
+              checkpointer, probe_token_ids(tokenizer), start_step, total_steps, prompts, held_out,
+              memory_plan=plan)
     push_weights(rt, job, start_step)  # the engines start from the trainer's (maybe resumed) weights
     if rt.rank == 0:
         job.logger = open_run_logger(cfg, start_step)  # rows after the checkpoint's step are dropped
@@ -288,6 +300,8 @@ def log_step(job: Job, step: int, metrics: dict, eval_rows: list | None, sample_
     logger, every = job.logger, job.cfg.trainer.log_samples_every
     if logger is None:
         return
+    if step == job.start_step + 1 and job.memory_plan is not None:
+        metrics = {**metrics, **job.memory_plan.metrics()}
     logger.log(step, metrics)
     if step > 0:
         print_step(step, job.total_steps, metrics)

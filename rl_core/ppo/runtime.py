@@ -46,6 +46,8 @@ class JobRuntime(JobLifecycle):
         self.engine_places: dict[str, str] = {}  # url -> "rank R on node N, host"
         self.router_url: str | None = None
         self.engine_version = 0
+        # Sync mode: release engine memory while training (the memory plan's decision under rollout.release_memory).
+        self.release_each_step = True
         self.service = None
         self.env_executor = None
         self.reward_executor = None
@@ -104,11 +106,13 @@ class JobRuntime(JobLifecycle):
         return node_address(self.cfg.rollout.multi_node_host, os.environ["MASTER_ADDR"],
                             int(os.environ["MASTER_PORT"]))
 
-    def start_engines(self, policy_path: str, pauses_in_place: bool, context_length: int | None = None) -> None:
+    def start_engines(self, policy_path: str, pauses_in_place: bool, context_length: int | None = None,
+                      kv_tokens: int | None = None) -> None:
         """Each rank launches its engine; rank 0 starts the router and registers every engine.
 
         `pauses_in_place`: requests stay in the engine across a weight push (async partial rollout).
-        `context_length`: the policy's, which every engine serves."""
+        `context_length`: the policy's, which every engine serves. `kv_tokens`: the KV pool SGLang gets
+        (the memory plan's) unless rollout.sglang_args sets max_total_tokens."""
         ro = self.cfg.rollout
         sglang_args = dict(ro.sglang_args)
         if pauses_in_place and ro.engine == "sglang":
@@ -124,7 +128,7 @@ class JobRuntime(JobLifecycle):
                           max_batch_size=ro.engine_max_batch_size, num_threads=self.cpu_threads(),
                           tp_size=ro.tp_size, mem_fraction_static=ro.mem_fraction_static,
                           sglang_args=sglang_args, gpu_ids=gpus, sglang_python=ro.sglang_python,
-                          context_length=context_length)
+                          context_length=context_length, kv_tokens=kv_tokens)
         log_path = self.log_dir / f"engine-rank{self.rank}.log"
         deadline = ENGINE_START_TIMEOUT_S * (2 if ro.engine == "sglang" else 1)
         self.engine = RankEngine.launch(spec, log_path, self.procs, deadline, ro.weight_bucket_mb << 20,
@@ -227,12 +231,13 @@ class JobRuntime(JobLifecycle):
                                f"its log: {self.engine.log_path}") from err
 
     def release_engine_memory(self) -> float:
-        """Every engine frees its KV cache and weights while the trainer runs (it must be idle: sync mode).
-        Returns the seconds it took (0 when `rollout.release_memory` is off).
+        """Every engine frees its KV cache and weights while the trainer runs (it must be idle: sync mode),
+        when `release_each_step`. Returns the seconds it took (0 when it does not release).
 
-        The same call on CPU as on GPU, so every CI run exercises the GPU control flow.
+        The same call on CPU as on GPU, so a CI run with rollout.release_memory=always exercises the GPU
+        control flow.
         """
-        if not self.cfg.rollout.release_memory:
+        if not self.release_each_step:
             return 0.0
         started = time.perf_counter()
         self._engine_call(self.engine.release_memory(), "releasing memory")
@@ -248,6 +253,11 @@ class JobRuntime(JobLifecycle):
         """
         dist.barrier()
         tolerance = self.cfg.rollout.weight_check_tolerance or PROBE_TOLERANCE[self.engine.spec.dtype]
+
+        if self.engine.released and self.device.type == "cuda":
+            # The trainer's cached activation blocks would otherwise stay reserved while the engine takes
+            # its weights and KV cache back (OOM on resume; the memory plan counts on this).
+            torch.cuda.empty_cache()
 
         async def push_and_check() -> dict[str, float]:
             if pause_in_place:

@@ -66,3 +66,60 @@ def test_reward_function_and_grpo_option_rules():
         grpo("data.start_text=.")
     with pytest.raises(ConfigError, match=r"'algorithm.importance_ratio' = 'seq' is not one of: token, sequence"):
         grpo("algorithm.importance_ratio=seq")
+
+
+def test_release_memory_takes_the_three_modes_and_the_old_booleans():
+    from rl_core.ppo.config import release_mode
+
+    assert release_mode(ppo().rollout) == "auto"  # the default: the memory plan decides
+    assert release_mode(ppo("rollout.release_memory=true").rollout) == "always"
+    assert release_mode(ppo("rollout.release_memory=false").rollout) == "never"
+    assert release_mode(ppo("rollout.release_memory=never").rollout) == "never"
+    with pytest.raises(ConfigError, match=r"rollout.release_memory' = 'sometimes' is not one of: auto, always"):
+        ppo("rollout.release_memory=sometimes")
+    with pytest.raises(ConfigError, match=r"rollout.kv_tokens and rollout.sglang_args.max_total_tokens both set"):
+        ppo("rollout.engine=sglang", "rollout.kv_tokens=4096", "rollout.sglang_args.max_total_tokens=8192")
+    with pytest.raises(ConfigError, match=r"'rollout.device_memory_gb' must be > 0"):
+        ppo("rollout.device_memory_gb=0")
+
+
+def test_the_memory_plan_reads_which_models_train_and_what_the_rollout_keeps_in_flight():
+    from transformers import GPT2Config
+
+    from rl_core.ppo.memory import memory_inputs
+    from workers.memory_plan import GIB, Device
+
+    policy = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=1000, n_positions=128)
+    cpu, gpu = Device.of("cpu", 8 * GIB), Device.of("cuda", 80 * GIB)
+    # The sentiment recipe: actor and critic trained, reference and reward model frozen, fp32 throughout;
+    # 64 episodes of 64 + 24 tokens, all in flight (num_envs 64), over 2 engines.
+    ppo_inputs = memory_inputs(ppo(), policy, reward_params=1234, dp_size=2, device=cpu, context_length=128)
+    assert ppo_inputs.trained_models == 2 and ppo_inputs.frozen_params == ppo_inputs.policy.params + 1234
+    assert (ppo_inputs.master_dtype_bytes, ppo_inputs.compute_dtype_bytes, ppo_inputs.engine_dtype_bytes) == (4, 4, 4)
+    assert (ppo_inputs.sequences_in_flight, ppo_inputs.sequence_tokens, ppo_inputs.engines) == (64, 88, 2)
+    assert ppo_inputs.min_kv_tokens == 128 and ppo_inputs.engine_static_bytes is None
+    # GRPO without KL, LoRA, bf16, async, on SGLang on a GPU: no critic, the LoRA base frozen, 2 batches in
+    # flight, SGLang's static share caps the pool, fewer envs than episodes bound what is in flight.
+    grpo = ppo("algorithm.advantage_estimator=grpo", "algorithm.group_size=4", "algorithm.kl.init_coef=0",
+               "algorithm.kl.adaptive=false", "model.lora.rank=8", "model.mixed_precision=bf16", "trainer.mode=async",
+               "rollout.engine=sglang", "env.num_envs=16", "reward.model_path=null")
+    grpo_inputs = memory_inputs(grpo, policy, reward_params=0, dp_size=1, device=gpu, context_length=128)
+    assert grpo_inputs.trained_models == 0 and grpo_inputs.frozen_params == grpo_inputs.policy.params
+    assert (grpo_inputs.compute_dtype_bytes, grpo_inputs.engine_dtype_bytes) == (2, 2)
+    assert (grpo_inputs.sequences_in_flight, grpo_inputs.batches_in_flight) == (16, 2)
+    assert grpo_inputs.engine_static_bytes == int(0.6 * 80 * GIB)
+    # A pool set by hand, either way, is the plan's.
+    assert memory_inputs(ppo("rollout.kv_tokens=777"), policy, 0, 1, cpu, 128).kv_tokens == 777
+    sglang_pool = ppo("rollout.engine=sglang", "rollout.sglang_args.max_total_tokens=999")
+    assert memory_inputs(sglang_pool, policy, 0, 1, cpu, 128).kv_tokens == 999
+
+
+def test_a_model_the_plan_cannot_read_leaves_the_job_on_the_safe_old_behaviour(tmp_path, capsys):
+    from rl_core.ppo.memory import decide, plan_job_memory
+    from workers.memory_plan import GIB, Device
+
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-family"}')
+    cfg = ppo(f"model.path={tmp_path}", "reward.model_path=null")
+    assert plan_job_memory(cfg, Device.of("cuda", 80 * GIB), 1, None) is None
+    assert "memory plan unavailable" in capsys.readouterr().out
+    assert decide("auto", None) and decide("always", None) and not decide("never", None)

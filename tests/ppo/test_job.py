@@ -96,9 +96,11 @@ def engine_calls(log_text: str) -> str:
 @pytest.mark.timeout(600)
 def test_sync_steps_follow_the_gpu_engine_protocol_and_write_outputs(small_job, tmp_path):
     run_dir = tmp_path / "sync"
-    run_job(small_job, run_dir, "trainer.total_episodes=24", "trainer.save_every=1")
+    # always: the GPU's release/resume control flow, which a plan that fits (this machine) would skip.
+    run_job(small_job, run_dir, "trainer.total_episodes=24", "trainer.save_every=1", "rollout.release_memory=always")
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["memory/released"] == 1.0 for m in metrics)
     for key in REQUIRED_METRICS:
         assert all(key in m for m in metrics), key
     assert metrics[1]["kl/mean"] != 0.0  # the policy moved away from the reference after one update

@@ -17,7 +17,8 @@ import pytest
 from tests.ppo.test_job import read_metrics, run_job, small_job, torchrun_argv, wait_gone  # noqa: F401
 from tests.sglang_env import CONTROL_PATHS, engine_calls, require_sglang_python
 
-MODES = {"sync": ["trainer.total_episodes=24"],
+# sync releases every step: SGLang's release/resume is what the comparison is for.
+MODES = {"sync": ["trainer.total_episodes=24", "rollout.release_memory=always"],
          "async": ["trainer.total_episodes=24", "trainer.mode=async", "async.max_staleness=1"]}
 
 

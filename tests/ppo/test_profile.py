@@ -56,8 +56,9 @@ def within(inner: dict, outer: dict) -> bool:
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_listed_steps_write_a_trace_per_rank_with_phases_and_engine_calls(small_job, tmp_path, mode):  # noqa: F811
     run_dir = tmp_path / "profiled"
+    # always: the release and resumes appear in the sync trace (the memory plan would keep a tiny engine resident)
     output = run_job(small_job, run_dir, "trainer.total_episodes=24", "trainer.profile_steps=[2,3]",
-                     f"trainer.mode={mode}")
+                     f"trainer.mode={mode}", "rollout.release_memory=always")
     traces = sorted(p.relative_to(run_dir / "profile").as_posix() for p in (run_dir / "profile").rglob("*"))
     assert traces == ["step_2", "step_2/rank0.pt.trace.json", "step_2/rank1.pt.trace.json",
                       "step_3", "step_3/rank0.pt.trace.json", "step_3/rank1.pt.trace.json"]

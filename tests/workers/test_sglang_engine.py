@@ -131,3 +131,16 @@ def test_the_server_interpreter_is_checked_before_anything_starts(tmp_path):
     except ImportError:  # this environment has none: the error says how to get one
         with pytest.raises(ProcessStartError, match="setup_sglang_cpu.sh"):
             server_python(None)
+
+
+def test_the_planned_kv_pool_becomes_max_total_tokens_unless_sglang_args_set_it():
+    def pool(**spec_kwargs):
+        spec = EngineSpec(kind="sglang", model_path="/m", dtype="bfloat16", device="cuda:0",
+                          sglang_python=sys.executable, **spec_kwargs)
+        return flags(engine_argv(spec, 30004)[0]).get("--max-total-tokens")
+
+    assert pool(kv_tokens=28672) == "28672"  # the memory plan's size, not SGLang's share of the GPU
+    assert pool(kv_tokens=28672, sglang_args={"max_total_tokens": 4096}) == "4096"  # the user's own wins
+    assert pool() is None  # no plan: SGLang sizes the pool from mem_fraction_static
+    cpu = EngineSpec(kind="sglang", model_path="/m", dtype="float32", device="cpu", sglang_python=sys.executable)
+    assert flags(engine_argv(cpu, 30005)[0])["--max-total-tokens"] == "16384"  # the CPU default stays

@@ -51,6 +51,9 @@ class EngineSpec:
     # context_length; the embedded engine reads the same from the model). None: SGLang's own derivation,
     # which differs for some configs (it multiplies by a rope-scaling factor, reads other keys first).
     context_length: int | None = None
+    # sglang: its KV pool in tokens (max_total_tokens; the job's memory plan), unless sglang_args sets it.
+    # The embedded engine grows its cache per decode batch and has no pool to size.
+    kv_tokens: int | None = None
 
 
 def engine_argv(spec: EngineSpec, port: int) -> tuple[list[str], dict[str, str] | None]:
@@ -63,8 +66,10 @@ def engine_argv(spec: EngineSpec, port: int) -> tuple[list[str], dict[str, str] 
         return argv, None
     from workers.engines.sglang_engine import build_server_argv, server_env, server_kwargs, server_python
 
+    # (None would drop the CPU default pool: only a planned size replaces it.)
+    pool = {} if spec.kv_tokens is None else {"max_total_tokens": int(spec.kv_tokens)}
     kwargs = server_kwargs(spec.model_path, spec.host, port, spec.tp_size, spec.mem_fraction_static, spec.dtype,
-                           extra={"random_seed": spec.seed, "context_length": spec.context_length,
+                           extra={"random_seed": spec.seed, "context_length": spec.context_length, **pool,
                                   **spec.sglang_args}, device=spec.device)
     return build_server_argv(kwargs, server_python(spec.sglang_python)), server_env(spec.gpu_ids, device=spec.device)
 
