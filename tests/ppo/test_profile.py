@@ -4,7 +4,6 @@ HTTP calls as named ranges; a step outside the run stops at parse time with one 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
