@@ -76,13 +76,19 @@ def stop_this_process(line: str, grace_s: float = 15.0) -> None:
         pass
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(grace_s)
-    for child in _children():  # engines and router each lead their own process group
+    kill_children()
+    os._exit(128 + signal.SIGTERM)
+
+
+def kill_children() -> None:
+    """SIGKILL every child of this process and the process group each one leads (engines and router
+    do; reward workers too), for a process about to `os._exit` without its orderly clean-up."""
+    for child in _children():
         _signal_group(child, signal.SIGKILL)
         try:
             os.kill(child, signal.SIGKILL)
         except OSError:
             pass
-    os._exit(128 + signal.SIGTERM)
 
 
 def _children() -> list[int]:
