@@ -34,7 +34,7 @@ def recorded(path) -> tuple[str, int]:
 
 def ends(main, capsys) -> tuple[int, str]:
     with pytest.raises(SystemExit) as stopped:
-        run_main(lambda argv: main(), [])
+        run_main(lambda argv, progress: main(), [], stop_grace_s=None)  # no watchdog in pytest's own process
     return stopped.value.code, capsys.readouterr().err
 
 
@@ -123,5 +123,5 @@ def test_ctrl_c_is_one_line_and_a_second_one_does_not_cut_the_clean_up_short(err
 
     code, err = ends(main, capsys)
     assert code == 128 + signal.SIGINT and cleaned == [True]
-    assert err == "[rank 0] stopped by SIGINT; engines and router were shut down\n"
+    assert err == "[rank 0] stopped by SIGINT during start-up\n"
     assert "KeyboardInterrupt" not in err
