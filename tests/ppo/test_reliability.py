@@ -110,9 +110,10 @@ class Job:
     """torchrun in its own session, its output lines timestamped as they arrive."""
 
     def __init__(self, small_job, run_dir: Path, *extra: str, config: str = "ppo_sentiment.yaml",
-                 env: dict | None = None):
+                 env: dict | None = None, module: str = "rl_core.train"):
         overrides = small_job["overrides"] + [f"trainer.run_dir={run_dir}", *extra]
-        self.proc = subprocess.Popen(torchrun_argv(overrides, config), stdout=subprocess.PIPE,
+        argv = [module if arg == "rl_core.train" else arg for arg in torchrun_argv(overrides, config)]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                      env=None if env is None else {**os.environ, **env})
         self.tree = ProcessTree(self.proc.pid)

@@ -66,7 +66,7 @@ STAGES = [
     ("update", "hold 1", signal.SIGTERM),
     ("weight push", "hold 0", signal.SIGTERM),
     ("evaluation", "slow", signal.SIGINT),
-    ("checkpoint", "hold 1", signal.SIGTERM),
+    ("checkpoint", "hold 0", signal.SIGTERM),  # (rank 0 holds: it evaluates first, rank 1 is in the save)
 ]
 
 
@@ -97,6 +97,7 @@ def test_a_stop_signal_in_any_phase_of_a_step_ends_every_process_within_seconds_
         line = stopped_line(job, sig, 2, phase)
         report.append(f"{phase}: torchrun exited {exited:.1f}s after {sig.name}, every process gone at {gone:.1f}s; "
                       f"'{line}'")
+        print(f"\n{report[-1]}", flush=True)
         assert exited < STOP_WITHIN_S and gone < STOP_WITHIN_S, report[-1] + "\n" + job.output[-4000:]
         assert not list((run_dir / "checkpoints").glob("*.tmp")), "a half-written checkpoint was left"
 
@@ -108,4 +109,3 @@ def test_a_stop_signal_in_any_phase_of_a_step_ends_every_process_within_seconds_
     assert resumed.tree.alive() == []
     assert [m["step"] for m in read_metrics(run_dir)] == [0, 1, 2, 3]  # each step logged once, none missing
     assert json.loads((run_dir / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())["step"] == 3
-    print("\n" + "\n".join(report))
