@@ -63,6 +63,7 @@ def stopped_line(job: Job, sig: signal.Signals, step: int, phase: str) -> str:
 # rank waits for it in the phase's first collective; "slow": the phase runs the slow env on rank 0.
 STAGES = [
     ("rollout", "slow", signal.SIGTERM),
+    ("scoring", "hold 1", signal.SIGTERM),
     ("update", "hold 1", signal.SIGTERM),
     ("weight push", "hold 0", signal.SIGTERM),
     ("evaluation", "slow", signal.SIGINT),
