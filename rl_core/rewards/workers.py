@@ -15,6 +15,7 @@ finished its clean-up after a SIGTERM (issue 35). Out of that group only rank 0 
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import multiprocessing
 import os
 import signal
@@ -51,6 +52,12 @@ class ProcessExecutor(concurrent.futures.Executor):
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if self._pool is None:
+            return
         self._pool.terminate()  # a worker stuck in a call is killed, never waited for
         if wait:
             self._pool.join()
+        # Freed now, its queues' semaphores are unregistered now: a rank stopped by a signal ends with
+        # os._exit, and the resource tracker would otherwise report them as leaked.
+        self._pool = None
+        gc.collect()
