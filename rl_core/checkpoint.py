@@ -288,7 +288,9 @@ def finished_run(trainer, total_steps: int, limits: str, train_on: str) -> str |
     `train_on`: how to train further. Reads files only (every rank reads the same)."""
     path = Checkpointer(Path(trainer.run_dir) / "checkpoints", rank=0).resume_path(trainer.resume)
     final = Path(trainer.run_dir) / "final"
-    if path is None or saved_step(path) < total_steps or (trainer.export_hf and not final.is_dir()):
+    if path is None or verify(path) is not None:  # a damaged explicit one: its resume says so in one line
+        return None
+    if saved_step(path) < total_steps or (trainer.export_hf and not final.is_dir()):
         return None  # (a run stopped between its last checkpoint and the export resumes to write final/)
     return (f"nothing left to train: {path} is at step {saved_step(path)}, the last one ({limits})"
             + (f", and {final} holds the model" if trainer.export_hf else "")
