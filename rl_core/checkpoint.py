@@ -7,7 +7,8 @@ finished, so a run killed mid-save leaves the previous checkpoint as the latest 
 Before the rename rank 0 lists every file and its size in `manifest.json`; a resume verifies them,
 so a truncated or missing shard is found before loading (`resume=auto` then takes the newest
 checkpoint that verifies and says which it skipped). A write that fails (disk full, permissions)
-removes the partial checkpoint and stops the job with one line; older checkpoints are untouched.
+removes the partial checkpoint and stops the job with one line, or with `on_error="continue"`
+(`trainer.on_checkpoint_error`) says that line and lets it train on; older checkpoints are untouched.
 Only the newest `keep_last` complete checkpoints are kept (0 keeps all): each one holds the
 models and optimizer states, so unbounded they fill the disk.
 """
@@ -106,12 +107,15 @@ def _describe(err: BaseException) -> str:
 
 
 class Checkpointer:
-    def __init__(self, root: str | Path, rank: int, keep_last: int = 0):
+    def __init__(self, root: str | Path, rank: int, keep_last: int = 0, on_error: str = "stop"):
         if keep_last < 0:
             raise ValueError(f"keep_last must be >= 0 (0 keeps every checkpoint), got {keep_last}")
+        if on_error not in ("stop", "continue"):
+            raise ValueError(f"on_error must be 'stop' or 'continue', got {on_error!r}")
         self.root = Path(root)
         self.rank = rank
         self.keep_last = keep_last
+        self.on_error = on_error
 
     def complete(self) -> list[Path]:
         if not self.root.is_dir():
@@ -119,10 +123,19 @@ class Checkpointer:
         done = [p for p in self.root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and not p.name.endswith(".tmp")]
         return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
 
-    def save(self, step: int, models: dict, state: dict | None) -> Path:
-        """Collective. `models`: name -> TrainableModel; `state`: rank 0's JSON-able job state."""
+    def save(self, step: int, models: dict, state: dict | None) -> Path | None:
+        """Collective. `models`: name -> TrainableModel; `state`: rank 0's JSON-able job state. The
+        checkpoint's directory; None when it could not be written and `on_error` is "continue"."""
         final = self.root / f"{PREFIX}{step:08d}"
         tmp = final.with_name(final.name + ".tmp")
+        try:
+            return self._write(step, models, state, final, tmp)
+        except BaseException:
+            if self.rank == 0:  # stopped mid-save (a stop signal, a peer gone): leave no half-written checkpoint
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _write(self, step: int, models: dict, state: dict | None, final: Path, tmp: Path) -> Path | None:
         problem = None
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -156,6 +169,7 @@ class Checkpointer:
         problem = self._agree(problem)
         if problem is not None:
             self._fail_save(final, tmp, problem)
+            return None  # on_error="continue": said, cleaned up, no checkpoint this time
         if self.rank == 0:
             print(f"checkpoint saved: {final}", flush=True)
             self._prune()
@@ -169,9 +183,12 @@ class Checkpointer:
         return next((p for p in problems if p is not None), None)
 
     def _fail_save(self, final: Path, tmp: Path, problem: str) -> None:
-        """Remove the partial checkpoint and stop with one line (rank 0 says it; the others follow)."""
+        """Remove the partial checkpoint and stop with one line (rank 0 says it; the others follow), or
+        with `on_error="continue"` print that line (rank 0) and return."""
         if self.rank != 0:
             dist.barrier()
+            if self.on_error == "continue":
+                return
             raise PeerFailed(f"checkpoint {final.name} could not be written (rank 0 says why)")
         written = checkpoint_bytes(tmp) if tmp.is_dir() else 0
         free = shutil.disk_usage(self.root).free if self.root.exists() else 0  # at the failure, before clean-up
@@ -181,9 +198,14 @@ class Checkpointer:
         need = (f"a checkpoint takes about {checkpoint_bytes(previous[-1])} bytes ({previous[-1].name})" if previous
                 else f"{written} bytes were written before it failed")
         kept = f"; {len(previous)} older checkpoints are untouched" if previous else ""
-        raise CheckpointError(f"checkpoint {final.name} could not be written to {self.root}: {problem}; {need}, "
-                              f"{free} bytes were free there; the partial checkpoint was removed{kept}. Free space "
-                              "or fix the directory's permissions, then resume")
+        line = (f"checkpoint {final.name} could not be written to {self.root}: {problem}; {need}, {free} bytes were "
+                f"free there; the partial checkpoint was removed{kept}. ")
+        if self.on_error == "continue":
+            print(line + "Training goes on without it (trainer.on_checkpoint_error=continue); free space or fix "
+                  "the directory's permissions for the next one", flush=True)
+            return
+        raise CheckpointError(line + "Free space or fix the directory's permissions, then resume (or set "
+                              "trainer.on_checkpoint_error=continue to train on without checkpoints that fail)")
 
     def _prune(self) -> None:
         """Delete all but the newest `keep_last` complete checkpoints (rank 0, after a save)."""
@@ -257,6 +279,22 @@ class Checkpointer:
 def saved_step(path: Path) -> int:
     """The step a complete checkpoint was written at."""
     return int(json.loads((path / "trainer_state.json").read_text())["step"])
+
+
+def finished_run(trainer, total_steps: int, limits: str, train_on: str) -> str | None:
+    """The line to end with when the checkpoint `trainer.resume` starts from is at the last step and the
+    final model is exported (`trainer.export_hf`): a finished run, which must not load models or start
+    engines and rewrite final/ for nothing. None: train. `limits`: the keys that set `total_steps`;
+    `train_on`: how to train further. Reads files only (every rank reads the same)."""
+    path = Checkpointer(Path(trainer.run_dir) / "checkpoints", rank=0).resume_path(trainer.resume)
+    final = Path(trainer.run_dir) / "final"
+    if path is None or verify(path) is not None:  # a damaged explicit one: its resume says so in one line
+        return None
+    if saved_step(path) < total_steps or (trainer.export_hf and not final.is_dir()):
+        return None  # (a run stopped between its last checkpoint and the export resumes to write final/)
+    return (f"nothing left to train: {path} is at step {saved_step(path)}, the last one ({limits})"
+            + (f", and {final} holds the model" if trainer.export_hf else "")
+            + f"; {train_on}, or give a new trainer.run_dir")
 
 
 def _world_size_change(path: Path) -> str:

@@ -2,8 +2,10 @@
 
 `run_main` wraps a job's `main` so that every way it can stop ends with one line that says
 why: a failure prints `[rank R] error: <what, and the fix>` (with the traceback above it only
-for unexpected errors, i.e. bugs), SIGINT/SIGTERM print `stopped by SIGINT ...` once, and a
-rank that only lost contact with a failed peer says so instead of a gloo traceback. The same
+for unexpected errors, i.e. bugs), SIGINT/SIGTERM print `stopped by SIGTERM at step N (phase)`
+once (rank 0), and a rank that only lost contact with a failed peer says so instead of a gloo
+traceback. A stop signal ends the rank within `STOP_GRACE_S` whatever its main thread is doing
+(see `_StopRequest`). The same
 line goes into torchrun's error file (torch.distributed.elastic's `record` mechanism), so
 torchrun's failure summary shows it instead of "To enable traceback see ...".
 """
@@ -16,6 +18,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -25,8 +28,16 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from rl_core.config import ConfigError, load_config
 from rl_core.distributed import prepare_before_process_group
 from rl_core.errors import JobError, PeerFailed, PreferenceDataError
+from workers.procs import kill_children
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# After a stop signal the rank's orderly clean-up (engines, router, process group) has this long;
+# then the watchdog kills its children and exits, so torchrun (which escalates to SIGKILL only
+# after 30 s, and without the line) sees every rank gone within seconds.
+STOP_GRACE_S = 5.0
+# Test-only: "RANK:STEP:PHASE:SECONDS" makes that rank say when it reaches that phase of that step
+# and sleep there, so a test can land a stop signal in any phase (the other ranks go on into it).
+TEST_HOLD_ENV = "RL_CORE_TEST_HOLD"
 
 
 def parse_job_config(argv: list[str] | None, description: str, default_config: str, schema: type,
@@ -103,51 +114,160 @@ def failure_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}"
 
 
-class _StopRequest:
-    """The first SIGINT/SIGTERM raises SystemExit in the main thread (so every `finally` and
-    `__exit__` runs and stops engines and router); later ones are noted, not raised, so a second
-    Ctrl-C or torchrun's follow-up SIGTERM cannot cut the clean-up short."""
+class JobProgress:
+    """Where a job is, for the line a stop signal ends with. `run_main` makes one per run and
+    passes it to the job, which calls `at(step, phase)` as it goes; the stop watchdog's thread
+    reads it (two attribute writes, each atomic under the GIL)."""
 
-    def __init__(self):
+    def __init__(self, rank: int = 0, test_hold: str | None = None):
+        self.rank = rank
+        self.step: int | None = None  # the step being run (as metrics.jsonl numbers it), once known
+        self.phase = "start-up"
+        self._hold = None
+        if test_hold:
+            hold_rank, step, phase, seconds = test_hold.split(":", 3)
+            if int(hold_rank) == rank:
+                self._hold = (int(step), phase, float(seconds))
+
+    def at(self, step: int | None, phase: str) -> None:
+        self.step, self.phase = step, phase
+        if self._hold is not None and self._hold[:2] == (step, phase):
+            print(f"[rank {self.rank}] test hold: step {step} ({phase}) for {self._hold[2]:g}s", flush=True)
+            time.sleep(self._hold[2])
+
+    def where(self) -> str:
+        return f"at step {self.step} ({self.phase})" if self.step is not None else f"during {self.phase}"
+
+
+class _StopRequest:
+    """SIGINT/SIGTERM: an orderly stop, and a watchdog in case it cannot happen.
+
+    The first signal raises SystemExit in the main thread (so every `finally` and `__exit__` runs
+    and stops engines and router); later ones are noted, not raised, so a second Ctrl-C or
+    torchrun's follow-up SIGTERM cannot cut the clean-up short. Python runs that handler only
+    between bytecodes of the main thread: a rank blocked in a gloo collective (waiting for a peer
+    that is itself stuck) or in a clean-up that hangs would never get there. So the C-level
+    handler also writes the signal's number to a pipe (`signal.set_wakeup_fd`), which a thread
+    reads whatever the main thread does; `grace_s` later, if the process still lives, that thread
+    says the line, kills this rank's children and `os._exit`s with 128 + the signal's number. It
+    stays armed until the process is gone: Python's own exit can wait on threads too."""
+
+    def __init__(self, rank: int, handler: "OneLineErrorHandler", progress: JobProgress, hint: str,
+                 children: str, grace_s: float | None):
+        self.rank, self.handler, self.progress, self.hint, self.children = rank, handler, progress, hint, children
+        self.grace_s = grace_s
         self.signum: int | None = None
+        self._raised = False  # main thread only
+        self._lock = threading.Lock()  # the first signal and the one line: main thread or watchdog
+        self._said = False
+        self._wakeup: tuple[int, int] | None = None
+        self._previous_wakeup_fd = -1
+        self._closing = False
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self.handle)
+        if self.grace_s is None:
+            return
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)  # the C handler must never block
+        self._wakeup = (read_fd, write_fd)
+        self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, name="stop-watchdog", daemon=True).start()
+
+    def uninstall(self) -> None:
+        """The job ended without a stop signal: no watchdog needed any more."""
+        if self._wakeup is None or self.signum is not None:
+            return  # a stopping process keeps its watchdog until it is gone
+        signal.set_wakeup_fd(self._previous_wakeup_fd)
+        self._closing = True
+        os.write(self._wakeup[1], b"\0")  # wakes the watchdog, which closes the pipe
+        os.close(self._wakeup[1])
 
     def handle(self, signum: int, frame=None) -> None:
-        if self.signum is not None:
+        self._note(signum)
+        if self._raised:
             return
-        self.signum = signum
-        raise SystemExit(128 + signum)
+        self._raised = True
+        raise SystemExit(128 + self.signum)
+
+    def _note(self, signum: int) -> None:
+        with self._lock:
+            if self.signum is None:
+                self.signum = signum
+
+    def _watch(self) -> None:
+        read_fd = self._wakeup[0]
+        while True:
+            data = os.read(read_fd, 64)
+            if self._closing or not data:
+                os.close(read_fd)
+                return
+            stops = [number for number in data if number in STOP_SIGNALS]
+            if stops:
+                break
+        self._note(stops[0])
+        time.sleep(self.grace_s)
+        self.say(overdue=True)
+        kill_children()
+        os._exit(128 + self.signum)
 
     @property
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
+    def say(self, overdue: bool) -> None:
+        """The one line, once per process (rank 0 prints it; every rank writes torchrun's error file)."""
+        with self._lock:
+            if self._said:
+                return
+            self._said = True
+        if overdue:
+            what = f"; its clean-up took over {self.grace_s:g} s, so " + (
+                f"{self.children} were killed" if self.children else "it was cut short")
+        else:
+            what = f"; {self.children} were shut down" if self.children else ""
+        line = (f"[rank {self.rank}] stopped by {self.name} {self.progress.where()}{what}"
+                + (f"; {self.hint}" if self.hint else ""))
+        # Other ranks are mostly stopped by torchrun because some rank failed: never the root cause.
+        self.handler.record_line(line, secondary=self.rank != 0)
+        if self.rank == 0:  # torchrun passes a Ctrl-C to every rank: one line is enough
+            _say(line)
 
-def run_main(main: Callable[[list[str] | None], None], argv: list[str] | None, stop_hint: str = "") -> None:
-    """Run a job's `main(argv)` and end with one line and a meaningful exit code, whatever happens."""
+
+def run_main(main: Callable[[list[str] | None, JobProgress], None], argv: list[str] | None, stop_hint: str = "",
+             children: str = "", stop_grace_s: float | None = STOP_GRACE_S) -> None:
+    """Run a job's `main(argv, progress)` and end with one line and a meaningful exit code, whatever happens.
+
+    `children`: what the job's clean-up stops, for the stop line ("engines and router"). `stop_grace_s`:
+    see `_StopRequest`; after a stop signal's clean-up the process ends with `os._exit`. None: no
+    watchdog, and SystemExit instead of that exit (a test calling this in its own process)."""
     rank = int(os.environ.get("RANK", 0))
-    stop = _StopRequest()
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, stop.handle)
+    progress = JobProgress(rank, os.environ.get(TEST_HOLD_ENV))
+    handler = OneLineErrorHandler()
+    stop = _StopRequest(rank, handler, progress, stop_hint, children, stop_grace_s)
+    stop.install()
     try:
-        _run(main, argv, rank, stop, OneLineErrorHandler(), stop_hint)
+        _run(main, argv, rank, stop, handler, progress)
     finally:
         # The outcome is decided: a SIGTERM torchrun sends while this rank shuts down must not turn
         # the exit into a death by signal (Python restores default handlers as it finalizes).
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+        stop.uninstall()
 
 
-def _run(main, argv, rank: int, stop: _StopRequest, handler: OneLineErrorHandler, stop_hint: str) -> None:
+def _run(main, argv, rank: int, stop: _StopRequest, handler: OneLineErrorHandler, progress: JobProgress) -> None:
     try:
         # torch's `record`: writes torchrun's error file for any exception that escapes `main`.
-        record(main, error_handler=handler)(argv)
+        record(main, error_handler=handler)(argv, progress)
     except SystemExit:
         if stop.signum is None:
             raise  # config errors (exit 2) and explicit exits already said what happened
-        _stopped(stop, rank, handler, stop_hint)
+        _stopped(stop)
     except BaseException as err:  # noqa: BLE001 - every failure ends with one line
         if stop.signum is not None:  # e.g. a collective broken by the peer that stopped first
-            _stopped(stop, rank, handler, stop_hint)
+            _stopped(stop)
         if isinstance(err, PeerFailed):  # the failing rank prints the cause; one line is enough
             handler.record_line(f"[rank {rank}] stopped: {err}", secondary=True)
             raise SystemExit(1) from None
@@ -187,12 +307,18 @@ def _say(line: str) -> None:
         pass
 
 
-def _stopped(stop: _StopRequest, rank: int, handler: OneLineErrorHandler, hint: str) -> None:
-    line = f"[rank {rank}] stopped by {stop.name}; engines and router were shut down" + (f"; {hint}" if hint else "")
-    # Other ranks are mostly stopped by torchrun because some rank failed: never the root cause.
-    handler.record_line(line, secondary=rank != 0)
-    if rank == 0:  # torchrun passes a Ctrl-C to every rank: one line is enough
-        _say(line)
+def _stopped(stop: _StopRequest) -> None:
+    stop.say(overdue=False)
+    if stop.grace_s is not None:
+        # The clean-up is done (children stopped, run directory free). Python's own exit would now
+        # destroy the process groups the job left open (see JobLifecycle.close) and join threads,
+        # either of which can wait on a peer or a stuck call: end the process here instead.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except OSError:
+                pass
+        os._exit(128 + stop.signum)
     raise SystemExit(128 + stop.signum) from None
 
 

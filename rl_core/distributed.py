@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import stat
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -48,7 +49,22 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 timeout=timedelta(seconds=timeout_s))
+        keep_connections_from_children()
     return dist.get_rank(), dist.get_world_size()
+
+
+def keep_connections_from_children() -> None:
+    """Mark this process's sockets (the process group's connections among them) close-on-exec. Helpers
+    torch forks and execs (torch_shm_manager, for the CPU weight push) would inherit them otherwise and
+    keep them open after this rank exits, so a peer waiting in a collective with it noticed its death
+    only when that helper went too (seconds after a stop signal)."""
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
+        fd = int(name)
+        try:
+            if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.set_inheritable(fd, False)
+        except OSError:  # closed meanwhile (the listing's own descriptor among them)
+            pass
 
 
 def close_distributed() -> None:

@@ -11,8 +11,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from rl_core.checkpoint import export_hf
-from rl_core.cli import parse_job_config, run_main
+from rl_core.checkpoint import export_hf, finished_run
+from rl_core.cli import JobProgress, parse_job_config, run_main
 from rl_core.config import (LoraSettings, TrainerConfig, choice, require, validate_checkpoint_keys,
                             validate_profile_steps)
 from rl_core.distributed import DataParallel
@@ -27,11 +27,12 @@ from workers.trace import span
 def run_job(argv, description: str, default_config: str, schema: type, validate, train, prepare=None,
             check_models=None) -> None:
     """A job's whole life: its config (and `prepare(cfg, log)`, the entry point's offline assets, and
-    `check_models(cfg)`, before any process group), then `train(cfg, dp)` inside the shared job lifecycle."""
-    def job(args):
+    `check_models(cfg)`, before any process group), then `train(cfg, dp, progress)` inside the shared job
+    lifecycle (`progress`: where it is, for the line a stop signal ends with)."""
+    def job(args, progress: JobProgress):
         cfg = parse_job_config(args, description, default_config, schema, validate, prepare, check_models)
         with JobLifecycle(cfg.trainer) as lifecycle:
-            train(cfg, lifecycle.data_parallel())
+            train(cfg, lifecycle.data_parallel(), progress)
 
     run_main(job, argv, stop_hint="trainer.resume=auto continues from the last checkpoint")
 
@@ -61,6 +62,8 @@ class FinetuneTrainerConfig(TrainerConfig):
     save_every: int = 0
     keep_last: int = 2  # newest complete checkpoints kept on disk; 0 keeps all
     resume: str = "never"  # never | auto | <checkpoint dir>
+    # A checkpoint that cannot be written (disk full, permissions): stop the job, or say so and train on.
+    on_checkpoint_error: str = choice("stop", ("stop", "continue"))
     export_hf: bool = True  # <run_dir>/final in Hugging Face format
     # Steps (as logged) traced by torch.profiler into <run_dir>/profile/step_N/rankR.pt.trace.json
     # (rl_core/profiling.py); within the run's steps, which the data sets (checked once it is read).
@@ -105,6 +108,15 @@ def total_steps(tr: FinetuneTrainConfig, rows: int, what: str, source: str,
     return per_epoch, steps
 
 
+def nothing_left_to_train(trainer: FinetuneTrainerConfig, tr: FinetuneTrainConfig, steps_per_epoch: int,
+                          steps: int) -> str | None:
+    """The line a resumed run that already ended (its checkpoint at the last step, its export written)
+    ends with, before any model is loaded; None: train. Every rank reads the same run directory."""
+    limits = f"train.epochs={tr.epochs} of {steps_per_epoch} steps" + (
+        f", train.max_steps={tr.max_steps}" if tr.max_steps else "")
+    return finished_run(trainer, steps, limits, "raise train.epochs or train.max_steps to train on")
+
+
 def trainable_model(model, tr: FinetuneTrainConfig, steps: int, sharded: bool = True) -> TrainableModel:
     """The (sharded) model with its optimizer over the trainable weights (all, or the LoRA adapters) and
     its schedule (warmup, then annealed to zero or held)."""
@@ -128,24 +140,33 @@ def step_rows(rows: list, step: int, batch_size: int, seed: int) -> list:
 
 
 def run_steps(start_step: int, total_steps: int, steps_per_epoch: int, one_step: Callable[[int], dict],
-              evaluate: Callable[[], dict] | None, save: Callable[[int], None], logger: MetricsLogger | None,
+              evaluate: Callable[[], dict] | None, save: Callable[[int], Path | None], logger: MetricsLogger | None,
               shown: tuple[str, ...], tr: FinetuneTrainConfig, trainer: FinetuneTrainerConfig, eval_every: int,
-              dp: DataParallel) -> None:
+              dp: DataParallel, progress: JobProgress) -> None:
     """The step loop both jobs share: `one_step(step)`'s metrics with the step time, an evaluation
-    every `eval_every` steps and at the end (when `evaluate` is given), the log line, the checkpoint;
-    the steps of `trainer.profile_steps` traced on each rank."""
+    every `eval_every` steps and at the end (when `evaluate` is given), the log line, the checkpoint
+    (`save(step)` gives None for one that could not be written, with `trainer.on_checkpoint_error=continue`:
+    `checkpoint/failed` counts them in every later row); the steps of `trainer.profile_steps` traced on
+    each rank."""
+    failed_saves = 0
     for step in range(start_step, total_steps):
+        progress.at(step + 1, "update")
         with profile_step(trainer.profile_steps, step + 1, trainer.run_dir, dp.rank, dp.device):
             started = time.perf_counter()  # inside: the profiler's start and the trace's export are not the step's
             with span("train step"):
                 metrics = one_step(step)
             metrics["perf/step_s"] = time.perf_counter() - started
         metrics["epoch"] = step / steps_per_epoch
+        if failed_saves:
+            metrics["checkpoint/failed"] = failed_saves
         if evaluate is not None and (step + 1 == total_steps or (eval_every and (step + 1) % eval_every == 0)):
+            progress.at(step + 1, "evaluation")
             metrics.update(evaluate())
         log_step(logger, step + 1, total_steps, metrics, shown, every=tr.log_every)
         if trainer.save_every and (step + 1) % trainer.save_every == 0:
-            save(step + 1)
+            progress.at(step + 1, "checkpoint")
+            failed_saves += save(step + 1) is None
+    progress.at(total_steps, "export")
 
 
 def finish(cfg, model, tokenizer, rank: int, logger: MetricsLogger | None) -> None:

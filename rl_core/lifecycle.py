@@ -2,8 +2,8 @@
 
 `with JobLifecycle(cfg.trainer) as job:` joins the process group (its timeout from
 `trainer.collective_timeout_s`), optionally gives this rank its share of the node's cores,
-takes the run directory's lock on rank 0, and on every exit (success, error, Ctrl-C) leaves
-the process group and frees the run directory. Reading the config is the caller's job; the PPO
+takes the run directory's lock on rank 0, and on every exit (success, error, Ctrl-C) frees the
+run directory and leaves the process group (a stop signal's exit leaves it by ending the process). Reading the config is the caller's job; the PPO
 job's `JobRuntime` adds its engines, router and rollout service on top of this.
 """
 
@@ -50,11 +50,18 @@ class JobLifecycle:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.close()
+        self.close(stopping=exc_type is not None and issubclass(exc_type, SystemExit))
 
-    def close(self) -> None:
-        """Leave the process group, then free the run directory; a second call does nothing."""
-        close_distributed()
+    def close(self, stopping: bool = False) -> None:
+        """Leave the process group, then free the run directory; a second call does nothing.
+
+        `stopping`: a stop signal ends the job (run_main turns SIGINT/SIGTERM into SystemExit, then ends
+        the process with os._exit). The group is left as it is: destroying it waits for collectives in
+        flight, which a peer interrupted in another collective never completes (seen: a rank hung in
+        the clean-up after a SIGTERM mid-checkpoint); the process's exit closes its connections, so
+        peers blocked on this rank fail at once."""
+        if not stopping:
+            close_distributed()
         if self.run_dir_lock is not None:
             self.run_dir_lock.release()
             self.run_dir_lock = None

@@ -34,7 +34,7 @@ def recorded(path) -> tuple[str, int]:
 
 def ends(main, capsys) -> tuple[int, str]:
     with pytest.raises(SystemExit) as stopped:
-        run_main(lambda argv: main(), [])
+        run_main(lambda argv, progress: main(), [], stop_grace_s=None)  # no watchdog in pytest's own process
     return stopped.value.code, capsys.readouterr().err
 
 
@@ -123,5 +123,54 @@ def test_ctrl_c_is_one_line_and_a_second_one_does_not_cut_the_clean_up_short(err
 
     code, err = ends(main, capsys)
     assert code == 128 + signal.SIGINT and cleaned == [True]
-    assert err == "[rank 0] stopped by SIGINT; engines and router were shut down\n"
+    assert err == "[rank 0] stopped by SIGINT during start-up\n"
     assert "KeyboardInterrupt" not in err
+
+
+HANGING_CLEAN_UP = """
+import subprocess, sys, threading
+from rl_core.cli import run_main
+
+def main(argv, progress):
+    child = subprocess.Popen(["sleep", "120"], start_new_session=True)  # an engine, say: its own process group
+    print(child.pid, flush=True)
+    progress.at(7, "update")
+    try:
+        threading.Event().wait()  # the step, interrupted by the signal
+    finally:
+        threading.Event().wait()  # a clean-up that never ends (a later signal is only noted)
+
+run_main(main, [], stop_hint="resume hint", children="engines and router", stop_grace_s=2.0)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_clean_up_that_hangs_after_a_stop_signal_is_cut_short_by_the_watchdog(tmp_path):
+    """The watchdog, not the main thread, ends a rank whose clean-up never returns: within the grace, with
+    one line, 128 + the signal as exit code, and the children it started killed."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "RANK": "0", "PYTHONPATH": repo, "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.json")}
+    proc = subprocess.Popen([sys.executable, "-c", HANGING_CLEAN_UP], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        child = int(proc.stdout.readline())
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)  # torchrun's follow-up must not change the outcome
+        code = proc.wait(timeout=20)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = proc.stderr.read()
+    line = ("[rank 0] stopped by SIGTERM at step 7 (update); its clean-up took over 2 s, so engines and router were "
+            "killed; resume hint")
+    assert code == 128 + signal.SIGTERM and err == line + "\n", err
+    assert 2.0 <= took < 4.0, took
+    assert recorded(tmp_path / "error.json")[0] == line
+    time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{child}") or " Z " in open(f"/proc/{child}/stat").read(), "the child outlived it"

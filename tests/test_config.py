@@ -35,7 +35,9 @@ def test_every_job_shares_the_trainer_section():
 TRAINER_LINES = {"trainer.seed=-1": "config key 'trainer.seed' must be >= 0, got -1",
                  "trainer.collective_timeout_s=0": "config key 'trainer.collective_timeout_s' must be > 0"}
 CHECKPOINT_LINES = {"trainer.save_every=-1": "config key 'trainer.save_every' must be >= 0",
-                    "trainer.keep_last=-1": "config key 'trainer.keep_last' must be >= 0 (0 keeps every checkpoint)"}
+                    "trainer.keep_last=-1": "config key 'trainer.keep_last' must be >= 0 (0 keeps every checkpoint)",
+                    "trainer.on_checkpoint_error=skip": "config key 'trainer.on_checkpoint_error' = 'skip' is not one "
+                                                        "of: stop, continue"}
 
 
 @pytest.mark.parametrize("job", ["ppo", "rm", "sft", "dpo"])

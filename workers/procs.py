@@ -76,13 +76,19 @@ def stop_this_process(line: str, grace_s: float = 15.0) -> None:
         pass
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(grace_s)
-    for child in _children():  # engines and router each lead their own process group
+    kill_children()
+    os._exit(128 + signal.SIGTERM)
+
+
+def kill_children() -> None:
+    """SIGKILL every child of this process and the process group each one leads (engines and router
+    do; reward workers too), for a process about to `os._exit` without its orderly clean-up."""
+    for child in _children():
         _signal_group(child, signal.SIGKILL)
         try:
             os.kill(child, signal.SIGKILL)
         except OSError:
             pass
-    os._exit(128 + signal.SIGTERM)
 
 
 def _children() -> list[int]:
@@ -284,10 +290,16 @@ class ManagedProcesses:
         self._owned = [entry for entry in self._owned if entry[1] is not proc]
 
     def stop_all(self, reason: str = "the job is shutting down") -> None:
-        """Stop every owned process, newest first (the router before its workers)."""
-        while self._owned:
-            name, proc, log_path = self._owned.pop()
-            _stop_logged(name, proc, log_path, reason, self.stop_timeout)
+        """Stop every owned process: SIGTERM to all, newest first (the router before its workers), then
+        wait for each. All at once, so a job's stop takes the slowest child's exit, not their sum (a
+        stop signal leaves the job a few seconds: see rl_core.cli.STOP_GRACE_S)."""
+        owned, self._owned = self._owned[::-1], []
+        for name, proc, log_path in owned:
+            if proc.poll() is None:
+                note_in_log(log_path, f"stopping {name} (SIGTERM to its process group): {reason}")
+            _signal_group(proc.pid, signal.SIGTERM)
+        for name, proc, log_path in owned:
+            stop_process(proc, self.stop_timeout)  # already signalled: waits, SIGKILL after the timeout
 
     def exited(self) -> list[tuple[str, int, Path]]:
         """(name, exit code, log) of every owned process that is no longer running."""

@@ -22,6 +22,7 @@ from rl_core.distributed import DataParallel, on_every_rank, rank_seed, seed_eve
 from rl_core.dpo.config import DPOConfig, check_models, validate
 from rl_core.dpo.training import PreferencePair, heldout_metrics, to_pairs, train_step
 from rl_core import finetune
+from rl_core.cli import JobProgress
 from rl_core.logger import open_run_logger
 from rl_core.preferences import load_preference_splits
 from workers import decode, forward, loading
@@ -37,7 +38,9 @@ def main(argv: list[str] | None = None, prepare=None) -> None:
     finetune.run_job(argv, __doc__, "dpo_sentiment.yaml", DPOConfig, validate, train, prepare, check_models)
 
 
-def train(cfg: DPOConfig, dp: DataParallel) -> None:
+def train(cfg: DPOConfig, dp: DataParallel, progress: JobProgress | None = None) -> None:
+    """`progress`: where the job is, for the line a stop signal ends with (`run_main`'s)."""
+    progress = progress or JobProgress(dp.rank)
     tr, run_dir, beta, smoothing = cfg.train, Path(cfg.trainer.run_dir), cfg.dpo.beta, cfg.dpo.label_smoothing
     reference_path = cfg.model.reference_path or cfg.model.path
     on_every_rank(lambda: [loading.check_model_path(path, key) for key, path in
@@ -48,6 +51,11 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
     train_pairs, test_pairs = to_pairs(train_examples), to_pairs(test_examples)[:cfg.data.eval_max_pairs]
     steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_pairs), "pairs", cfg.data.train_path,
                                                       cfg.trainer.profile_steps)
+    done = finetune.nothing_left_to_train(cfg.trainer, tr, steps_per_epoch, total_steps)
+    if done is not None:  # a finished run: before loading the models
+        if dp.rank == 0:
+            print(done, flush=True)
+        return
     seed_everything(cfg.trainer.seed)
     attention = cfg.model.attn_implementation
     policy = loading.prepare_for_run(loading.load_causal_lm(cfg.model.path, attn_implementation=attention),
@@ -60,7 +68,8 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
     trainable = finetune.trainable_model(policy, tr, total_steps)
     worker = BatchWorker(dp.rank, dp.size, dp.device, tr.max_tokens_per_device, packing_layout(tr.packing, attention),
                          settings=ForwardSettings.for_job(cfg.model, dp.size, dp.device))
-    checkpointer = Checkpointer(run_dir / "checkpoints", dp.rank, keep_last=cfg.trainer.keep_last)
+    checkpointer = Checkpointer(run_dir / "checkpoints", dp.rank, keep_last=cfg.trainer.keep_last,
+                                on_error=cfg.trainer.on_checkpoint_error)
     start_step, _ = checkpointer.maybe_resume(cfg.trainer.resume, {"policy": trainable})
     scorer = RewardModelEval(cfg, tokenizer, test_pairs, dp) if cfg.eval.reward_model_path else None
     logger = None
@@ -73,6 +82,7 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
         return metrics if scorer is None else {**metrics, **scorer(policy)}
 
     if start_step == 0 and test_pairs:
+        progress.at(0, "evaluation")
         finetune.log_step(logger, 0, total_steps, evaluate(), SHOWN)
     finetune.run_steps(
         start_step, total_steps, steps_per_epoch,
@@ -80,7 +90,7 @@ def train(cfg: DPOConfig, dp: DataParallel) -> None:
                                 finetune.step_rows(train_pairs, step, tr.batch_size, cfg.trainer.seed),
                                 tokenizer.pad_token_id, beta, smoothing),
         evaluate if test_pairs else None, lambda step: checkpointer.save(step, {"policy": trainable}, {}),
-        logger, SHOWN, tr, cfg.trainer, cfg.eval.every, dp)
+        logger, SHOWN, tr, cfg.trainer, cfg.eval.every, dp, progress)
     finetune.finish(cfg, policy, tokenizer, dp.rank, logger)
 
 

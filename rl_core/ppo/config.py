@@ -240,6 +240,8 @@ class PPOTrainerConfig(TrainerConfig):
     save_every: int = 0
     keep_last: int = 2  # newest complete checkpoints kept on disk; 0 keeps all
     resume: str = "never"  # never | auto | <checkpoint dir>
+    # A checkpoint that cannot be written (disk full, permissions): stop the job, or say so and train on.
+    on_checkpoint_error: str = choice("stop", ("stop", "continue"))
     log_samples_every: int = 10
     eval_every: int = 0  # steps between evaluations (besides step 0 and the end); 0 = only those two
     export_hf: bool = True

@@ -16,8 +16,8 @@ from typing import Callable
 import torch.distributed as dist
 
 from envs.base import load_env_class
-from rl_core.checkpoint import Checkpointer, export_hf, saved_step
-from rl_core.cli import parse_job_config, run_main
+from rl_core.checkpoint import Checkpointer, export_hf, finished_run
+from rl_core.cli import JobProgress, parse_job_config, run_main
 from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank, on_rank0, rank_seed,
                                  seed_everything)
 from rl_core.errors import JobError
@@ -48,16 +48,19 @@ def main(argv: list[str] | None = None, prepare: Callable[[PPOConfig, Callable[[
          ) -> None:
     """`prepare(cfg, log)` (the entry point's: offline assets named in the recipe) runs on every rank before
     the process group exists, so however long it takes no rank waits for it inside a collective."""
-    run_main(lambda args: _main(args, prepare), argv, stop_hint="trainer.resume=auto continues from the last checkpoint")
+    run_main(lambda args, progress: _main(args, prepare, progress), argv,
+             stop_hint="trainer.resume=auto continues from the last checkpoint", children="engines and router")
 
 
-def _main(argv: list[str] | None, prepare) -> None:
+def _main(argv: list[str] | None, prepare, progress: JobProgress) -> None:
     cfg = parse_job_config(argv, __doc__, "ppo_sentiment.yaml", PPOConfig, validate, prepare, check_models)
     with JobRuntime(cfg) as rt:
-        train(cfg, rt)
+        train(cfg, rt, progress)
 
 
-def train(cfg: PPOConfig, rt: JobRuntime) -> None:
+def train(cfg: PPOConfig, rt: JobRuntime, progress: JobProgress | None = None) -> None:
+    """`progress`: where the loop is, for the line a stop signal ends with (`run_main`'s)."""
+    progress = progress or JobProgress(rt.rank)
     done = nothing_left_to_train(cfg)  # every rank reads the same run dir: all end here, or none
     if done is not None:
         if rt.rank == 0:
@@ -66,6 +69,7 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
     job = start_job(cfg, rt)  # checks, prompts, engines, models, resume, logger, first push, rollout service
     models, worker, settings, collector, logger = job.models, job.worker, job.settings, job.collector, job.logger
     if job.eval_due(0) and job.start_step == 0:  # the baseline every later evaluation compares with
+        progress.at(0, "evaluation")
         evaluation, eval_rows = evaluate(cfg, rt.rank, job.service, job.reward_model(), job.tokenizer, job.held_out, 0)
         log_step(job, 0, evaluation, eval_rows, sample_rows=None)
     version = job.start_step
@@ -73,8 +77,10 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
         # trainer.profile_steps: this step's torch.profiler trace on every rank (a null context otherwise)
         with profile_step(cfg.trainer.profile_steps, step + 1, cfg.trainer.run_dir, rt.rank, rt.device):
             timer = StepTimer()  # inside: perf/step_s leaves out the profiler's start and the trace's export
+            progress.at(step + 1, "rollout")
             with timer("rollout"):  # 1. rollout through the router (rank 0), broadcast to every rank
                 trajectories, metrics = collect_batch(collector, rt, cfg.algorithm, version)
+            progress.at(step + 1, "scoring")
             with timer("inference"):
                 if collector.engines_idle_while_training:  # 2. sync mode: engines free their KV cache and weights
                     # (when the memory plan or rollout.release_memory says so)
@@ -89,6 +95,7 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
                     forward_passes(exp, models, worker, settings, old_from_engine)
                 metrics.update(score_metrics(exp, old_from_engine))
                 metrics["perf/old_logprobs_from_engine"] = float(old_from_engine)
+            progress.at(step + 1, "update")
             with timer("train"):
                 # 4. scores: reward model (OpenAI rejection penalty: no period after token 16 -> fixed score)
                 #    + reward functions, truncation penalty, overlong shaping
@@ -101,12 +108,14 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
                 # 6. PPO epochs x minibatches x micro-batches, then the adaptive KL step
                 with span("ppo epochs"):
                     metrics.update(ppo_epochs(exp, targets, models, worker, settings, job.kl_ctl, step))
+            progress.at(step + 1, "weight push")
             with timer("sync"):  # 7. new weights into every engine, checked by version and probe logprobs
                 version = step + 1
                 metrics.update(push_weights(rt, job, version))
             metrics.update(step_metrics(timer, trajectories, step + 1, job))
         eval_rows = None
         if job.eval_due(step + 1):  # 8. held-out prompts with the new weights (not in perf/step_s)
+            progress.at(step + 1, "evaluation")
             started = time.perf_counter()
             evaluation, eval_rows = evaluate(cfg, rt.rank, job.service, job.reward_model(), job.tokenizer, job.held_out,
                                              version)
@@ -115,7 +124,9 @@ def train(cfg: PPOConfig, rt: JobRuntime) -> None:
         # Saved after the step is logged: a run killed in between resumes from the previous checkpoint
         # and logs this step again (the resumed logger drops the extra row), so no step goes missing.
         if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
+            progress.at(step + 1, "checkpoint")
             save_checkpoint(job, step + 1, rt.rank)
+    progress.at(job.total_steps, "export")
     # Rank 0's last evaluation runs on every rank's engine: no rank may stop its engine before it ends.
     dist.barrier()
     rt.stop_node_watch()  # other nodes may finish first and stop their engines
@@ -146,6 +157,7 @@ class Job:
     service: RolloutService | None = None
     probe_gap: float = float("inf")  # the last push's, max over ranks (see old_logprobs_from_engine)
     memory_plan: MemoryPlan | None = None  # its memory_plan/* go into this run's first logged step
+    failed_checkpoints: int = 0  # not written, with trainer.on_checkpoint_error=continue
 
     def reward_model(self):
         """Held-out trajectories -> (reward-model scores, rejected), or None without a reward model."""
@@ -159,17 +171,11 @@ class Job:
 
 
 def nothing_left_to_train(cfg: PPOConfig) -> str | None:
-    """The line to end with when the checkpoint to resume from is at the last step and the final model is
-    exported: a finished run, which must not start engines and rewrite final/ for nothing. None: train."""
-    path = Checkpointer(Path(cfg.trainer.run_dir) / "checkpoints", rank=0).resume_path(cfg.trainer.resume)
-    total_steps = cfg.trainer.total_episodes // cfg.algorithm.batch_size
-    final = Path(cfg.trainer.run_dir) / "final"
-    if path is None or saved_step(path) < total_steps or (cfg.trainer.export_hf and not final.is_dir()):
-        return None  # (a run stopped between its last checkpoint and the export resumes to write final/)
-    return (f"nothing left to train: {path} is at step {saved_step(path)}, the last one (trainer.total_episodes="
-            f"{cfg.trainer.total_episodes} / algorithm.batch_size={cfg.algorithm.batch_size})"
-            + (f", and {final} holds the model" if cfg.trainer.export_hf else "")
-            + "; raise trainer.total_episodes to train on, or give a new trainer.run_dir")
+    """The line to end with when the run already ended (see `finished_run`): before any engine starts."""
+    tr = cfg.trainer
+    return finished_run(tr, tr.total_episodes // cfg.algorithm.batch_size,
+                        f"trainer.total_episodes={tr.total_episodes} / algorithm.batch_size={cfg.algorithm.batch_size}",
+                        "raise trainer.total_episodes to train on")
 
 
 def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
@@ -208,7 +214,8 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
         truncate_id = loading.single_token_id(tokenizer, cfg.reward.truncate_token, "reward.truncate_token")
     kl_ctl = (alg.AdaptiveKLController(algo.kl.init_coef, algo.kl.target, algo.kl.horizon)
               if algo.kl.adaptive else alg.FixedKLController(algo.kl.init_coef))
-    checkpointer = Checkpointer(run_dir / "checkpoints", rt.rank, keep_last=cfg.trainer.keep_last)
+    checkpointer = Checkpointer(run_dir / "checkpoints", rt.rank, keep_last=cfg.trainer.keep_last,
+                                on_error=cfg.trainer.on_checkpoint_error)
     start_step, saved = checkpointer.maybe_resume(cfg.trainer.resume, models.trained())
     if saved:
         kl_ctl.load_state_dict(saved["kl_controller"])
@@ -256,7 +263,8 @@ def save_checkpoint(job: Job, step: int, rank: int) -> None:
     state = None
     if rank == 0:
         state = {"kl_controller": job.kl_ctl.state_dict(), "prompts": job.collector.resume_state()}
-    job.checkpointer.save(step, job.models.trained(), state)
+    if job.checkpointer.save(step, job.models.trained(), state) is None:  # said why; training goes on
+        job.failed_checkpoints += 1
 
 
 def collect_batch(collector, rt: JobRuntime, algo, version: int) -> tuple[list, dict]:
@@ -292,6 +300,8 @@ def step_metrics(timer: StepTimer, trajectories: list, step: int, job: Job) -> d
     metrics.update({"perf/tokens_per_s": sum(t.num_tokens for t in trajectories) / step_s,
                     "perf/episodes_per_s": len(trajectories) / step_s,
                     "episodes": step * job.cfg.algorithm.batch_size, "data/prompts_skipped": job.prompts.skipped})
+    if job.failed_checkpoints:  # every row after a checkpoint that could not be written
+        metrics["checkpoint/failed"] = job.failed_checkpoints
     return metrics
 
 

@@ -76,7 +76,7 @@ def fit_and_export(cfg: RMConfig, dp: DataParallel, log: Log = print, labeler=No
 def main(argv: list[str] | None = None, prepare=None, get_labeler=None) -> None:
     """`prepare(cfg, log)` (the entry point's: offline assets named in the recipe) runs on every rank before
     the process group exists; `get_labeler(name)` gives the offline rater that `labeler.name` names."""
-    run_main(lambda args: _main(args, prepare, get_labeler), argv)
+    run_main(lambda args, progress: _main(args, prepare, get_labeler), argv)  # no steps to report
 
 
 def _main(argv: list[str] | None, prepare, get_labeler) -> None:

@@ -5,18 +5,26 @@ main thread receives, and a runaway sympy call in a thread would hold rank 0's i
 In a worker process every call runs on the main thread. Why not concurrent.futures' own
 process pool: its shutdown waits for a worker stuck in a call, so a hung checker would hang
 the job's exit; `multiprocessing.Pool.terminate` kills it instead.
+
+Each worker leads its own process group. torchrun stops a rank by signalling the rank's process
+group: an idle worker killed there dies holding the task queue's lock (an idle worker waits for
+a task holding it), and `Pool.terminate` then waits for that lock forever, so rank 0 never
+finished its clean-up after a SIGTERM (issue 35). Out of that group only rank 0 stops them.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import multiprocessing
+import os
 import signal
 
 from workers.procs import set_parent_death_signal
 
 
 def _init_worker() -> None:
+    os.setpgid(0, 0)  # out of the rank's process group: see the module's docstring
     set_parent_death_signal(signal.SIGKILL)  # no worker outlives rank 0, however it dies
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it terminates the pool
 
@@ -44,6 +52,12 @@ class ProcessExecutor(concurrent.futures.Executor):
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if self._pool is None:
+            return
         self._pool.terminate()  # a worker stuck in a call is killed, never waited for
         if wait:
             self._pool.join()
+        # Freed now, its queues' semaphores are unregistered now: a rank stopped by a signal ends with
+        # os._exit, and the resource tracker would otherwise report them as leaked.
+        self._pool = None
+        gc.collect()

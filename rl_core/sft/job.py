@@ -17,6 +17,7 @@ from pathlib import Path
 from rl_core.checkpoint import Checkpointer
 from rl_core.distributed import DataParallel, on_every_rank, seed_everything
 from rl_core import finetune
+from rl_core.cli import JobProgress
 from rl_core.logger import open_run_logger
 from rl_core.rewards import load_reward_fn
 from rl_core.sft.config import SFTConfig, validate
@@ -35,9 +36,11 @@ def main(argv: list[str] | None = None, prepare=None) -> None:
     finetune.run_job(argv, __doc__, "sft_arithmetic.yaml", SFTConfig, validate, train, prepare)
 
 
-def train(cfg: SFTConfig, dp: DataParallel) -> None:
+def train(cfg: SFTConfig, dp: DataParallel, progress: JobProgress | None = None) -> None:
     """The job on `dp`: every rank of the process group (sharded), or this process alone
-    (`DataParallel()`, no torch.distributed call: how the arithmetic recipe's policy is built)."""
+    (`DataParallel()`, no torch.distributed call: how the arithmetic recipe's policy is built).
+    `progress`: where it is, for the line a stop signal ends with (`run_main`'s)."""
+    progress = progress or JobProgress(dp.rank)
     tr, run_dir = cfg.train, Path(cfg.trainer.run_dir)
     reward_fn = load_reward_fn(cfg.eval.reward_fn) if cfg.eval.reward_fn else None
     if dp.sharded:
@@ -48,6 +51,11 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
     train_rows, eval_rows = load_data(cfg, tokenizer, dp.rank)
     steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_rows), "usable rows", cfg.data.train_path,
                                                       cfg.trainer.profile_steps)
+    done = finetune.nothing_left_to_train(cfg.trainer, tr, steps_per_epoch, total_steps)
+    if done is not None:  # a finished run: before loading the model
+        if dp.rank == 0:
+            print(done, flush=True)
+        return
     seed_everything(cfg.trainer.seed)  # the same initial weights on every rank
     model = loading.load_causal_lm(cfg.model.path, attn_implementation=cfg.model.attn_implementation)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
@@ -61,7 +69,8 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
     worker = BatchWorker(dp.rank, dp.size, dp.device, tr.max_tokens_per_device,
                          packing_layout(tr.packing, cfg.model.attn_implementation),
                          settings=ForwardSettings.for_job(cfg.model, dp.size, dp.device))
-    checkpointer = Checkpointer(run_dir / "checkpoints", dp.rank, keep_last=cfg.trainer.keep_last)
+    checkpointer = Checkpointer(run_dir / "checkpoints", dp.rank, keep_last=cfg.trainer.keep_last,
+                                on_error=cfg.trainer.on_checkpoint_error)
     start_step, _ = checkpointer.maybe_resume(cfg.trainer.resume, {"model": trainable})
     logger = None
     if dp.rank == 0:
@@ -76,13 +85,14 @@ def train(cfg: SFTConfig, dp: DataParallel) -> None:
         return metrics
 
     if eval_rows and start_step == 0:
+        progress.at(0, "evaluation")
         finetune.log_step(logger, 0, total_steps, evaluate(), SHOWN)
     finetune.run_steps(
         start_step, total_steps, steps_per_epoch,
         lambda step: train_step(trainable, worker, finetune.step_rows(train_rows, step, tr.batch_size, cfg.trainer.seed),
                                 tokenizer.pad_token_id),
         evaluate if eval_rows else None, lambda step: checkpointer.save(step, {"model": trainable}, {}),
-        logger, SHOWN, tr, cfg.trainer, cfg.eval.every, dp)
+        logger, SHOWN, tr, cfg.trainer, cfg.eval.every, dp, progress)
     finetune.finish(cfg, model, tokenizer, dp.rank, logger)
 
 

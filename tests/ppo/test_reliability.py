@@ -109,10 +109,13 @@ class ProcessTree:
 class Job:
     """torchrun in its own session, its output lines timestamped as they arrive."""
 
-    def __init__(self, small_job, run_dir: Path, *extra: str):
+    def __init__(self, small_job, run_dir: Path, *extra: str, config: str = "ppo_sentiment.yaml",
+                 env: dict | None = None, module: str = "rl_core.train"):
         overrides = small_job["overrides"] + [f"trainer.run_dir={run_dir}", *extra]
-        self.proc = subprocess.Popen(torchrun_argv(overrides), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
+        argv = [module if arg == "rl_core.train" else arg for arg in torchrun_argv(overrides, config)]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                     env=None if env is None else {**os.environ, **env})
         self.tree = ProcessTree(self.proc.pid)
         self.lines: list[tuple[float, str]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -128,6 +131,19 @@ class Job:
 
     def first_line_with(self, text: str) -> tuple[float, str]:
         return next((at, line) for at, line in self.lines if text in line)
+
+    def wait_for_line(self, text: str, timeout: float) -> float:
+        """When the first line with `text` arrived (fails the test if the job ends or time runs out first)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = next((at for at, line in list(self.lines) if text in line), None)
+            if found is not None:
+                return found
+            if self.proc.poll() is not None:
+                time.sleep(0.5)  # the reader's last lines
+                pytest.fail(f"the job ended before printing {text!r}:\n{self.output[-4000:]}")
+            time.sleep(0.05)
+        pytest.fail(f"no line {text!r} within {timeout}s:\n{self.output[-4000:]}")
 
     def wait(self, timeout: float) -> int:
         try:
@@ -243,8 +259,10 @@ def test_ctrl_c_stops_with_one_line_and_resume_logs_every_step_once_keeping_the_
         job.abort()
     assert code != 0
     stopped = [line for _, line in job.lines if "stopped by SIGINT" in line]
-    assert stopped == ["[rank 0] stopped by SIGINT; engines and router were shut down; trainer.resume=auto "
-                       "continues from the last checkpoint"], job.output[-4000:]
+    assert len(stopped) == 1 and re.fullmatch(r"\[rank 0\] stopped by SIGINT at step [34] \([a-z ]+\); .*engines and router "
+                                              r"were (shut down|killed); trainer.resume=auto continues from the last "
+                                              r"checkpoint",
+                                              stopped[0]), job.output[-4000:]
     # No KeyboardInterrupt or gloo traceback from a rank (torchrun prints its own SignalException).
     assert "KeyboardInterrupt" not in job.output and "gloo" not in job.output, job.output[-4000:]
     ours = OUR_TRACEBACK.search(job.output)

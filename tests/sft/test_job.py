@@ -215,3 +215,105 @@ def test_profile_steps_trace_the_listed_steps_on_each_rank_and_steps_beyond_the_
                         r"train.max_steps=3\); list steps of the run, e.g. trainer.profile_steps=\[3,4\]", errors[0]), \
         errors[0]
     assert not re.search(r'File "[^"]*/(rl_core|workers|envs)/', refused.stderr), refused.stderr[-3000:]
+
+
+@pytest.mark.timeout(900)
+def test_sigterm_mid_step_stops_within_seconds_and_resume_continues_then_says_nothing_is_left(sft_job, tmp_path):
+    """Issue 35 for the jobs on fixed data (they share run_main with PPO): rank 1 holds at step 3's start
+    while rank 0 goes into the step and waits for it inside the sharded model's collectives; SIGTERM to
+    torchrun then ends both within 10 s with one line, and `resume=auto` continues from step 2. Resuming
+    the finished run says so in one line and exits 0 before loading the model."""
+    import os
+    import signal
+    import time
+
+    from rl_core.cli import TEST_HOLD_ENV
+    from tests.ppo.test_reliability import OUR_TRACEBACK, Job
+
+    run_dir = tmp_path / "run"
+    common = ["train.max_steps=6", "trainer.save_every=1", "eval.every=0"]
+    job = Job({"overrides": sft_job}, run_dir, *common, config="sft_arithmetic.yaml", module="rl_core.train_sft",
+              env={TEST_HOLD_ENV: "1:3:update:120"})
+    try:
+        began = job.wait_for_line("test hold: step 3 (update)", 300)
+        time.sleep(max(0.0, began + 1.5 - time.monotonic()))  # rank 0 is inside step 3's collectives by then
+        job.tree.scan()
+        sent = time.monotonic()
+        os.kill(job.proc.pid, signal.SIGTERM)
+        code = job.wait(60)
+        exited = time.monotonic() - sent
+        gone = exited + job.tree.wait_all_gone(max(0.5, 10.0 - exited))
+    finally:
+        job.abort()
+    stopped = [line for _, line in job.lines if "stopped by" in line]
+    assert code != 0 and len(stopped) == 1, job.output[-4000:]
+    assert re.fullmatch(r"\[rank 0\] stopped by SIGTERM at step 3 \(update\); (its clean-up took over \d+ s, so it "
+                        r"was cut short; )?trainer.resume=auto continues from the last checkpoint", stopped[0]), stopped
+    assert not OUR_TRACEBACK.search(job.output), job.output[-4000:]
+    print(f"\nSFT: torchrun exited {exited:.1f}s after SIGTERM, every process gone at {gone:.1f}s: '{stopped[0]}'")
+    assert exited < 10.0 and gone < 10.0
+
+    output = run_sft(sft_job, run_dir, *common, "trainer.resume=auto")
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000002'} at step 2" in output
+    assert [r["step"] for r in metrics(run_dir)] == list(range(7))  # each step once (step 0: the evaluation)
+
+    final_written = (run_dir / "final" / "config.json").stat().st_mtime_ns
+    rows = (run_dir / "metrics.jsonl").read_text()
+    started = time.monotonic()
+    output = run_sft(sft_job, run_dir, *common, "trainer.resume=auto")
+    took = time.monotonic() - started
+    said = [line for line in output.splitlines() if "nothing left to train" in line]
+    assert len(said) == 1 and re.fullmatch(
+        rf"nothing left to train: {re.escape(str(run_dir / 'checkpoints' / 'step_00000006'))} is at step 6, the last "
+        rf"one \(train.epochs=4 of \d+ steps, train.max_steps=6\), and {re.escape(str(run_dir / 'final'))} holds the "
+        r"model; raise train.epochs or train.max_steps to train on, or give a new trainer.run_dir", said[0]), output[-3000:]
+    assert "[sft]" not in output  # the model was never loaded, nor the logger opened
+    assert (run_dir / "final" / "config.json").stat().st_mtime_ns == final_written  # final/ is not rewritten
+    assert (run_dir / "metrics.jsonl").read_text() == rows
+    print(f"finished run resumed: '{said[0]}' ({took:.1f}s)")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("on_error", ["stop", "continue"])
+def test_a_checkpoint_that_cannot_be_written_stops_or_with_continue_is_said_and_training_goes_on(sft_job, tmp_path,
+                                                                                              on_error):
+    """The checkpoints' directory on a real 256 KiB tmpfs: every save fails with ENOSPC (metrics and the
+    export go to the run directory, on the ordinary disk)."""
+    import shutil
+    import subprocess
+
+    run_dir = tmp_path / "run"
+    disk = run_dir / "checkpoints"
+    disk.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    try:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                "-m", "rl_core.train_sft", "--config", "sft_arithmetic.yaml", *sft_job, f"trainer.run_dir={run_dir}",
+                "train.max_steps=4", "trainer.save_every=2", "eval.every=0", f"trainer.on_checkpoint_error={on_error}"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        output = done.stdout + done.stderr
+        # rank 0's own line (torchrun's summary repeats it after "traceback :")
+        failed = [line for line in output.splitlines()
+                  if line.startswith(("[rank 0] error: checkpoint", "checkpoint step_")) and "could not be written" in line]
+        leftovers = sorted(p.name for p in disk.iterdir())
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    rows = metrics(run_dir)
+    if on_error == "stop":
+        assert done.returncode != 0 and len(failed) == 1, output[-3000:]
+        assert failed[0].startswith(f"[rank 0] error: checkpoint step_00000002 could not be written to {disk}: "
+                                    "No space left on device [ENOSPC]"), failed[0]
+        assert failed[0].endswith("trainer.on_checkpoint_error=continue to train on without checkpoints that fail)")
+        assert [r["step"] for r in rows] == [0, 1, 2]
+    else:
+        assert done.returncode == 0, output[-3000:]
+        assert [line.split(" could not")[0] for line in failed] == ["checkpoint step_00000002", "checkpoint step_00000004"]
+        assert all("No space left on device [ENOSPC]" in line and "the partial checkpoint was removed. Training goes "
+                   "on without it (trainer.on_checkpoint_error=continue)" in line for line in failed), failed
+        assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+        assert [r.get("checkpoint/failed") for r in rows] == [None, None, None, 1, 1]  # the rows after a failure
+        assert (run_dir / "final" / "config.json").is_file()  # trained to the end and exported
+    assert leftovers == []  # no partial checkpoint left on the full disk
+    shutil.rmtree(run_dir, ignore_errors=True)
