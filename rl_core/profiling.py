@@ -9,6 +9,7 @@ phases, model passes and engine HTTP calls are named ranges (`workers.trace.span
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -35,7 +36,10 @@ def _profiled(path: Path, step: int, rank: int, device: torch.device) -> Iterato
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
     note = "" if all_threads is not None else " (this torch records the main thread only: no rollout spans)"
-    print(f"[rank {rank}] profile of step {step}: {path}{note}", flush=True)
+    # One write: every rank prints this line at once, and print's separate write of the newline could
+    # land after another rank's output (unbuffered streams under torchrun).
+    sys.stdout.write(f"[rank {rank}] profile of step {step}: {path}{note}\n")
+    sys.stdout.flush()
 
 
 def _all_threads_config():
