@@ -108,13 +108,16 @@ def total_steps(tr: FinetuneTrainConfig, rows: int, what: str, source: str,
     return per_epoch, steps
 
 
-def nothing_left_to_train(trainer: FinetuneTrainerConfig, tr: FinetuneTrainConfig, steps_per_epoch: int,
-                          steps: int) -> str | None:
-    """The line a resumed run that already ended (its checkpoint at the last step, its export written)
-    ends with, before any model is loaded; None: train. Every rank reads the same run directory."""
+def already_finished(trainer: FinetuneTrainerConfig, tr: FinetuneTrainConfig, steps_per_epoch: int, steps: int,
+                     rank: int) -> bool:
+    """Whether a resumed run already ended (its checkpoint at the last step, its export written); then rank 0
+    says so in one line, to be said before any model is loaded. Every rank reads the same run directory."""
     limits = f"train.epochs={tr.epochs} of {steps_per_epoch} steps" + (
         f", train.max_steps={tr.max_steps}" if tr.max_steps else "")
-    return finished_run(trainer, steps, limits, "raise train.epochs or train.max_steps to train on")
+    done = finished_run(trainer, steps, limits, "raise train.epochs or train.max_steps to train on")
+    if done is not None and rank == 0:
+        print(done, flush=True)
+    return done is not None
 
 
 def trainable_model(model, tr: FinetuneTrainConfig, steps: int, sharded: bool = True) -> TrainableModel:

@@ -51,10 +51,7 @@ def train(cfg: DPOConfig, dp: DataParallel, progress: JobProgress | None = None)
     train_pairs, test_pairs = to_pairs(train_examples), to_pairs(test_examples)[:cfg.data.eval_max_pairs]
     steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_pairs), "pairs", cfg.data.train_path,
                                                       cfg.trainer.profile_steps)
-    done = finetune.nothing_left_to_train(cfg.trainer, tr, steps_per_epoch, total_steps)
-    if done is not None:  # a finished run: before loading the models
-        if dp.rank == 0:
-            print(done, flush=True)
+    if finetune.already_finished(cfg.trainer, tr, steps_per_epoch, total_steps, dp.rank):  # before loading the models
         return
     seed_everything(cfg.trainer.seed)
     attention = cfg.model.attn_implementation

@@ -51,10 +51,7 @@ def train(cfg: SFTConfig, dp: DataParallel, progress: JobProgress | None = None)
     train_rows, eval_rows = load_data(cfg, tokenizer, dp.rank)
     steps_per_epoch, total_steps = finetune.total_steps(tr, len(train_rows), "usable rows", cfg.data.train_path,
                                                       cfg.trainer.profile_steps)
-    done = finetune.nothing_left_to_train(cfg.trainer, tr, steps_per_epoch, total_steps)
-    if done is not None:  # a finished run: before loading the model
-        if dp.rank == 0:
-            print(done, flush=True)
+    if finetune.already_finished(cfg.trainer, tr, steps_per_epoch, total_steps, dp.rank):  # before loading the model
         return
     seed_everything(cfg.trainer.seed)  # the same initial weights on every rank
     model = loading.load_causal_lm(cfg.model.path, attn_implementation=cfg.model.attn_implementation)
