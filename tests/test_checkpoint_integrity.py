@@ -105,54 +105,51 @@ def test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_name(two_checkpo
         resume(checkpointer, str(newest), tiny_model_dir)
 
 
+@pytest.fixture
+def disk(tmp_path):
+    """A real 256 KiB tmpfs: a disk that fills up after a few kilobytes of checkpoint."""
+    disk = tmp_path / "small_disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+        shutil.rmtree(disk, ignore_errors=True)
+
+
 @pytest.mark.timeout(120)
 def test_a_full_disk_stops_the_save_with_one_line_and_removes_the_partial_checkpoint(process_group, tiny_model_dir,
-                                                                                  tmp_path):
-    disk = tmp_path / "small_disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    try:
-        checkpointer = Checkpointer(disk / "checkpoints", rank=0)
-        (disk / "checkpoints").mkdir()
-        older = disk / "checkpoints" / "step_00000001"
-        older.mkdir()
-        (older / "trainer_state.json").write_text('{"step": 1}')  # a small older checkpoint to keep
-        with pytest.raises(CheckpointError) as failed:
-            checkpointer.save(2, {"policy": trainable(tiny_model_dir, seed=2)}, {})
-        line = str(failed.value)
-        assert "\n" not in line and "No space left on device [ENOSPC]" in line, line
-        assert f"checkpoint step_00000002 could not be written to {disk / 'checkpoints'}" in line
-        assert "the partial checkpoint was removed; 1 older checkpoints are untouched" in line
-        assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["step_00000001"]
-        assert (older / "trainer_state.json").read_text() == '{"step": 1}'
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
-        shutil.rmtree(disk, ignore_errors=True)
+                                                                                  disk):
+    checkpointer = Checkpointer(disk / "checkpoints", rank=0)
+    (disk / "checkpoints").mkdir()
+    older = disk / "checkpoints" / "step_00000001"
+    older.mkdir()
+    (older / "trainer_state.json").write_text('{"step": 1}')  # a small older checkpoint to keep
+    with pytest.raises(CheckpointError) as failed:
+        checkpointer.save(2, {"policy": trainable(tiny_model_dir, seed=2)}, {})
+    line = str(failed.value)
+    assert "\n" not in line and "No space left on device [ENOSPC]" in line, line
+    assert f"checkpoint step_00000002 could not be written to {disk / 'checkpoints'}" in line
+    assert "the partial checkpoint was removed; 1 older checkpoints are untouched" in line
+    assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["step_00000001"]
+    assert (older / "trainer_state.json").read_text() == '{"step": 1}'
 
 
 @pytest.mark.timeout(120)
-def test_with_on_error_continue_a_full_disk_is_one_line_and_the_job_goes_on(process_group, tiny_model_dir, tmp_path,
+def test_with_on_error_continue_a_full_disk_is_one_line_and_the_job_goes_on(process_group, tiny_model_dir, disk,
                                                                             capsys):
-    disk = tmp_path / "small_disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    try:
-        checkpointer = Checkpointer(disk / "checkpoints", rank=0, on_error="continue")
-        older = disk / "checkpoints" / "step_00000001"
-        older.mkdir(parents=True)
-        (older / "trainer_state.json").write_text('{"step": 1}')
-        assert checkpointer.save(2, {"policy": trainable(tiny_model_dir, seed=2)}, {}) is None
-        lines = capsys.readouterr().out.splitlines()
-        assert len(lines) == 1 and "No space left on device [ENOSPC]" in lines[0], lines
-        assert lines[0].startswith(f"checkpoint step_00000002 could not be written to {disk / 'checkpoints'}")
-        assert "1 older checkpoints are untouched. Training goes on without it (trainer.on_checkpoint_error=" \
-               "continue)" in lines[0]
-        assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["step_00000001"]
-        assert (older / "trainer_state.json").read_text() == '{"step": 1}'
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
-        shutil.rmtree(disk, ignore_errors=True)
+    checkpointer = Checkpointer(disk / "checkpoints", rank=0, on_error="continue")
+    older = disk / "checkpoints" / "step_00000001"
+    older.mkdir(parents=True)
+    (older / "trainer_state.json").write_text('{"step": 1}')
+    assert checkpointer.save(2, {"policy": trainable(tiny_model_dir, seed=2)}, {}) is None
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and "No space left on device [ENOSPC]" in lines[0], lines
+    assert lines[0].startswith(f"checkpoint step_00000002 could not be written to {disk / 'checkpoints'}")
+    assert "1 older checkpoints are untouched. Training goes on without it (trainer.on_checkpoint_error=" \
+           "continue)" in lines[0]
+    assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["step_00000001"]
+    assert (older / "trainer_state.json").read_text() == '{"step": 1}'
