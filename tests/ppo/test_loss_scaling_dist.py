@@ -6,19 +6,17 @@ multiplying by ``dp_size`` must reproduce the single-process gradient of the who
 while the naive per-rank mean must not. TFAdam is then stepped on the DTensor parameters.
 """
 
-import datetime
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rl_core.ppo.algorithms import LOSS_AGG_MODES, global_denominator, loss_sum
 from workers.worker import scale_loss
 from rl_core.optim import TFAdam
 from workers.forward import logprobs_from_logits
-from workers.procs import free_port
+from tests.ranks import run_ranks
 
 VOCAB, WIDTH, WORLD_SIZE = 13, 6, 2
 SEQ_LENGTHS = [4, 9, 6, 3, 7, 5, 10, 8]
@@ -81,36 +79,31 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     return {name: p.grad.full_tensor().clone() for name, p in model.named_parameters()}
 
 
-def worker(rank: int, port: int, out_dir: str) -> None:
+def worker(rank: int, out_dir: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        model = build_model()
-        fully_shard(model)
-        mine = MICRO_BATCHES[rank]
-        results = {}
-        for loss_agg in LOSS_AGG_MODES:
-            denominator = sum(global_denominator(padded(mb)[2], loss_agg) for mb in mine)
-            dist.all_reduce(denominator, op=dist.ReduceOp.SUM)
-            model.zero_grad(set_to_none=True)
-            accumulate(model, mine, loss_agg, WORLD_SIZE, denominator)
-            results[loss_agg] = full_grads(model)
-            model.zero_grad(set_to_none=True)
-            accumulate(model, mine, loss_agg, WORLD_SIZE, denominator=None)
-            results[f"naive/{loss_agg}"] = full_grads(model)
-        # One TFAdam step on the DTensor shards, from the token-mean gradient.
-        model.zero_grad(set_to_none=True)
-        denominator = sum(global_denominator(padded(mb)[2], "token-mean") for mb in mine)
+    model = build_model()
+    fully_shard(model)
+    mine = MICRO_BATCHES[rank]
+    results = {}
+    for loss_agg in LOSS_AGG_MODES:
+        denominator = sum(global_denominator(padded(mb)[2], loss_agg) for mb in mine)
         dist.all_reduce(denominator, op=dist.ReduceOp.SUM)
-        accumulate(model, mine, "token-mean", WORLD_SIZE, denominator)
-        TFAdam(model.parameters(), lr=LR, eps=1e-5).step()
-        results["params_after_step"] = {name: p.detach().full_tensor().clone() for name, p in model.named_parameters()}
-        torch.save(results, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+        model.zero_grad(set_to_none=True)
+        accumulate(model, mine, loss_agg, WORLD_SIZE, denominator)
+        results[loss_agg] = full_grads(model)
+        model.zero_grad(set_to_none=True)
+        accumulate(model, mine, loss_agg, WORLD_SIZE, denominator=None)
+        results[f"naive/{loss_agg}"] = full_grads(model)
+    # One TFAdam step on the DTensor shards, from the token-mean gradient.
+    model.zero_grad(set_to_none=True)
+    denominator = sum(global_denominator(padded(mb)[2], "token-mean") for mb in mine)
+    dist.all_reduce(denominator, op=dist.ReduceOp.SUM)
+    accumulate(model, mine, "token-mean", WORLD_SIZE, denominator)
+    TFAdam(model.parameters(), lr=LR, eps=1e-5).step()
+    results["params_after_step"] = {name: p.detach().full_tensor().clone() for name, p in model.named_parameters()}
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
 def single_process_grads(loss_agg: str) -> dict[str, torch.Tensor]:
@@ -129,7 +122,7 @@ def max_difference(a: dict, b: dict) -> float:
 @pytest.fixture(scope="module")
 def distributed_results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("loss_scaling")
-    mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=WORLD_SIZE, join=True)
+    run_ranks(worker, WORLD_SIZE, out_dir, args=(str(out_dir),))
     return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
 
 

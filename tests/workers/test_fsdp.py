@@ -8,9 +8,8 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from workers.procs import free_port
+from tests.ranks import run_ranks
 
 WORLD_SIZE = 2
 LR = 1e-2
@@ -80,58 +79,48 @@ def _scorer_outputs(tokenizer, model_dir: str, shard: bool) -> dict:
         return {"values": token_values(critic, batch), "rewards": raw_reward_scores(reward_model, inputs)}
 
 
-def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(rank))
-    import torch.distributed as dist
-
-    from rl_core.distributed import init_distributed
+def _worker(rank: int, model_dir: str, out_dir: str) -> None:
     from workers.fsdp import full_state_dict, shard_model
     from workers.loading import load_causal_lm, load_tokenizer
 
-    init_distributed(timeout_s=60)
-    try:
-        tokenizer = load_tokenizer(model_dir)
-        results = {}
-        model = shard_model(load_causal_lm(model_dir))
-        results["original"] = full_state_dict(model)
+    tokenizer = load_tokenizer(model_dir)
+    results = {}
+    model = shard_model(load_causal_lm(model_dir))
+    results["original"] = full_state_dict(model)
 
-        trainable = _build_trainable(model)
-        micro_batches = _micro_batches(tokenizer, RANK_MICRO_BATCH_ROWS[rank])
-        loss_fn = _loss_fn(_global_tokens(tokenizer), WORLD_SIZE)
-        results["metrics"] = trainable.forward_backward(micro_batches, loss_fn)
-        results["grad_norm"] = trainable.step()
-        results["trained"] = full_state_dict(model)
+    trainable = _build_trainable(model)
+    micro_batches = _micro_batches(tokenizer, RANK_MICRO_BATCH_ROWS[rank])
+    loss_fn = _loss_fn(_global_tokens(tokenizer), WORLD_SIZE)
+    results["metrics"] = trainable.forward_backward(micro_batches, loss_fn)
+    results["grad_norm"] = trainable.step()
+    results["trained"] = full_state_dict(model)
 
-        checkpoint_dir = os.path.join(out_dir, "checkpoint")
-        trainable.save_checkpoint(checkpoint_dir)
-        restored = _build_trainable(shard_model(load_causal_lm(model_dir)))
-        restored.load_checkpoint(checkpoint_dir)
-        results["restored"] = full_state_dict(restored.model)
-        results["lr"] = (trainable.current_lr(), restored.current_lr())
-        # A second identical step on both proves the optimizer moments and step count came back too.
-        for each in (trainable, restored):
-            each.forward_backward(micro_batches, loss_fn)
-            each.step()
-        results["second_step"] = (full_state_dict(trainable.model), full_state_dict(restored.model))
+    checkpoint_dir = os.path.join(out_dir, "checkpoint")
+    trainable.save_checkpoint(checkpoint_dir)
+    restored = _build_trainable(shard_model(load_causal_lm(model_dir)))
+    restored.load_checkpoint(checkpoint_dir)
+    results["restored"] = full_state_dict(restored.model)
+    results["lr"] = (trainable.current_lr(), restored.current_lr())
+    # A second identical step on both proves the optimizer moments and step count came back too.
+    for each in (trainable, restored):
+        each.forward_backward(micro_batches, loss_fn)
+        each.step()
+    results["second_step"] = (full_state_dict(trainable.model), full_state_dict(restored.model))
 
-        results["scorers"] = _scorer_outputs(tokenizer, model_dir, shard=True)
+    results["scorers"] = _scorer_outputs(tokenizer, model_dir, shard=True)
 
-        try:  # rank 1 brings one micro-batch fewer: every rank must refuse rather than hang
-            trainable.forward_backward(micro_batches[: 2 - rank], loss_fn)
-            results["mismatch_error"] = None
-        except ValueError as error:
-            results["mismatch_error"] = str(error)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    try:  # rank 1 brings one micro-batch fewer: every rank must refuse rather than hang
+        trainable.forward_backward(micro_batches[: 2 - rank], loss_fn)
+        results["mismatch_error"] = None
+    except ValueError as error:
+        results["mismatch_error"] = str(error)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.fixture(scope="module")
 def distributed_results(tiny_model_dir, tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("fsdp"))
-    mp.spawn(_worker, args=(free_port(), tiny_model_dir, out_dir), nprocs=WORLD_SIZE, join=True)
+    run_ranks(_worker, WORLD_SIZE, out_dir, args=(tiny_model_dir, out_dir))
     return [torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False) for rank in range(WORLD_SIZE)]
 
 

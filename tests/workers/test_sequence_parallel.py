@@ -11,9 +11,8 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from workers.procs import free_port
+from tests.ranks import run_ranks
 
 WORLD_SIZE = 2
 FAMILIES = {"qwen3": {}, "gemma2": {"sliding_window": 8}}
@@ -83,25 +82,15 @@ def _run(model_dir: str, tokenizer, world_size: int, rank: int, group) -> dict:
             "loss": sum(metrics["loss"]), "grads": grads, "micro_batches": len(metrics["loss"])}
 
 
-def _worker(rank: int, port: int, model_dirs: dict, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(rank))
-    import torch.distributed as dist
-
-    from rl_core.distributed import init_distributed
+def _worker(rank: int, model_dirs: dict, out_dir: str) -> None:
     from workers.loading import load_tokenizer
     from workers.sequence_parallel import SequenceGroup
 
-    init_distributed(timeout_s=120)
-    try:
-        group = SequenceGroup.build(WORLD_SIZE, 2, torch.device("cpu"))
-        results = {}
-        for family, model_dir in model_dirs.items():
-            results[family] = _run(model_dir, load_tokenizer(model_dir), WORLD_SIZE, rank, group)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    group = SequenceGroup.build(WORLD_SIZE, 2, torch.device("cpu"))
+    results = {}
+    for family, model_dir in model_dirs.items():
+        results[family] = _run(model_dir, load_tokenizer(model_dir), WORLD_SIZE, rank, group)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +105,7 @@ def model_dirs(tmp_path_factory, tiny_model_dir):
 @pytest.fixture(scope="module")
 def split_results(model_dirs, tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("sequence_parallel"))
-    mp.spawn(_worker, args=(free_port(), model_dirs, out_dir), nprocs=WORLD_SIZE, join=True)
+    run_ranks(_worker, WORLD_SIZE, out_dir, args=(model_dirs, out_dir))
     return [torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False) for rank in range(WORLD_SIZE)]
 
 

@@ -6,15 +6,11 @@ row's per-token output must come back whole (one value per token of the row) and
 on both ranks, with no pickling of results.
 """
 
-import datetime
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from workers.layout import make_micro_batch
-from workers.procs import free_port
+from tests.ranks import run_ranks
 from workers.worker import BatchWorker, shared_prompt_units
 
 WORLD_SIZE = 2
@@ -46,22 +42,17 @@ def make_worker(rank: int, layout: str) -> BatchWorker:
                        layout=None if layout == "padded" else "rows", share_prompts=layout == "shared")
 
 
-def worker(rank: int, port: int, out_dir: str, layout: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
-                           timeout=datetime.timedelta(seconds=60))
-    try:
-        worker = make_worker(rank, layout)
-        mine = [i for indices, real in worker.plan(batch()) if real for i in indices]
-        torch.save({"outputs": worker.gather(batch(), per_token_and_per_row), "mine": mine},
-                   f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def worker(rank: int, out_dir: str, layout: str) -> None:
+    worker = make_worker(rank, layout)
+    mine = [i for indices, real in worker.plan(batch()) if real for i in indices]
+    torch.save({"outputs": worker.gather(batch(), per_token_and_per_row), "mine": mine},
+               f"{out_dir}/rank{rank}.pt")
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout", ["padded", "packed", "shared"])  # packed micro-batches still hand `fn` the padded rows
 def test_every_rank_gets_every_rows_outputs(tmp_path, layout):
-    mp.spawn(worker, args=(free_port(), str(tmp_path), layout), nprocs=WORLD_SIZE, join=True)
+    run_ranks(worker, WORLD_SIZE, tmp_path, args=(str(tmp_path), layout))
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
     assert all(r["mine"] for r in results) and sorted(results[0]["mine"] + results[1]["mine"]) == list(range(len(LENGTHS)))
     for result in results:
