@@ -97,3 +97,44 @@ def test_a_failed_push_reports_its_first_error_not_the_session_clean_up():
         return err.value
     error = asyncio.run(main())
     assert "/update_weights_from_tensor" in str(error) and "digest sent was rejected" in str(error)
+
+
+@pytest.mark.timeout(60)
+def test_calls_share_kept_alive_connections_and_a_connection_closed_under_a_call_is_retried_once():
+    """A batch's requests must not each pay a connect; a pooled connection the server dropped while idle
+    is the one case where a call is sent again (the server never read it)."""
+    from aiohttp import web
+
+    client_ports, served = set(), []
+
+    async def generate(request):
+        client_ports.add(request.transport.get_extra_info("peername")[1])  # one port per connection
+        served.append(await request.json())
+        return web.json_response({"ok": True})
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with EngineClient(f"http://127.0.0.1:{port}") as client:
+                for i in range(10):
+                    await client.post("/generate", {"i": i})
+                in_a_row = len(client_ports)
+                await asyncio.gather(*(client.post("/generate", {"i": 10 + i}) for i in range(20)))
+                for protocol in list(runner.server.connections):  # the server drops every idle connection
+                    protocol.transport.abort()
+                await asyncio.sleep(0)
+                await client.post("/generate", {"i": 30})
+        finally:
+            await runner.cleanup()
+        return in_a_row
+
+    in_a_row = asyncio.run(main())
+    assert in_a_row == 1  # ten calls one after another: one connection
+    assert len(client_ports) <= 22  # twenty at once: at most one each, then one more after the drop
+    assert sorted(body["i"] for body in served) == list(range(31))  # each call served exactly once

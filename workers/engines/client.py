@@ -20,6 +20,9 @@ from workers.trace import span
 # at most context - OUTPUT_RESERVE - input tokens (a larger max_new_tokens is cut there and finishes "length").
 INPUT_RESERVE = 6
 OUTPUT_RESERVE = 2
+KEEPALIVE_S = 2.0  # idle connections are dropped after this, before a server's own idle close (SGLang: 5 s)
+# How a kept-alive connection that the server closed while idle shows up when a request is sent on it.
+CLOSED_UNDER_US = (aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionResetError)
 
 
 def max_input_length(context_len: int) -> int:
@@ -81,12 +84,12 @@ class EngineClient:
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            # A fresh connection per call (force_close): servers close idle keep-alive connections
-            # on their own clock (SGLang's uvicorn after 5 s, aiohttp pools them for 15 s), and a
-            # POST sent on one the server is closing fails with ServerDisconnectedError and is not
-            # retried (it may not be idempotent). A loopback connect costs well under a millisecond.
+            # Connections are kept alive: a batch's requests go out at once instead of each waiting for a
+            # connect. Servers close idle connections on their own clock (SGLang's uvicorn after 5 s), so
+            # the pool drops its idle ones after KEEPALIVE_S, well before, and a call that still meets a
+            # connection closed under it is sent once more on a new one (`request`).
             connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=self.max_connections,
-                                             force_close=True)
+                                             keepalive_timeout=KEEPALIVE_S)
             self._session = aiohttp.ClientSession(connector=connector)
         return self._session
 
@@ -95,22 +98,34 @@ class EngineClient:
         """Send one request; return the JSON body (or text when it is not JSON)."""
         url = f"{self.base_url}{path}"
         deadline = timeout_s if timeout_s is not None else self.control_timeout_s
-        try:
-            timeout = aiohttp.ClientTimeout(total=deadline)
-            # Ends when the answer is read: concurrent calls on one loop are overlapping ranges of one thread.
-            with span(f"{self.label} {method} {path}"):
-                async with self._get_session().request(method, url, json=payload, timeout=timeout) as response:
-                    body = await response.text()
-        except asyncio.TimeoutError:
-            raise EngineTimeout(url, deadline) from None
-        except aiohttp.ClientError as err:
-            raise EngineError(url, None, f"{type(err).__name__}: {err}") from err
-        if response.status >= 400:
-            raise EngineError(url, response.status, _error_message(body))
+        # Ends when the answer is read: concurrent calls on one loop are overlapping ranges of one thread.
+        with span(f"{self.label} {method} {path}"):
+            try:
+                status, body = await self._send(self._get_session(), method, url, payload, deadline)
+            except CLOSED_UNDER_US:  # a kept-alive connection the server had closed: the request never ran
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as fresh:
+                    status, body = await self._send(fresh, method, url, payload, deadline, retried=True)
+        if status >= 400:
+            raise EngineError(url, status, _error_message(body))
         try:
             return json.loads(body) if body else None
         except ValueError:
             return body
+
+    @staticmethod
+    async def _send(session: aiohttp.ClientSession, method: str, url: str, payload: Any, deadline: float,
+                    retried: bool = False) -> tuple[int, str]:
+        try:
+            async with session.request(method, url, json=payload, timeout=aiohttp.ClientTimeout(total=deadline)) as response:
+                return response.status, await response.text()
+        except asyncio.TimeoutError:
+            raise EngineTimeout(url, deadline) from None
+        except CLOSED_UNDER_US as err:
+            if retried:  # on a new connection too: the server is going away, not idling
+                raise EngineError(url, None, f"{type(err).__name__}: {err}") from err
+            raise
+        except aiohttp.ClientError as err:
+            raise EngineError(url, None, f"{type(err).__name__}: {err}") from err
 
     async def post(self, path: str, payload: Any = None, timeout_s: float | None = None) -> Any:
         return await self.request("POST", path, payload if payload is not None else {}, timeout_s)
