@@ -126,6 +126,10 @@ class EnvPool:
                 self.in_use -= 1
                 await self._give_back(lease)
 
+    def has_free_env(self) -> bool:
+        """Whether a lease taken now starts without waiting for another trajectory to finish."""
+        return not self._semaphore().locked()
+
     def _semaphore(self) -> asyncio.Semaphore:
         """The admission semaphore of the running loop (each `asyncio.run` gets a fresh, idle one)."""
         loop = asyncio.get_running_loop()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -32,6 +33,7 @@ from tqdm.auto import tqdm
 from envs.base import Action, Observation
 from envs.pool import EnvFailure, EnvLease, EnvPool, TooManyEnvFailures
 from rl_core.rewards import RewardFnError, RewardFunctions
+from rl_core.rollout.first_turns import FirstTurnWave, Seat
 from rl_core.rollout.trajectory import Trajectory, TrajectoryBuilder
 from workers.engines.client import max_input_length, max_output_length
 
@@ -146,20 +148,39 @@ class _Rollout:
         self.stop_ids = set() if self.sampling_params.get("ignore_eos") else (
             set(self.sampling_params.get("stop_token_ids") or ()) | {getattr(tokenizer, "eos_token_id", None)})
         self.limit = asyncio.Semaphore(settings.concurrency) if settings.concurrency else None
+        self.waves: list[FirstTurnWave] = []
+        self.calls_alone = 0  # /generate calls sent outside a wave (later turns, retries after an abort)
         self.sample_shown = False
         self.bar: tqdm | None = None
 
-    async def trajectory(self, sample: dict, info: dict | None = None) -> Trajectory:
+    def wave(self, members: int) -> FirstTurnWave:
+        """The first turns of `members` trajectories launched now, sent together (`first_turns`)."""
+        wave = FirstTurnWave(self.client, members)
+        self.waves.append(wave)
+        return wave
+
+    def call_metrics(self, trajectories: int) -> dict[str, float]:
+        """How the engines were asked: /generate calls, and the share of first turns sent in the first wave."""
+        together = self.waves[0].sequences_sent if self.waves else 0
+        return {"rollout/generate_calls": self.calls_alone + sum(w.calls_sent for w in self.waves),
+                "rollout/first_wave_frac": together / trajectories if trajectories else 0.0}
+
+    async def trajectory(self, sample: dict, seat: Seat, info: dict | None = None) -> Trajectory:
         """Run one episode; an env failure gives a failed (excluded) trajectory instead of raising."""
-        async with self.limit or contextlib.nullcontext():
-            try:
-                async with self.env_pool.lease() as env:
-                    traj = await self._episode(sample, env)
-                    traj.info["env_time_s"] = env.env_time_s
-            except EnvFailure as err:
-                traj = Trajectory(sequences=[], sample=sample, failed=True, error=str(err))
-            if not traj.failed and self.reward_fns:
-                traj = await self._reward(traj)
+        if (self.limit is not None and self.limit.locked()) or not self.env_pool.has_free_env():
+            seat.leave()  # it waits for another trajectory to end: its wave must not wait for it
+        try:
+            async with self.limit or contextlib.nullcontext():
+                try:
+                    async with self.env_pool.lease() as env:
+                        traj = await self._episode(sample, env, seat)
+                        traj.info["env_time_s"] = env.env_time_s
+                except EnvFailure as err:
+                    traj = Trajectory(sequences=[], sample=sample, failed=True, error=str(err))
+                if not traj.failed and self.reward_fns:
+                    traj = await self._reward(traj)
+        finally:
+            seat.leave()  # ended before its first turn (e.g. a failed reset): its wave goes on without it
         traj.info.update(info or {})
         if not traj.failed and not self.sample_shown:
             self.sample_shown = True
@@ -178,7 +199,7 @@ class _Rollout:
         traj.fn_reward = self.reward_fns.total(traj.reward_components)
         return traj
 
-    async def _episode(self, sample: dict, env: EnvLease) -> Trajectory:
+    async def _episode(self, sample: dict, env: EnvLease, seat: Seat) -> Trajectory:
         builder = TrajectoryBuilder(self.tokenizer)
         first = await env.reset(sample)
         self._guard(env, "reset", builder.start, first if first is not None else first_observation(sample))
@@ -197,7 +218,7 @@ class _Rollout:
                 truncated = True
                 break
             seed = sample.get("sampling_seed")  # reproducible sampling, e.g. across a resume
-            action = await self._act(builder, room, None if seed is None else seed + 7919 * builder.num_turns)
+            action = await self._act(builder, room, None if seed is None else seed + 7919 * builder.num_turns, seat)
             builder.num_turns += 1
             finish_reasons.append(action.finish_reason)
             result = await env.step(action)
@@ -225,8 +246,9 @@ class _Rollout:
             return 0
         return max_output_length(self.max_total_tokens, sequence_length)
 
-    async def _act(self, builder: TrajectoryBuilder, room: int, seed: int | None = None) -> Action:
-        """Generate one action; an `abort` (engine paused for a weight update) continues where it stopped."""
+    async def _act(self, builder: TrajectoryBuilder, room: int, seed: int | None, seat: Seat) -> Action:
+        """Generate one action; an `abort` (engine paused for a weight update) continues where it stopped.
+        The trajectory's first request goes out with its wave (`seat`), every other one on its own."""
         ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -237,8 +259,10 @@ class _Rollout:
             if seed is not None:
                 params["sampling_seed"] = seed + attempt
             sent_version = self.current_version()
-            answer = await self.client.generate(builder.current.real_ids + ids, params,
-                                                return_logprob=True, rid=f"{rid}-{attempt}")
+            if not seat.open:
+                self.calls_alone += 1
+            send = seat.generate if seat.open else functools.partial(self.client.generate, return_logprob=True)
+            answer = await send(builder.current.real_ids + ids, params, rid=f"{rid}-{attempt}")
             gen = parse_generation(answer, sent_version)
             ids += gen.output_ids
             logprobs += gen.logprobs
@@ -298,9 +322,10 @@ async def rollout(samples: list[dict], settings: RolloutSettings, *, client: Any
     with tqdm(total=len(samples), desc=f"rollout v{run.current_version()}", unit="traj", disable=not settings.progress,
               dynamic_ncols=True) as bar:
         run.bar = bar
+        wave = run.wave(len(samples))
 
         async def one(sample: dict) -> Trajectory:
-            traj = await run.trajectory(sample)
+            traj = await run.trajectory(sample, wave.seat())
             bar.update(1)
             return traj
 
@@ -309,7 +334,8 @@ async def rollout(samples: list[dict], settings: RolloutSettings, *, client: Any
     check_reward_failures(results, env_pool.max_failed_ratio)
     kept = [t for t in results if not t.failed]
     failed = [t for t in results if t.failed]
-    return RolloutResult(kept, failed, rollout_metrics(kept, failed, time.perf_counter() - start, env_pool))
+    metrics = rollout_metrics(kept, failed, time.perf_counter() - start, env_pool)
+    return RolloutResult(kept, failed, {**metrics, **run.call_metrics(len(samples))})
 
 
 async def rollout_until(n_wanted: int, sample_iter: Iterable[dict | list[dict]], settings: RolloutSettings,
@@ -342,22 +368,28 @@ async def rollout_until(n_wanted: int, sample_iter: Iterable[dict | list[dict]],
     launched = dropped = 0
     exhausted = False
 
-    async def group(sample: dict | list[dict], index: int) -> list[Trajectory]:
-        members = sample if isinstance(sample, list) else [sample] * group_size
-        return await _gather_all(run.trajectory(member, {"group": index}) for member in members)
+    def members_of(sample: dict | list[dict]) -> list[dict]:
+        return sample if isinstance(sample, list) else [sample] * group_size
+
+    async def group(members: list[dict], index: int, wave: FirstTurnWave) -> list[Trajectory]:
+        return await _gather_all(run.trajectory(member, wave.seat(), {"group": index}) for member in members)
 
     with tqdm(total=n_wanted, desc=f"rollout v{run.current_version()}", unit="group", disable=not settings.progress,
               dynamic_ncols=True) as bar:
         run.bar = bar
         try:
             while len(kept) < n_wanted:
-                while not exhausted and len(kept) + len(in_flight) < n_wanted and launched < max_groups:
+                launching = []  # the groups launched now, whose first turns go out together
+                while not exhausted and len(kept) + len(in_flight) + len(launching) < n_wanted and launched < max_groups:
                     sample = next(samples, None)
                     if sample is None:
                         exhausted = True
                         break
-                    in_flight.add(asyncio.ensure_future(group(sample, launched)))
+                    launching.append((members_of(sample), launched))
                     launched += 1
+                if launching:
+                    wave = run.wave(sum(len(members) for members, _ in launching))
+                    in_flight.update(asyncio.ensure_future(group(members, index, wave)) for members, index in launching)
                 if not in_flight:
                     break
                 done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
@@ -390,6 +422,7 @@ async def rollout_until(n_wanted: int, sample_iter: Iterable[dict | list[dict]],
         logger.warning("sample iterator ran out: kept %d of %d wanted groups", len(kept), n_wanted)
     trajectories = [t for members in kept for t in members]
     metrics = rollout_metrics(trajectories, failed, time.perf_counter() - start, env_pool)
+    metrics.update(run.call_metrics(sum(len(members) for members in kept + rejected) + len(failed)))
     metrics.update({"rollout/groups_launched": launched, "rollout/groups_kept": len(kept),
                     "rollout/groups_dropped": dropped, "rollout/groups_filled": filled,
                     "rollout/samples_exhausted": float(exhausted)})

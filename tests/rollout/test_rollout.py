@@ -54,16 +54,28 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+class Calls(list):
+    """(input ids, answer) per sequence; `sizes`: the sequences of each /generate call."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[int] = []
+
+
 class RecordingClient:
-    """The real EngineClient, keeping every request's input ids and answer for the assertions."""
+    """The real EngineClient, keeping every sequence's input ids and answer for the assertions (a grouped
+    call, `n` or a batch, gives one entry per sequence) and each call's number of sequences."""
 
     def __init__(self, client: EngineClient):
         self.client = client
-        self.calls: list[tuple[list[int], dict]] = []
+        self.calls = Calls()
 
     async def generate(self, input_ids, sampling_params, return_logprob=True, rid=None):
         answer = await self.client.generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid)
-        self.calls.append((list(input_ids), answer))
+        answers = answer if isinstance(answer, list) else [answer]
+        inputs = input_ids if isinstance(input_ids[0], list) else [input_ids] * len(answers)
+        self.calls += [(list(ids), one) for ids, one in zip(inputs, answers)]
+        self.calls.sizes.append(len(answers))
         return answer
 
 
@@ -138,6 +150,30 @@ def test_sentiment_rollout_keeps_engine_tokens_fixed_length(router_url, tokenize
     assert metrics["rollout/finish_reason/length"] == len(samples) and metrics["rollout/failed"] == 0
     assert metrics["rollout/tokens_per_s"] > 0 and 1 <= metrics["rollout/envs_max_in_use"] <= 4
     assert "[sample] query" in caplog.text  # the first finished trajectory is shown
+
+
+@pytest.mark.timeout(120)
+def test_a_batchs_first_turns_go_out_together_and_a_group_as_one_call(router_url, tokenizer):
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    members = [p for p in prompts for _ in range(4)]  # groups of 4, as GRPO samples them
+    settings = dict(sampling_params={"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}, max_turns=1,
+                    max_total_tokens=CONTEXT)
+    factory = make_env_factory(SentimentEnv, {})
+    result, calls, _ = run_rollout(router_url, [{"prompt_ids": p} for p in members], factory, tokenizer,
+                                   num_envs=len(members), **settings)
+    assert calls.sizes == [4, 4, 4]  # one call with n = 4 per group
+    assert result.metrics["rollout/generate_calls"] == 3 and result.metrics["rollout/first_wave_frac"] == 1.0
+    assert_engine_tokens_kept(result.trajectories, calls)
+    responses = [tuple(t.sequences[0].input_ids) for t in result.trajectories]
+    assert [list(r[:len(p)]) for r, p in zip(responses, members)] == members and len(set(responses)) == len(members)
+    # Seeded samples go out one call each, still all in the first wave, and sample what their seed samples
+    # when each trajectory waits for the previous one (one env).
+    seeded = [{"prompt_ids": p, "sampling_seed": 1000 + i} for i, p in enumerate(members)]
+    together, calls, _ = run_rollout(router_url, seeded, factory, tokenizer, num_envs=len(members), **settings)
+    assert calls.sizes == [1] * len(members) and together.metrics["rollout/first_wave_frac"] == 1.0
+    alone, calls, _ = run_rollout(router_url, seeded, factory, tokenizer, num_envs=1, **settings)
+    assert calls.sizes == [1] * len(members) and alone.metrics["rollout/first_wave_frac"] == 1 / len(members)
+    assert [t.sequences[0].input_ids for t in alone.trajectories] == [t.sequences[0].input_ids for t in together.trajectories]
 
 
 def calculator_factory():

@@ -109,6 +109,21 @@ def test_single_batch_and_n_responses_have_sglang_shape(engine):
 
 
 @pytest.mark.timeout(300)
+def test_n_samples_of_one_prompt_differ_unless_seeded_and_seeds_are_honoured(engine):
+    """The rollout's grouped first turn (rl_core/rollout/first_turns.py) is one request with n = group size, and
+    only for unseeded samples: n copies of a seeded request share its seed, which the embedded engine always
+    honours and SGLang only under --enable-deterministic-inference (its sampler ignores sampling_seed otherwise)."""
+    sampled = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    group, seeded, alone = run(engine, lambda c: asyncio.gather(
+        c.generate(PROMPTS[0], dict(sampled, n=3)),
+        c.generate(PROMPTS[0], dict(sampled, sampling_seed=11, n=2)),
+        c.generate(PROMPTS[0], dict(sampled, sampling_seed=11))))
+    assert len({tuple(r["output_ids"]) for r in group}) == 3  # a group of samples, not copies
+    if engine.kind == "embedded":
+        assert seeded[0]["output_ids"] == seeded[1]["output_ids"] == alone["output_ids"]
+
+
+@pytest.mark.timeout(300)
 def test_sampled_and_greedy_logprobs_match_a_plain_forward(engine, hf_model):
     """Sampled logprobs are log_softmax(logits / T); greedy ones are unscaled; greedy ids are argmax."""
     temperature = 0.7

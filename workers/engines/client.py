@@ -138,7 +138,8 @@ class EngineClient:
     async def generate(self, input_ids: Sequence[int] | Sequence[Sequence[int]], sampling_params: dict,
                        return_logprob: bool = True, rid: str | list[str] | None = None,
                        timeout_s: float | None = None) -> dict | list[dict]:
-        """POST /generate with token ids; a list of lists gives a list of results in order."""
+        """POST /generate with token ids; a list of lists gives a list of results in order, and so does
+        `n` > 1 in the sampling params (grouped per prompt)."""
         payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
                                    "return_logprob": return_logprob}
         if rid is not None:
