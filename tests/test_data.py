@@ -307,3 +307,16 @@ def test_on_long_prompt_error_is_checked_when_the_data_is_read_and_names_the_row
         prompt_samples(data, str(path), chat_tokenizer, batch_size=2, group_size=2, seed=0)
     with pytest.raises(PromptDataError, match=expected):
         eval_samples(data, str(path), chat_tokenizer, n=1, max_prompts=None)
+
+
+def test_prompt_samples_are_seeded_one_seed_each_or_not_at_all(tmp_path, chat_tokenizer):
+    from rl_core.ppo.config import DataConfig
+    from rl_core.rollout.prompts import prompt_samples
+
+    path = _write_jsonl(tmp_path / "prompts.jsonl", [{"text": t} for t in ("she smiled.", "he laughed.")])
+    data = DataConfig(max_prompt_length=32)
+    seeded = next(prompt_samples(data, str(path), chat_tokenizer, batch_size=4, group_size=2, seed=0))
+    unseeded = next(prompt_samples(data, str(path), chat_tokenizer, batch_size=4, group_size=2, seed=0, seeded=False))
+    assert len({s["sampling_seed"] for s in seeded}) == 4
+    assert not any("sampling_seed" in s for s in unseeded)
+    assert [s["prompt_ids"] for s in unseeded] == [s["prompt_ids"] for s in seeded]

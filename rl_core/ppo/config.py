@@ -119,6 +119,12 @@ class RolloutConfig:
     sglang_python: Optional[str] = None
     multi_node_host: Optional[str] = None  # address engines bind to when nnodes > 1
 
+    @property
+    def honours_sampling_seeds(self) -> bool:
+        """Whether the engines sample a seeded request reproducibly: the embedded engine always, SGLang only
+        under enable_deterministic_inference (its sampler ignores `sampling_seed` otherwise)."""
+        return self.engine == "embedded" or bool(self.sglang_args.get("enable_deterministic_inference"))
+
 
 @dataclass
 class EnvConfig:

@@ -19,8 +19,8 @@ class PromptSamples:
     one prompt and unique over the run, so group baselines find their groups by id, whatever
     the order and whatever failed."""
 
-    def __init__(self, loader: PromptLoader, group_size: int, seed: int):
-        self.loader, self.group_size, self.seed = loader, group_size, seed
+    def __init__(self, loader: PromptLoader, group_size: int, seed: int, seeded: bool = True):
+        self.loader, self.group_size, self.seed, self.seeded = loader, group_size, seed, seeded
         self.served = 0  # samples handed out so far: each gets its own engine sampling seed
         self.prompts_served = 0  # prompts handed out so far: the next group id
 
@@ -34,9 +34,10 @@ class PromptSamples:
         group = []
         for _ in range(self.group_size):
             # A per-sample seed makes a resumed run sample what the uninterrupted run would have.
+            # Unseeded where the engines would ignore the seed: the group then goes out as one call (n).
             seed = (self.seed * 1_000_003 + self.served * 7_919) % (2**31 - 1)
             group.append({**item.row, "prompt_ids": item.prompt_ids, "index": item.index,
-                          "sampling_seed": seed, "group_id": self.prompts_served})
+                          **({"sampling_seed": seed} if self.seeded else {}), "group_id": self.prompts_served})
             self.served += 1
         self.prompts_served += 1
         return group
@@ -69,7 +70,8 @@ def prompt_encoder(data_cfg, tokenizer) -> PromptEncoder:
                          data_cfg.apply_chat_template, data_cfg.system_prompt, openai_queries)
 
 
-def prompt_samples(data_cfg, prompts_path: str, tokenizer, batch_size: int, group_size: int, seed: int) -> PromptSamples:
+def prompt_samples(data_cfg, prompts_path: str, tokenizer, batch_size: int, group_size: int, seed: int,
+                   seeded: bool = True) -> PromptSamples:
     """The PPO job's prompt stream from its `data` config section."""
     dataset = load_prompt_dataset(prompts_path, split=data_cfg.train_split, text_key=data_cfg.prompt_key,
                                   on_malformed=data_cfg.on_malformed, hub_config=data_cfg.hub_config)
@@ -78,7 +80,7 @@ def prompt_samples(data_cfg, prompts_path: str, tokenizer, batch_size: int, grou
     encode = prompt_encoder(data_cfg, tokenizer)
     refuse_long_prompts(dataset, encode)
     loader = PromptLoader(dataset, batch_size // group_size, seed=seed, processor=encode)
-    return PromptSamples(loader, group_size, seed)
+    return PromptSamples(loader, group_size, seed, seeded)
 
 
 def eval_samples(data_cfg, eval_path: str, tokenizer, n: int, max_prompts: int | None) -> tuple[list[dict], int]:
