@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -383,7 +384,8 @@ def gpu86m_project_config(args, assets: dict, workdir: Path) -> Path:
     cfg.data = {"train_path": str(assets["train"]), "eval_path": None, "prompt_key": "prompt",
                 "apply_chat_template": False, "max_prompt_length": args.prompt_tokens, "on_long_prompt": "error"}
     cfg.rollout.update({"engine": args.engine, "response_length": args.response_length, "temperature": args.temperature,
-                        "ignore_eos": True})  # exactly response_length tokens, as TRL's min_new_tokens
+                        "ignore_eos": True,  # exactly response_length tokens, as TRL's min_new_tokens
+                        "seeded": False})  # SGLang's call shape on either engine: a group is one n = 8 call
     if args.engine == "sglang":
         cfg.rollout.sglang_args = dict(KIT_SGLANG_ARGS, **dict(item.split("=", 1) for item in args.sglang_arg))
     cfg.env.num_envs = args.prompts * args.group_size
@@ -420,11 +422,29 @@ def project_side(args, paths: dict, workdir: Path, name: str = "project", config
     parts = {k.split("/")[1][:-2]: statistics.median(r[k] for r in timed) for k in PARTS if all(k in r for r in timed)}
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     return {"batch_s": step_s, "evals": evals, "wall_s": wall_s, **memory, "phases": phases, "parts_s": parts,
+            "rollout_shape": rollout_shape(run_dir, timed, args.response_length),
             "rewards": [r.get("reward/fn_total_mean") for r in steps],
             "completions": sum(r["rollout/trajectories"] for r in steps),
             "tokens": sum(r["rollout/generated_tokens"] for r in steps),
             "prompts": sum(r["groups/count"] for r in steps),
             "optimizer_steps": sum(r["policy/optimizer_steps"] for r in steps)}
+
+
+def rollout_shape(run_dir: Path, timed: list[dict], response_length: int) -> dict:
+    """How batch-shaped the rollout reached the engines: /generate calls per batch (the job's metric) and, from
+    the embedded engines' logs (one line per busy period), the median share of a busy period's sequences in its
+    first prefill and its decode steps per response token (1.0: one step per token, the batch decoded as one)."""
+    shape = {"calls_per_batch": statistics.median(r["rollout/generate_calls"] for r in timed)
+             if all("rollout/generate_calls" in r for r in timed) else None}
+    periods = [tuple(int(x) for x in (m.group(1), m.group(2), m.group(3)))
+               for log in sorted((run_dir / "logs").glob("engine-rank*.log"))
+               for m in re.finditer(r"busy period: (\d+) sequences, prefills \[(\d+)[^\]]*\], (\d+) decode steps",
+                                    log.read_text(errors="replace"))][1:]  # the first is the warm-up step's
+    if periods:
+        shape["first_prefill_share"] = statistics.median(first / total for total, first, _ in periods)
+        # the first token comes from the prefill: response_length - 1 decode steps at best
+        shape["decode_steps_per_token"] = statistics.median((steps + 1) / response_length for *_, steps in periods)
+    return shape
 
 
 def trl_run(args, python: Path, paths: dict, workdir: Path, position_ids: str) -> dict:
@@ -594,7 +614,7 @@ def main() -> None:
         for name, overrides in runs:
             label = "this project" if name == "project" else f"project {name}"
             projects[label] = project_side(args, paths, workdir, name.replace("/", "-"), config, tuple(overrides))
-            line = {**summary(projects[label]), "phases": projects[label]["phases"], "parts_s": projects[label]["parts_s"]}
+            line = {**summary(projects[label]), **{k: projects[label][k] for k in ("phases", "parts_s", "rollout_shape")}}
             print(f"{label}: {json.dumps(line)}", flush=True)
         sides = {**{label: summary(result) for label, result in projects.items()}, **sides}
     check_same_work(sides, args.batches, batch_size, tokens)
@@ -602,7 +622,7 @@ def main() -> None:
     for label, project in projects.items():
         print(f"{label} phase split: " + ", ".join(f"{k} {v:.0%}" for k, v in project["phases"].items())
               + ("; inside them (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in project["parts_s"].items())
-                 if project["parts_s"] else ""))
+                 if project["parts_s"] else "") + f"; rollout shape: {project['rollout_shape']}")
     reference = sides.get(f"TRL {TRL_VERSION} position ids on") or sides.get(f"TRL {TRL_VERSION} position ids off")
     out = {"setting": args.setting, "device": args.device, "sides": sides, "workdir": str(workdir)}
     if args.device == "cuda":
@@ -616,7 +636,8 @@ def main() -> None:
         memory = "peak_gpu_gb" if args.device == "cuda" else "peak_pss_gb"
         out.update({f"vs_trl_batches_per_s{suffix}": reference["median_batch_s"] / mine["median_batch_s"],
                     f"vs_trl_peak_memory{suffix}": mine[memory] / reference[memory] if reference[memory] else None,
-                    f"phases{suffix}": project["phases"], f"parts_s{suffix}": project["parts_s"]})
+                    f"phases{suffix}": project["phases"], f"parts_s{suffix}": project["parts_s"],
+                    f"rollout_shape{suffix}": project["rollout_shape"]})
         if args.eval_every:
             out.update({f"accuracy_final{suffix}": mine["accuracy"].get(str(args.batches)),
                         "trl_accuracy_final": reference["accuracy"].get(str(args.batches))})

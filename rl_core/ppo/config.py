@@ -118,11 +118,15 @@ class RolloutConfig:
     # (scripts/setup_sglang_cpu.sh builds it), so the job's environment needs no sglang.
     sglang_python: Optional[str] = None
     multi_node_host: Optional[str] = None  # address engines bind to when nnodes > 1
+    # A sampling seed per sample, so a resumed run samples what the uninterrupted one would have; a seeded
+    # sample is one /generate call, an unseeded group one call with n = group_size. null = where the engines
+    # honour seeds: the embedded engine, SGLang only with enable_deterministic_inference (else it ignores them).
+    seeded: Optional[bool] = None
 
     @property
-    def honours_sampling_seeds(self) -> bool:
-        """Whether the engines sample a seeded request reproducibly: the embedded engine always, SGLang only
-        under enable_deterministic_inference (its sampler ignores `sampling_seed` otherwise)."""
+    def samples_seeded(self) -> bool:
+        if self.seeded is not None:
+            return self.seeded
         return self.engine == "embedded" or bool(self.sglang_args.get("enable_deterministic_inference"))
 
 

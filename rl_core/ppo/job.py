@@ -191,7 +191,7 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
     algo, run_dir = cfg.algorithm, Path(cfg.trainer.run_dir)
     total_steps = cfg.trainer.total_episodes // algo.batch_size
     prompts = on_rank0(lambda: prompt_samples(cfg.data, cfg.data.train_path, tokenizer, algo.batch_size,
-                                              algo.group_size, cfg.trainer.seed, cfg.rollout.honours_sampling_seeds))
+                                              algo.group_size, cfg.trainer.seed, cfg.rollout.samples_seeded))
     held_out = None
     if cfg.data.eval_path is not None:
         held_out = on_rank0(lambda: eval_samples(cfg.data, cfg.data.eval_path, tokenizer, cfg.eval.n,

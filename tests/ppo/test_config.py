@@ -128,6 +128,6 @@ def test_a_model_the_plan_cannot_read_leaves_the_job_on_the_safe_old_behaviour(t
 def test_samples_carry_sampling_seeds_only_where_the_engines_honour_them():
     """Seeds make a resumed run sample what the uninterrupted one would have; SGLang ignores them unless it runs
     deterministic inference, and unseeded groups go to the engines as one n = group_size call each."""
-    assert ppo().rollout.honours_sampling_seeds
-    assert not ppo("rollout.engine=sglang").rollout.honours_sampling_seeds
-    assert ppo("rollout.engine=sglang", "rollout.sglang_args.enable_deterministic_inference=true").rollout.honours_sampling_seeds
+    assert ppo().rollout.samples_seeded and not ppo("rollout.seeded=false").rollout.samples_seeded
+    assert not ppo("rollout.engine=sglang").rollout.samples_seeded
+    assert ppo("rollout.engine=sglang", "rollout.sglang_args.enable_deterministic_inference=true").rollout.samples_seeded

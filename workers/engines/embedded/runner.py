@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import logging
 import queue
 import threading
 import time
@@ -25,6 +26,9 @@ import torch
 from workers.engines.embedded.kv_cache import SlotCache
 from workers.engines.embedded.sampling import GREEDY_TEMPERATURE, RowSampling, cat_padded, draw_uniforms, sample
 from workers.loading import context_length
+
+LOG = logging.getLogger("embedded_engine")
+BURST_GAP_S, BURST_MAX_S = 0.002, 0.05  # an idle engine's first prefill waits for the rest of a burst (_rest_of_burst)
 
 
 @dataclasses.dataclass
@@ -184,19 +188,42 @@ class ModelRunner:
     def run_until_idle(self, incoming: "queue.SimpleQueue[GenRequest]", max_batch_size: int,
                        on_finish: Callable[[GenRequest, dict], None]) -> None:
         """Decode until no row is active and nothing is waiting; new requests join between steps."""
+        prefills, decode_steps = [], 0  # this busy period's shape, logged: how batch-shaped the arrivals were
         with torch.inference_mode():
             batch = DecodeBatch(SlotCache(self.num_layers, self.device, max_batch_size))
             while True:
                 self.step_gate.wait()  # a pause in place holds here, between two decode steps
                 joining = self._take(incoming, max_batch_size - batch.size, on_finish)
+                if joining and not prefills:
+                    joining += self._rest_of_burst(incoming, max_batch_size - len(joining), on_finish)
                 if joining:
                     self._prefill(batch, joining)
+                    prefills.append(len(joining))
                 if batch.size == 0:
                     self.stats["kv_relayouts"] += batch.cache.relayouts
+                    if prefills:
+                        LOG.info("busy period: %d sequences, prefills %s, %d decode steps", sum(prefills),
+                                 prefills[:16], decode_steps)
                     return
                 self._sample_and_finish(batch, on_finish)
                 if batch.size:
                     self._decode(batch)
+                    decode_steps += 1
+
+    def _rest_of_burst(self, incoming, room: int, on_finish) -> list[GenRequest]:
+        """The requests still arriving with the first of an idle engine's work: a rollout sends its batch at
+        once, but the HTTP front end queues it one request at a time, and a first prefill of the first few
+        would have the rest join a step later. Waits while requests keep coming (BURST_GAP_S apart), at most
+        BURST_MAX_S; a lone request waits one gap."""
+        taken: list[GenRequest] = []
+        deadline = time.perf_counter() + BURST_MAX_S
+        while len(taken) < room and time.perf_counter() < deadline:
+            time.sleep(BURST_GAP_S)  # lets the server's thread queue what has arrived
+            more = self._take(incoming, room - len(taken), on_finish)
+            if not more:
+                break
+            taken += more
+        return taken
 
     def _take(self, incoming, room: int, on_finish) -> list[GenRequest]:
         taken = []
