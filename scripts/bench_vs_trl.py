@@ -379,7 +379,8 @@ def gpu86m_project_config(args, assets: dict, workdir: Path) -> Path:
 
     cfg = OmegaConf.load(REPO / "configs" / "grpo_arithmetic.yaml")
     cfg.model = {"path": str(assets["model"]), **({"mixed_precision": "bf16"} if args.bf16 else {})}
-    cfg.reward = {"model_path": None, "fns": {"sentiment": {"fn": "rl_core.rewards.sentiment:vader_compound",
+    # The same VADER scores as TRL's side, in one call per batch (`vader_compounds`, a batched reward function).
+    cfg.reward = {"model_path": None, "fns": {"sentiment": {"fn": "rl_core.rewards.sentiment:vader_compounds",
                                                             "weight": 1.0}}}
     cfg.data = {"train_path": str(assets["train"]), "eval_path": None, "prompt_key": "prompt",
                 "apply_chat_template": False, "max_prompt_length": args.prompt_tokens, "on_long_prompt": "error"}

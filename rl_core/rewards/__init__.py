@@ -6,7 +6,13 @@ row, so a new task needs no framework change:
     def my_reward(completion: str, sample: dict, **kwargs) -> float: ...
     async def my_remote_reward(completion: str, sample: dict, **kwargs) -> float: ...
 
-`sample` is the prompt's dataset row with every column (e.g. `answer`). The config names them
+`sample` is the prompt's dataset row with every column (e.g. `answer`). A function marked `@batched`
+scores a whole rollout in one call (lists in, a list out), as TRL's reward functions do:
+
+    @batched
+    def my_batch_reward(completions: list[str], samples: list[dict], **kwargs) -> list[float]: ...
+
+which saves a worker round trip per completion for cheap scorers. The config names them
 with weights (`reward.fns: {name: {fn: "pkg.module:function", weight: 1.0, kwargs: {...}}}`);
 the trajectory's reward is the weighted sum and every component is logged on its own. Sync
 functions run in worker processes (`reward.fn_processes`, see workers.py; 0 = a thread pool),
@@ -43,6 +49,12 @@ def load_reward_fn(import_path: str) -> Callable:
     return fn
 
 
+def batched(fn: Callable) -> Callable:
+    """Mark `fn` as scoring a batch: `fn(completions, samples, **kwargs) -> list of numbers`, one per completion."""
+    fn.scores_batches = True
+    return fn
+
+
 @dataclass
 class RewardFn:
     name: str
@@ -53,6 +65,10 @@ class RewardFn:
     @property
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.fn)
+
+    @property
+    def is_batched(self) -> bool:
+        return bool(getattr(self.fn, "scores_batches", False))
 
 
 class RewardFunctions:
@@ -76,27 +92,65 @@ class RewardFunctions:
         return bool(self.fns)
 
     async def score(self, completion: str, sample: dict) -> dict[str, float]:
-        """Every component's value for one completion (run concurrently); RewardFnError on any failure."""
-        values = await asyncio.gather(*(self._one(f, completion, sample) for f in self.fns), return_exceptions=True)
-        for f, value in zip(self.fns, values):
-            if isinstance(value, BaseException):
-                raise RewardFnError(f"reward function {f.name!r} failed: {value}") from value
-        return dict(zip(self.names, values))
+        """Every component's value for one completion; RewardFnError on any failure."""
+        (result,) = await self.score_batch([completion], [sample])
+        if isinstance(result, RewardFnError):
+            raise result
+        return result
+
+    async def score_batch(self, completions: list[str], samples: list[dict]) -> list[dict[str, float] | RewardFnError]:
+        """Every component's value for each completion, all functions concurrently: a batched one in one call,
+        any other once per completion. A completion whose function failed gets the RewardFnError instead."""
+        per_fn = await asyncio.gather(*(self._values(f, completions, samples) for f in self.fns))
+        results: list[dict[str, float] | RewardFnError] = []
+        for k in range(len(completions)):
+            failed = next(((f, values[k]) for f, values in zip(self.fns, per_fn) if isinstance(values[k], Exception)), None)
+            if failed is not None:
+                f, err = failed
+                error = RewardFnError(f"reward function {f.name!r} failed: {err}")
+                error.__cause__ = err
+                results.append(error)
+            else:
+                results.append({f.name: values[k] for f, values in zip(self.fns, per_fn)})
+        return results
 
     def total(self, components: dict[str, float]) -> float:
         return sum(f.weight * components[f.name] for f in self.fns)
 
+    async def _values(self, f: RewardFn, completions: list[str], samples: list[dict]) -> list[float | Exception]:
+        """`f`'s number for each completion, or the exception that stands for it."""
+        if not f.is_batched:
+            return await asyncio.gather(*(self._one(f, c, s) for c, s in zip(completions, samples)),
+                                        return_exceptions=True)
+        try:
+            values = await self._call(f, completions, samples)
+            if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+                raise RewardFnError(f"returned {type(values).__name__} of {len(values) if hasattr(values, '__len__') else '?'} "
+                                    f"values for {len(completions)} completions; a batched reward function returns one "
+                                    "number per completion")
+        except Exception as err:  # the whole call failed: every completion of it did
+            return [err] * len(completions)
+        out: list[float | Exception] = []
+        for value in values:
+            try:
+                out.append(_as_number(value))
+            except RewardFnError as err:
+                out.append(err)
+        return out
+
     async def _one(self, f: RewardFn, completion: str, sample: dict) -> float:
+        return _as_number(await self._call(f, completion, sample))
+
+    async def _call(self, f: RewardFn, completion, sample) -> Any:
         if f.is_async:
             call = f.fn(completion, sample, **f.kwargs)
         else:  # blocking checkers (sympy, subprocesses, HTTP) must not stall the rollout's event loop
             loop = asyncio.get_running_loop()  # a partial, not a lambda: worker processes receive it pickled
             call = loop.run_in_executor(self.executor, functools.partial(f.fn, completion, sample, **f.kwargs))
         try:
-            value = await asyncio.wait_for(call, self.timeout_s)
+            return await asyncio.wait_for(call, self.timeout_s)
         except asyncio.TimeoutError:
             raise RewardFnError(f"timed out after {self.timeout_s} s (reward.fn_timeout_s)") from None
-        return _as_number(value)
 
 
 def _as_number(value: Any) -> float:

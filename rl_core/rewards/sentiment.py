@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from rl_core.rewards import batched
+
 
 @lru_cache(maxsize=1)
 def _analyzer():
@@ -20,3 +22,9 @@ def _analyzer():
 def vader_compound(completion: str, sample: dict | None = None, **kwargs) -> float:
     """VADER's compound polarity of `completion` (-1 most negative, 1 most positive, 0 neutral or empty)."""
     return float(_analyzer().polarity_scores(completion)["compound"])
+
+
+@batched
+def vader_compounds(completions: list[str], samples: list[dict] | None = None, **kwargs) -> list[float]:
+    """`vader_compound` of a whole batch in one call: at 0.1 ms a completion, a call each would cost more than it."""
+    return [vader_compound(completion) for completion in completions]

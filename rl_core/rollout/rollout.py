@@ -10,9 +10,10 @@ idle, and one progress bar on rank 0 shows the whole rollout.
 returning SGLang's /generate answer (`workers.engines.client.EngineClient` in practice).
 Env failures end their trajectory (counted, excluded); engine errors propagate, because a
 broken engine or router is not something a retry at this level can fix. Reward functions
-(`rl_core.rewards`) score each finished trajectory here, off the event loop, so their values
-are known when the rollout returns (dynamic sampling filters on them); a reward function that
-fails fails its trajectory like an env would, and counts towards `env.max_failed_ratio`.
+(`rl_core.rewards`) score the finished trajectories here, off the event loop, all of a rollout at
+once (each group's under dynamic sampling, which filters on them), after the envs are returned;
+a reward function that fails fails its trajectory like an env would, and counts towards
+`env.max_failed_ratio`.
 """
 
 from __future__ import annotations
@@ -150,6 +151,7 @@ class _Rollout:
         self.limit = asyncio.Semaphore(settings.concurrency) if settings.concurrency else None
         self.waves: list[FirstTurnWave] = []
         self.calls_alone = 0  # /generate calls sent outside a wave (later turns, retries after an abort)
+        self.reward_s = 0.0  # time spent in reward functions (`scored`)
         self.sample_shown = False
         self.bar: tqdm | None = None
 
@@ -163,7 +165,8 @@ class _Rollout:
         """How the engines were asked: /generate calls, and the share of first turns sent in the first wave."""
         together = self.waves[0].sequences_sent if self.waves else 0
         return {"rollout/generate_calls": self.calls_alone + sum(w.calls_sent for w in self.waves),
-                "rollout/first_wave_frac": together / trajectories if trajectories else 0.0}
+                "rollout/first_wave_frac": together / trajectories if trajectories else 0.0,
+                "rollout/reward_fn_s": self.reward_s}
 
     async def trajectory(self, sample: dict, seat: Seat, info: dict | None = None) -> Trajectory:
         """Run one episode; an env failure gives a failed (excluded) trajectory instead of raising."""
@@ -177,8 +180,6 @@ class _Rollout:
                         traj.info["env_time_s"] = env.env_time_s
                 except EnvFailure as err:
                     traj = Trajectory(sequences=[], sample=sample, failed=True, error=str(err))
-                if not traj.failed and self.reward_fns:
-                    traj = await self._reward(traj)
         finally:
             seat.leave()  # ended before its first turn (e.g. a failed reset): its wave goes on without it
         traj.info.update(info or {})
@@ -187,17 +188,25 @@ class _Rollout:
             self._show(traj)
         return traj
 
-    async def _reward(self, traj: Trajectory) -> Trajectory:
-        """Score the final response with every reward function; a failing one fails the trajectory."""
-        completion = self.tokenizer.decode(traj.final_response()[1], skip_special_tokens=True)
-        try:
-            traj.reward_components = await self.reward_fns.score(completion, traj.sample)
-        except RewardFnError as err:
-            logger.error("reward function failure, trajectory left out of training: %s", err)
-            return Trajectory(sequences=[], sample=traj.sample, failed=True, error=str(err),
-                              info={"reward_failed": True})
-        traj.fn_reward = self.reward_fns.total(traj.reward_components)
-        return traj
+    async def scored(self, trajectories: list[Trajectory]) -> list[Trajectory]:
+        """The reward functions on every finished trajectory at once: a batched function is called once, any other
+        once per completion. A trajectory whose function failed is replaced by a failed one, left out of training."""
+        todo = [t for t in trajectories if not t.failed]
+        if not self.reward_fns or not todo:
+            return trajectories
+        start = time.perf_counter()
+        completions = self.tokenizer.batch_decode([t.final_response()[1] for t in todo], skip_special_tokens=True)
+        results = await self.reward_fns.score_batch(completions, [t.sample for t in todo])
+        self.reward_s += time.perf_counter() - start
+        failed: dict[int, Trajectory] = {}
+        for traj, result in zip(todo, results):
+            if isinstance(result, RewardFnError):
+                logger.error("reward function failure, trajectory left out of training: %s", result)
+                failed[id(traj)] = Trajectory(sequences=[], sample=traj.sample, failed=True, error=str(result),
+                                              info={**traj.info, "reward_failed": True})
+            else:
+                traj.reward_components, traj.fn_reward = result, self.reward_fns.total(result)
+        return [failed.get(id(t), t) for t in trajectories]
 
     async def _episode(self, sample: dict, env: EnvLease, seat: Seat) -> Trajectory:
         builder = TrajectoryBuilder(self.tokenizer)
@@ -329,7 +338,7 @@ async def rollout(samples: list[dict], settings: RolloutSettings, *, client: Any
             bar.update(1)
             return traj
 
-        results = await _gather_all(one(sample) for sample in samples)
+        results = await run.scored(await _gather_all(one(sample) for sample in samples))
     env_pool.check_failure_ratio(since=before)
     check_reward_failures(results, env_pool.max_failed_ratio)
     kept = [t for t in results if not t.failed]
@@ -372,7 +381,8 @@ async def rollout_until(n_wanted: int, sample_iter: Iterable[dict | list[dict]],
         return sample if isinstance(sample, list) else [sample] * group_size
 
     async def group(members: list[dict], index: int, wave: FirstTurnWave) -> list[Trajectory]:
-        return await _gather_all(run.trajectory(member, wave.seat(), {"group": index}) for member in members)
+        return await run.scored(await _gather_all(run.trajectory(member, wave.seat(), {"group": index})
+                                                  for member in members))
 
     with tqdm(total=n_wanted, desc=f"rollout v{run.current_version()}", unit="group", disable=not settings.progress,
               dynamic_ncols=True) as bar:

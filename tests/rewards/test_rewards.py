@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from rl_core.rewards import RewardFnError, RewardFunctions, load_reward_fn
+from rl_core.rewards import RewardFnError, RewardFunctions, batched, load_reward_fn
 from rl_core.rewards.math import answer_reward, format_reward
 
 GSM8K_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
@@ -264,3 +264,37 @@ def test_vader_compound_scores_a_completion_by_sentiment_through_its_import_path
     happy, sad = fn("What a wonderful, lovely, happy day!", {}), fn("This is a terrible, awful, sad mess.", {})
     assert 0.5 < happy <= 1.0 and -1.0 <= sad < -0.5
     assert fn("", {}) == 0.0 and fn("the table is in the room", {}) == 0.0
+
+
+BATCH_CALLS = []
+
+
+@batched
+def batch_length(completions, samples, scale=1.0):
+    BATCH_CALLS.append(len(completions))
+    return [scale * len(c) if c != "nan" else float("nan") for c in completions]
+
+
+@batched
+def batch_too_short(completions, samples):
+    return [1.0]
+
+
+def test_a_batched_function_scores_a_batch_in_one_call_and_fails_only_what_it_could_not_score():
+    fns = RewardFunctions.from_config({"length": {"fn": f"{__name__}:batch_length", "kwargs": {"scale": 2.0}},
+                                       "match": {"fn": f"{__name__}:async_match"}}, timeout_s=5.0)
+    BATCH_CALLS.clear()
+    results = asyncio.run(fns.score_batch(["abc", "nan", "xy"], [{"answer": "abc"}, {"answer": "x"}, {"answer": "x"}]))
+    assert BATCH_CALLS == [3]  # one call for the batch; the per-item function ran once per completion
+    assert results[0] == {"length": 6.0, "match": 1.0} and results[2] == {"length": 4.0, "match": 0.0}
+    assert isinstance(results[1], RewardFnError) and "'length' failed" in str(results[1]) and "finite" in str(results[1])
+    short = RewardFunctions.from_config({"short": {"fn": f"{__name__}:batch_too_short"}}, timeout_s=5.0)
+    results = asyncio.run(short.score_batch(["a", "b"], [{}, {}]))
+    assert all(isinstance(r, RewardFnError) and "one number per completion" in str(r) for r in results)
+
+
+def test_vader_compounds_is_vader_compound_over_a_batch():
+    from rl_core.rewards.sentiment import vader_compound, vader_compounds
+
+    texts = ["What a wonderful day!", "", "This is awful."]
+    assert vader_compounds(texts, [{}] * 3) == [vader_compound(t) for t in texts]

@@ -11,6 +11,7 @@ from envs.base import Action, Env, StepResult, make_env_factory
 from envs.calculator import CalculatorEnv
 from envs.pool import EnvPool, TooManyEnvFailures
 from envs.sentiment import SentimentEnv
+from rl_core.rewards import batched
 from rl_core.rollout.rollout import RolloutSettings, rollout, rollout_until
 from workers.engines.client import EngineClient
 from workers.engines.rank_engine import EngineSpec, start_engine
@@ -447,6 +448,40 @@ def test_reward_functions_score_in_the_rollout_and_their_failures_count_like_env
         run_rollout(router_url, samples, SingleTurnEnv, tokenizer, max_failed_ratio=0.25,
                     sampling_params={"max_new_tokens": 5}, max_turns=1, policy_version=0,
                     max_total_tokens=CONTEXT, reward_fns=fns)
+
+
+BATCHES = []
+
+
+@batched
+def count_batches(completions, samples):
+    BATCHES.append(len(completions))
+    return [float(len(c)) for c in completions]
+
+
+@pytest.mark.timeout(120)
+def test_a_batched_reward_function_is_called_once_per_rollout_and_once_per_group_under_dynamic_sampling(
+        router_url, tokenizer):
+    from envs.single_turn import SingleTurnEnv
+    from rl_core.rewards import RewardFunctions
+
+    fns = RewardFunctions.from_config({"chars": {"fn": f"{__name__}:count_batches"}}, timeout_s=10)
+    BATCHES.clear()
+    result, _, pool = run_rollout(router_url, [{"text": "she smiled at"}] * 6, SingleTurnEnv, tokenizer, num_envs=6,
+                                  sampling_params={"max_new_tokens": 5}, max_turns=1, max_total_tokens=CONTEXT,
+                                  reward_fns=fns)
+    assert BATCHES == [6] and result.metrics["rollout/reward_fn_s"] > 0
+    for traj in result.trajectories:
+        assert traj.fn_reward == len(tokenizer.decode(traj.final_response()[1], skip_special_tokens=True))
+    BATCHES.clear()
+
+    async def until():
+        async with EngineClient(router_url, timeout_s=60) as client:
+            settings = RolloutSettings({"max_new_tokens": 4}, max_total_tokens=CONTEXT, progress=False)
+            return await rollout_until(2, ({"text": f"we found {i}"} for i in range(10)), settings, group_size=3,
+                                       client=client, env_pool=pool, tokenizer=tokenizer, policy_version=0,
+                                       reward_fns=fns)
+    assert len(asyncio.run(until()).trajectories) == 6 and BATCHES == [3, 3]  # each group as it finishes
 
 
 @pytest.mark.timeout(120)
