@@ -71,7 +71,7 @@ class AsyncCollector:
     def start(self, service: RolloutService, current_version: Callable[[], int]) -> None:
         """Start the producer; `current_version()` is the version the engines serve (pushes land mid-rollout)."""
         self.service = service
-        service.start_producer(self.prompts, current_version, self.settings.queue_batches)
+        service.start_producer(self.prompts, current_version, self.settings.queue_batches, self.settings.max_staleness)
 
     def collect(self, version: int) -> tuple[RolloutResult, int]:
         """Fresh-enough queued trajectories; returns (batch, trajectories dropped as too stale)."""

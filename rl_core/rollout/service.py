@@ -8,6 +8,7 @@ trajectories no staler than `max_staleness` policy versions and counts the ones 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import queue
 import threading
 from typing import Callable, Protocol
@@ -84,6 +85,8 @@ class RolloutService:
         self.batches: queue.Queue = queue.Queue()
         self.producer: asyncio.Future | None = None
         self.stop_producing = threading.Event()
+        self.extra_batches = 0  # batches taken beyond one a step (the producer's staleness gate counts them)
+        self.batches_generated = 0
         # Async resume point: the prompt stream's state after the last batch the trainer took.
         # Batches still queued or being generated are not in it, so a resumed run generates them again.
         self.resume_state: dict | None = None
@@ -127,16 +130,29 @@ class RolloutService:
         self._call(self.client.release())
 
     def start_producer(self, sample_batches: PromptStream, current_version: Callable[[], int],
-                       max_queued: int) -> None:
-        """Keep generating batches (at most `max_queued` waiting) until `close`."""
+                       max_queued: int, max_staleness: int) -> None:
+        """Keep generating batches (at most `max_queued` waiting) until `close`.
+
+        Bounded staleness at the source: the trainer takes one batch a step, so batch i (counted from here) is
+        started only once the engines serve a version that will still be within `max_staleness` of the
+        trainer's when it takes it. A batch started earlier would be dropped as stale: generated, never
+        trained on. A step that takes more than one batch (failures left the first short) moves the schedule
+        on by one, so the batch it waits for is never held back."""
         self.batches = queue.Queue(maxsize=max_queued)
         self.resume_state = sample_batches.state_dict()
+        first_version = current_version()
 
         async def produce():
-            while not self.stop_producing.is_set():
+            for index in itertools.count():
+                while (current_version() - first_version < index - self.extra_batches - max_staleness
+                       and not self.stop_producing.is_set()):
+                    await asyncio.sleep(0.005)
+                if self.stop_producing.is_set():
+                    break
                 samples = next(sample_batches)
                 position = sample_batches.state_dict()
                 result = await self._rollout(samples, current_version)
+                self.batches_generated += 1
                 while not self.stop_producing.is_set():
                     try:
                         self.batches.put_nowait((result, position))
@@ -155,7 +171,10 @@ class RolloutService:
         resume point exact.
         """
         kept, failed, metrics, dropped, surplus = [], [], {}, 0, 0
+        first = self.batches_taken
         while len(kept) < batch_size:
+            if self.batches_taken > first:  # a second batch this step: the producer's schedule moves on by one
+                self.extra_batches += 1
             result, self.resume_state = self._get_result()
             self.batches_taken += 1
             for traj in result.trajectories:
@@ -167,7 +186,8 @@ class RolloutService:
                     surplus += 1
             failed += result.failed
             metrics = dict(result.metrics)
-        metrics.update({"async/surplus_discarded": surplus, "async/batches_taken": self.batches_taken})
+        metrics.update({"async/surplus_discarded": surplus, "async/batches_taken": self.batches_taken,
+                        "async/batches_generated": self.batches_generated})
         return RolloutResult(kept, failed, metrics), dropped
 
     def _get_result(self) -> tuple[RolloutResult, dict]:

@@ -137,6 +137,9 @@ def test_async_mode_respects_staleness_bound(small_job, tmp_path, partial):
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert all(m["async/staleness_max"] <= 1 for m in metrics)
+    # Nothing generated only to be dropped: the producer starts a batch only when it will be fresh enough,
+    # at most max_staleness batches ahead of the one being taken.
+    assert all(m["async/dropped_stale"] == 0 and m["async/batches_generated"] <= m["step"] + 1 for m in metrics), metrics
     assert all(m["perf/old_logprobs_from_engine"] == 0.0 for m in metrics)  # stale engines: pi_old recomputed
     # The resume point is after the batches the trainer took, not the producer's (which runs
     # ahead with queued batches): a resumed run regenerates what was never trained on.
