@@ -67,6 +67,7 @@ class ModelRunConfig:
     sequence_parallel: int = 1
     # Tokens of LM-head logits computed at a time, recomputed in backward (0 = the whole micro-batch's at
     # once): float32 logits are tokens x vocabulary x 4 bytes, 2.4 GB for 4096 tokens of a 150k vocabulary.
+    # Used only where a micro-batch's logits exceed 64 MiB; smaller ones are computed whole (workers/forward.py).
     logits_chunk: int = 1024
 
     def validate(self, packing: bool) -> None:

@@ -9,7 +9,8 @@ therefore masked by ``action_mask`` directly.
 The LM head runs on the wanted tokens only (the actions, or every token with one before it), in chunks
 of `ForwardSettings.logits_chunk` tokens recomputed in backward, so no `[tokens, vocabulary]` logits of a
 whole micro-batch exist at once: float32 logits of a 16k-token micro-batch at a 150k vocabulary are
-~9.6 GB. It runs inside the model's forward (a hook on its decoder), where FSDP has the head's weight
+~9.6 GB. Logits of at most `UNCHUNKED_LOGITS_MAX_BYTES` are computed whole (`head_chunk`): there chunks
+only add kernel launches and a recompute. It runs inside the model's forward (a hook on its decoder), where FSDP has the head's weight
 gathered, and the model's own head computes one position only.
 """
 
@@ -29,13 +30,29 @@ from workers.loading import score_head
 from workers.sequence_parallel import SequenceGroup
 
 
+# float32 logits up to this size are computed whole: chunking them (and recomputing each chunk in backward)
+# saves memory only when they are large (long micro-batches, big vocabularies), and costs time always: six
+# checkpointed chunks for 6k tokens of a 1,360-token vocabulary (33 MB of logits) were pure overhead.
+UNCHUNKED_LOGITS_MAX_BYTES = 64 * 2**20
+
+
+def head_chunk(tokens: int, vocab: int, chunk: int, unchunked_max_bytes: int = UNCHUNKED_LOGITS_MAX_BYTES) -> int:
+    """Tokens of LM-head logits computed at a time for `tokens` wanted tokens: `chunk`, or 0 (all at once) when
+    chunks are off or their float32 logits (tokens x vocabulary x 4 bytes) fit `unchunked_max_bytes`."""
+    if chunk <= 0 or tokens <= chunk or tokens * vocab * 4 <= unchunked_max_bytes:
+        return 0
+    return chunk
+
+
 @dataclass(frozen=True)
 class ForwardSettings:
     """How models run on a job's micro-batches: `logits_chunk` tokens of LM-head logits at a time (0: all
-    at once) and the sequence-parallel group splitting each micro-batch's tokens (None: no split)."""
+    at once; `head_chunk` decides from the micro-batch's logits size) and the sequence-parallel group
+    splitting each micro-batch's tokens (None: no split)."""
 
     logits_chunk: int = 0
     sequence: SequenceGroup | None = None
+    unchunked_logits_max_bytes: int = UNCHUNKED_LOGITS_MAX_BYTES
 
     @classmethod
     def for_job(cls, run, world_size: int, device: torch.device) -> "ForwardSettings":
@@ -145,10 +162,12 @@ def _head_outputs(hidden: torch.Tensor, labels: torch.Tensor, *, weight: torch.T
     return tuple(outputs)
 
 
-def _in_chunks(head: Callable, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -> list[torch.Tensor]:
-    """`head(hidden, labels)` (`_head_outputs`) over `chunk` tokens at a time, each chunk's logits recomputed
+def _in_chunks(head: Callable, hidden: torch.Tensor, labels: torch.Tensor, settings: ForwardSettings,
+               vocab: int) -> list[torch.Tensor]:
+    """`head(hidden, labels)` (`_head_outputs`) over `head_chunk` tokens at a time, each chunk's logits recomputed
     in backward (activation checkpointing), so the backward holds the hidden states, not the logits."""
-    if chunk <= 0 or len(hidden) <= chunk:
+    chunk = head_chunk(len(hidden), vocab, settings.logits_chunk, settings.unchunked_logits_max_bytes)
+    if chunk == 0:
         return list(head(hidden, labels))
     parts = [checkpoint(head, hidden[i:i + chunk], labels[i:i + chunk], use_reentrant=False)
              for i in range(0, len(hidden), chunk)]
@@ -184,12 +203,12 @@ def _token_outputs(model: nn.Module, batch: dict[str, torch.Tensor], temperature
                                  softcap=_final_softcap(lm.config), wanted=wanted)
         group = settings.sequence
         if group is None:
-            computed.append(_in_chunks(head, hidden.flatten(0, 1)[previous], labels, settings.logits_chunk))
+            computed.append(_in_chunks(head, hidden.flatten(0, 1)[previous], labels, settings, linear.weight.shape[0]))
             return
         # Sequence parallel: whole rows of hidden states, the head on this rank's share of the tokens.
         hidden = group.gather_hidden(hidden).flatten(0, 1)
         start, stop, share = group.split(len(previous))
-        mine = _in_chunks(head, hidden[previous[start:stop]], labels[start:stop], settings.logits_chunk)
+        mine = _in_chunks(head, hidden[previous[start:stop]], labels[start:stop], settings, linear.weight.shape[0])
         padded = [torch.nn.functional.pad(out, (0, share - (stop - start))) for out in mine]
         computed.append([group.gather_replicated(out)[:len(previous)] for out in padded])
 

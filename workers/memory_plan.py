@@ -209,7 +209,9 @@ def activation_bytes(inputs: MemoryInputs) -> int:
         body = tokens * (shape.layers * shape.hidden * width + per_layer)
     else:
         body = tokens * shape.layers * per_layer
-    chunk = min(inputs.logits_chunk or tokens, tokens)
+    from workers.forward import head_chunk  # the trainer's own rule for when the head runs in chunks
+
+    chunk = head_chunk(tokens, shape.vocab, inputs.logits_chunk) or tokens
     return body + LOGIT_COPIES * chunk * shape.vocab * 4
 
 

@@ -52,7 +52,8 @@ def test_forward_matches_the_models_logits_in_every_layout(family, family_dirs):
     batch = _batch()
     with torch.no_grad():
         expected_logprobs, expected_entropy = _reference(model, batch, temperature=0.7)
-        for layout in (batch, pack(batch), MicroBatch(pack(batch), ForwardSettings(logits_chunk=5))):
+        chunked = ForwardSettings(logits_chunk=5, unchunked_logits_max_bytes=0)  # chunks however small the logits
+        for layout in (batch, pack(batch), MicroBatch(pack(batch), chunked)):
             logprobs, entropy = token_logprobs_and_entropy(model, layout, 0.7, actions_only=True)
             torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-5, rtol=0)
             torch.testing.assert_close(entropy, expected_entropy, atol=1e-5, rtol=0)
@@ -65,10 +66,20 @@ def test_chunked_head_gives_the_same_gradients(family, family_dirs):
     grads = []
     for chunk in (0, 4):
         model.zero_grad()
-        logprobs, entropy = token_logprobs_and_entropy(model, MicroBatch(batch, ForwardSettings(logits_chunk=chunk)),
-                                                       actions_only=True)
+        settings = ForwardSettings(logits_chunk=chunk, unchunked_logits_max_bytes=0)
+        logprobs, entropy = token_logprobs_and_entropy(model, MicroBatch(batch, settings), actions_only=True)
         (logprobs.sum() + 0.1 * entropy.sum()).backward()
         grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-5)
+
+
+def test_the_head_runs_in_chunks_only_where_the_logits_are_large():
+    from workers.forward import head_chunk
+
+    assert head_chunk(6144, 1360, 1024) == 0  # the gpu86m micro-batch: 33 MB of logits, whole
+    assert head_chunk(4096, 151_936, 1024) == 1024  # Qwen's vocabulary: 2.5 GB of logits, in chunks
+    assert head_chunk(8192, 32_000, 1024) == 1024  # one 8k-token response of a 32k vocabulary: 1 GB
+    assert head_chunk(4096, 151_936, 0) == 0 and head_chunk(512, 151_936, 1024) == 0  # off; one chunk anyway
+    assert head_chunk(100, 1360, 16, unchunked_max_bytes=0) == 16

@@ -66,7 +66,7 @@ def _run(model_dir: str, tokenizer, world_size: int, rank: int, group) -> dict:
     critic = prepare(critic)
     reward_model = prepare(init_reward_model(model_dir, pad_token_id=tokenizer.pad_token_id, seed=0))
     worker = BatchWorker(rank, world_size, torch.device("cpu"), MAX_TOKENS, layout="rows", share_prompts=True,
-                         settings=ForwardSettings(logits_chunk=16, sequence=group))
+                         settings=ForwardSettings(logits_chunk=16, sequence=group, unchunked_logits_max_bytes=0))
     batch = _batch()
     outputs = worker.gather(batch, lambda micro: (
         *token_logprobs_and_entropy(policy, micro, temperature=0.9, actions_only=True),
