@@ -236,8 +236,11 @@ def rollout_correction_weights(
     log_ratio = (old_logprobs - behaviour_logprobs).detach()
     ratio = torch.exp(log_ratio)
     valid = mask.bool()
-    stats = {"ratio_mean": masked_mean(ratio, mask), "ratio_max": ratio[valid].max() if valid.any() else ratio.sum() * 0,
-             "ratio_min": ratio[valid].min() if valid.any() else ratio.sum() * 0}
+    # Masked extremes without a host read (boolean indexing or `if valid.any()` would sync a GPU); 0 when empty.
+    any_valid = valid.any()
+    stats = {"ratio_mean": masked_mean(ratio, mask),
+             "ratio_max": torch.where(any_valid, torch.where(valid, ratio, -torch.inf).max(), 0.0),
+             "ratio_min": torch.where(any_valid, torch.where(valid, ratio, torch.inf).min(), 0.0)}
     low, high = band
     if mode == "none":
         weights = None

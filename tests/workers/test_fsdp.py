@@ -214,3 +214,40 @@ def test_single_process_without_torchrun(tiny_model_dir, monkeypatch):
         _assert_state_dicts_close(full_state_dict(model), unsharded, atol=0)
     finally:
         dist.destroy_process_group()
+
+
+HOST_READS = {"item", "tolist", "__bool__", "__float__", "__int__", "nonzero", "cpu", "numpy"}
+
+
+def test_a_forward_backward_reads_its_metrics_back_in_one_transfer():
+    """On a GPU every read of a device tensor stalls the host; the metrics of all micro-batches come back at once."""
+    from torch.overrides import TorchFunctionMode
+
+    from workers.fsdp import TrainableModel
+
+    class CountHostReads(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.reads = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in HOST_READS:
+                self.reads.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    trainable = TrainableModel(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), sharded=False)
+    micro_batches = [{"x": torch.randn(3, 4)} for _ in range(4)]
+
+    def loss_fn(m, batch):
+        out = m(batch["x"])
+        return out.pow(2).sum(), {"mean": out.mean(), "max": out.max(), "rows": 3}
+
+    with CountHostReads() as counter:
+        metrics = trainable.forward_backward(micro_batches, loss_fn)
+    assert counter.reads == ["tolist"]  # 4 micro-batches x 3 tensors, one transfer
+    with torch.no_grad():
+        outs = [model(b["x"]) for b in micro_batches]
+    assert metrics["loss"] == pytest.approx([o.pow(2).sum().item() for o in outs])
+    assert metrics["max"] == pytest.approx([o.max().item() for o in outs]) and metrics["rows"] == [3.0] * 4
