@@ -218,7 +218,10 @@ class AlgorithmConfig:
     # logprobs; "auto" takes the engine's in sync mode when the last push's probe gap (max over ranks) is at
     # most old_logprobs_max_gap, so the recomputation would only reproduce them, else recomputes.
     old_logprobs: str = choice("auto", ("auto", "trainer", "engine"))
-    old_logprobs_max_gap: float = 1e-3  # nats: a ratio error of 0.1%, far inside the clip range
+    # Nats of mean probe gap; null = by the precision in use (OLD_LOGPROBS_MAX_GAP): 1e-3 where engine and
+    # trainer both compute in float32, 1e-2 where either computes in bf16 or fp16, whose own rounding gives
+    # gaps of that order between any two computations (a ratio error of 1%, far inside the clip range).
+    old_logprobs_max_gap: Optional[float] = None
     kl: KLConfig = field(default_factory=KLConfig)
 
 
@@ -298,11 +301,25 @@ def release_mode(ro: RolloutConfig) -> str:
     return value if isinstance(value, str) else ("always" if value else "never")
 
 
+OLD_LOGPROBS_MAX_GAP = {"float32": 1e-3, "bfloat16": 1e-2, "float16": 1e-2}
+
+
+def old_logprobs_max_gap(cfg: PPOConfig) -> float:
+    """`algorithm.old_logprobs_max_gap`, or the gap the coarser of the engine's and the trainer's compute
+    precisions allows."""
+    if cfg.algorithm.old_logprobs_max_gap is not None:
+        return cfg.algorithm.old_logprobs_max_gap
+    return max(OLD_LOGPROBS_MAX_GAP[dtype] for dtype in (engine_dtype(cfg), trainer_compute_dtype(cfg)))
+
+
+def trainer_compute_dtype(cfg: PPOConfig) -> str:
+    """The dtype the trainer's forward runs in: the mixed-precision one, else the weights'."""
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(cfg.model.mixed_precision, cfg.model.dtype)
+
+
 def engine_dtype(cfg: PPOConfig) -> str:
     """The dtype engines hold weights in: rollout.dtype, else the training compute dtype."""
-    if cfg.rollout.dtype is not None:
-        return cfg.rollout.dtype
-    return {"bf16": "bfloat16", "fp16": "float16"}.get(cfg.model.mixed_precision, cfg.model.dtype)
+    return cfg.rollout.dtype if cfg.rollout.dtype is not None else trainer_compute_dtype(cfg)
 
 
 def max_sequence_length(cfg: PPOConfig) -> int:
@@ -339,7 +356,8 @@ def validate(cfg: PPOConfig) -> None:
     require(0.0 <= algo.gamma <= 1.0 and 0.0 <= algo.lam <= 1.0, "algorithm.gamma and algorithm.lam must be in [0, 1]")
     require(algo.lr > 0, f"config key 'algorithm.lr' must be > 0, got {algo.lr}")
     require(algo.kl.horizon > 0, "config key 'algorithm.kl.horizon' must be > 0")
-    require(algo.old_logprobs_max_gap >= 0, "config key 'algorithm.old_logprobs_max_gap' must be >= 0")
+    require(algo.old_logprobs_max_gap is None or algo.old_logprobs_max_gap >= 0,
+            "config key 'algorithm.old_logprobs_max_gap' must be >= 0 (or null: by the precision in use)")
     rc = algo.rollout_correction
     require(rc.is_cap >= 1.0, "config key 'algorithm.rollout_correction.is_cap' must be >= 1")
     require(0.0 < rc.mask_low <= 1.0 <= rc.mask_high,

@@ -131,3 +131,18 @@ def test_samples_carry_sampling_seeds_only_where_the_engines_honour_them():
     assert ppo().rollout.samples_seeded and not ppo("rollout.seeded=false").rollout.samples_seeded
     assert not ppo("rollout.engine=sglang").rollout.samples_seeded
     assert ppo("rollout.engine=sglang", "rollout.sglang_args.enable_deterministic_inference=true").rollout.samples_seeded
+
+
+def test_old_logprobs_come_from_the_engine_within_the_precision_in_use():
+    """A bf16 engine and trainer differ by ~2e-3 nats from rounding alone (H200, gpu86m): with a float32
+    threshold of 1e-3 every step recomputed pi_old for nothing."""
+    from rl_core.ppo.config import old_logprobs_max_gap
+    from rl_core.ppo.job import old_logprobs_from_engine
+
+    fp32, bf16 = ppo(), ppo("model.mixed_precision=bf16")
+    mixed = ppo("rollout.dtype=bfloat16")  # fp32 trainer, bf16 engine
+    assert (old_logprobs_max_gap(fp32), old_logprobs_max_gap(bf16), old_logprobs_max_gap(mixed)) == (1e-3, 1e-2, 1e-2)
+    assert old_logprobs_from_engine(bf16, 2e-3) and not old_logprobs_from_engine(fp32, 2e-3)
+    assert not old_logprobs_from_engine(bf16, 0.05)  # more than rounding (other kernels, stale weights): recomputed
+    assert not old_logprobs_from_engine(ppo("model.mixed_precision=bf16", "algorithm.old_logprobs_max_gap=1e-3"), 2e-3)
+    assert not old_logprobs_from_engine(ppo("model.mixed_precision=bf16", "trainer.mode=async"), 0.0)
