@@ -76,9 +76,11 @@ def shard_model(
     options = _fsdp_options(mixed_precision, cpu_offload)
     if mesh is not None:
         options["mesh"] = mesh
-    # One rank holds every parameter whole anyway: freeing them after each forward only to gather (copy) them
-    # again for the next forward and the backward costs time and saves nothing but that copy's memory.
-    options["reshard_after_forward"] = (mesh.size() if mesh is not None else dist.get_world_size()) > 1
+    if (mesh.size() if mesh is not None else dist.get_world_size()) == 1:
+        # One rank holds every parameter whole anyway: freeing them after each forward only to gather (copy)
+        # them again for the backward costs time and saves nothing but that copy's memory. (Several ranks keep
+        # FSDP's default, which already leaves the root's parameters gathered.)
+        options["reshard_after_forward"] = False
     for block in find_transformer_blocks(model) if blocks is None else blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)

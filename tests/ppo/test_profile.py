@@ -93,8 +93,9 @@ def test_listed_steps_write_a_trace_per_rank_with_phases_and_engine_calls(small_
             generate = [e for e in events if e["name"] == "router POST /generate"]
             if rank == 0:
                 # The rollout's requests, sent from the rollout's asyncio thread: recorded there. Sync mode
-                # sends the step's batch inside its rollout phase; async mode generates throughout the step.
-                assert generate and {e["tid"] for e in generate} != {phases["rollout"]["tid"]}
+                # sends the step's batch inside its rollout phase; async mode's producer runs one batch ahead
+                # and waits when that batch would be too stale, so a profiled step may hold none of its calls.
+                assert {e["tid"] for e in generate} & {phases["rollout"]["tid"]} == set()
                 if released:
                     assert len(generate) == 8 and all(within(e, phases["rollout"]) for e in generate)
             else:
