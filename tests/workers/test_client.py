@@ -1,6 +1,7 @@
 """The engine client against a server that closes idle keep-alive connections, as SGLang's uvicorn does."""
 
 import asyncio
+import contextlib
 
 import aiohttp
 import pytest
@@ -35,6 +36,24 @@ async def closing_server(idle_close_s: float):
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     return server, served
+
+
+@contextlib.asynccontextmanager
+async def serving(routes: dict):
+    """An aiohttp server on a free loopback port with POST `routes` ({path: handler}); yields (runner, url)."""
+    from aiohttp import web
+
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
 
 
 @pytest.mark.timeout(60)
@@ -79,21 +98,10 @@ def test_a_failed_push_reports_its_first_error_not_the_session_clean_up():
         return web.Response(status=503, text="scheduler is gone")
 
     async def main():
-        app = web.Application()
-        app.router.add_post("/begin_weight_update", begin)
-        app.router.add_post("/update_weights_from_tensor", update)
-        app.router.add_post("/end_weight_update", end)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            async with EngineClient(f"http://127.0.0.1:{port}") as client:
-                with pytest.raises(EngineError) as err:
-                    await WeightPusher(torch.float32).push(client, [("w", torch.ones(4))], "1")
-        finally:
-            await runner.cleanup()
+        routes = {"/begin_weight_update": begin, "/update_weights_from_tensor": update, "/end_weight_update": end}
+        async with serving(routes) as (_, url), EngineClient(url) as client:
+            with pytest.raises(EngineError) as err:
+                await WeightPusher(torch.float32).push(client, [("w", torch.ones(4))], "1")
         return err.value
     error = asyncio.run(main())
     assert "/update_weights_from_tensor" in str(error) and "digest sent was rejected" in str(error)
@@ -113,25 +121,15 @@ def test_calls_share_kept_alive_connections_and_a_connection_closed_under_a_call
         return web.json_response({"ok": True})
 
     async def main():
-        app = web.Application()
-        app.router.add_post("/generate", generate)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            async with EngineClient(f"http://127.0.0.1:{port}") as client:
-                for i in range(10):
-                    await client.post("/generate", {"i": i})
-                in_a_row = len(client_ports)
-                await asyncio.gather(*(client.post("/generate", {"i": 10 + i}) for i in range(20)))
-                for protocol in list(runner.server.connections):  # the server drops every idle connection
-                    protocol.transport.abort()
-                await asyncio.sleep(0)
-                await client.post("/generate", {"i": 30})
-        finally:
-            await runner.cleanup()
+        async with serving({"/generate": generate}) as (runner, url), EngineClient(url) as client:
+            for i in range(10):
+                await client.post("/generate", {"i": i})
+            in_a_row = len(client_ports)
+            await asyncio.gather(*(client.post("/generate", {"i": 10 + i}) for i in range(20)))
+            for protocol in list(runner.server.connections):  # the server drops every idle connection
+                protocol.transport.abort()
+            await asyncio.sleep(0)
+            await client.post("/generate", {"i": 30})
         return in_a_row
 
     in_a_row = asyncio.run(main())
