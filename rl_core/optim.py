@@ -41,6 +41,9 @@ class TFAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # `found_inf` (1.0: skip this update), as torch's fused Adam takes it: the caller decides on the device
+        # whether the gradients are finite, so no host read is needed. The step count lives on the device too.
+        found_inf = getattr(self, "found_inf", None)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for param in group["params"]:
@@ -48,19 +51,28 @@ class TFAdam(torch.optim.Optimizer):
                     continue
                 state = self.state[param]
                 if not state:
-                    state["step"] = torch.tensor(0.0)
+                    state["step"] = torch.zeros((), dtype=torch.float64, device=param.device)
                     state["exp_avg"] = torch.zeros_like(param)
                     state["exp_avg_sq"] = torch.zeros_like(param)
-                state["step"] += 1
-                step = state["step"].item()
+                keep = None if found_inf is None else found_inf.to(param.device) == 0
+                grad = param.grad if keep is None else torch.where(keep, param.grad, 0.0)
+
+                def update(tensor: torch.Tensor, new: torch.Tensor) -> None:
+                    tensor.copy_(new if keep is None else torch.where(keep, new, tensor))
+
+                step = state["step"].to(param.device) + (1.0 if keep is None else keep.double())
+                state["step"] = step
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                exp_avg.mul_(beta1).add_(param.grad, alpha=1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
+                update(exp_avg, exp_avg.mul(beta1).add_(grad, alpha=1 - beta1))
+                update(exp_avg_sq, exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=1 - beta2))
                 if group["weight_decay"]:
-                    param.mul_(1 - group["lr"] * group["weight_decay"])
-                lr_t = group["lr"] * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-                param.addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(group["eps"]), value=-lr_t)
+                    update(param, param.mul(1 - group["lr"] * group["weight_decay"]))
+                lr_t = group["lr"] * torch.sqrt(1 - beta2**step) / (1 - beta1**step)
+                update(param, param - (lr_t * exp_avg / (exp_avg_sq.sqrt() + group["eps"])).to(param.dtype))
         return loss
+
+    # torch.amp's flag for an optimizer that reads `found_inf` itself (TrainableModel.step checks it)
+    _step_supports_amp_scaling = True
 
 
 def build_optimizer(

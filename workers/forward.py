@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from workers.layout import model_inputs
+from workers.layout import host_view, model_inputs
 from workers.loading import score_head
 from workers.sequence_parallel import SequenceGroup
 
@@ -64,9 +64,11 @@ class MicroBatch(dict):
     """A laid-out micro-batch (`[b, T]` tensors and the packed layout, on the device) and how models run on
     it; a plain dict of tensors runs with the default `ForwardSettings`."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], settings: ForwardSettings):
+    def __init__(self, tensors: dict[str, torch.Tensor], settings: ForwardSettings,
+                 host: dict[str, torch.Tensor] | None = None):
         super().__init__(tensors)
         self.settings = settings
+        self.host = host  # the same tensors on the CPU, for what is planned from them (no device read)
 
 
 def settings_of(batch: dict[str, torch.Tensor]) -> ForwardSettings:
@@ -188,8 +190,10 @@ def _token_outputs(model: nn.Module, batch: dict[str, torch.Tensor], temperature
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}; use the sampling temperature")
     settings = settings_of(batch)
-    keep = batch["action_mask"].bool() & _has_previous_token(batch) if actions_only else _has_previous_token(batch)
-    rows, columns = keep.nonzero(as_tuple=True)
+    host = host_view(batch)
+    keep = host["action_mask"].bool() & _has_previous_token(host) if actions_only else _has_previous_token(host)
+    device = batch["input_ids"].device
+    rows, columns = (index.to(device, non_blocking=True) for index in keep.nonzero(as_tuple=True))
     previous = _previous_positions(batch, rows, columns)
     labels = batch["input_ids"][rows, columns]
     lm = _causal_lm(model)
@@ -290,7 +294,7 @@ def raw_reward_scores(model: PreTrainedModel, batch: dict[str, torch.Tensor]) ->
     finally:
         handle.remove()
     per_position = _per_position(batch, captured[0].squeeze(-1))
-    last = last_token_index(batch["attention_mask"]).to(per_position.device)
+    last = last_token_index(host_view(batch)["attention_mask"]).to(per_position.device)
     rows = torch.arange(len(last), device=per_position.device)
     if "packed_index" in batch:  # where each row's last token went in the packed rows
         return per_position.flatten()[batch["packed_index"].to(per_position.device)[rows, last]]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Iterator
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -143,12 +142,6 @@ def read_back(metrics: dict[str, list]) -> dict[str, list[float]]:
     return out
 
 
-def _as_float(value: Any) -> float:
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
-    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
-
-
 class TrainableModel:
     """A sharded model with its optimizer, LR schedule and gradient clipping.
 
@@ -171,10 +164,11 @@ class TrainableModel:
         self.scheduler = build_scheduler(self.optimizer) if build_scheduler is not None else None
         self.max_grad_norm = max_grad_norm
 
-    def forward_backward(self, micro_batches: Iterable[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, list[float]]:
+    def forward_backward(self, micro_batches: Iterable[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, list]:
         """Accumulate gradients over micro-batches; ``loss_fn`` returns an already-scaled loss.
 
-        Returns each metric as a list with one entry per micro-batch (``loss`` included).
+        Returns each metric as a list with one entry per micro-batch (``loss`` included), tensors left where
+        they were computed: the caller reads a whole step's numbers back at once (`read_back`).
         """
         micro_batches = list(micro_batches)
         if self.sharded:
@@ -186,21 +180,29 @@ class TrainableModel:
             loss.backward()
             for key, value in {"loss": loss, **micro_metrics}.items():
                 metrics.setdefault(key, []).append(value.detach() if isinstance(value, torch.Tensor) else value)
-        return read_back(metrics)
+        return metrics
 
-    def step(self) -> float:
-        """Clip, step optimizer and schedule, zero grads; returns the pre-clip global grad norm.
+    def step(self) -> torch.Tensor:
+        """Clip, step optimizer and schedule, zero grads; returns the pre-clip global grad norm (a 0-dim tensor
+        on the device, unread).
 
-        A non-finite norm skips the update (the gradients are dropped) rather than corrupting weights.
+        A non-finite norm skips the update (the gradients are dropped) rather than corrupting weights. The
+        skip is decided on the device (the optimizer's `found_inf`, the flag torch's fused Adam/AdamW and
+        `TFAdam` honour): deciding it on the host would stall a GPU at every optimizer step.
         """
         max_norm = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
-        grad_norm = _as_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        if np.isfinite(grad_norm):
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        if getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
+            self.optimizer.step()
+        elif torch.isfinite(grad_norm):  # an optimizer without `found_inf` (e.g. a plain SGD): decided on the host
             self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return grad_norm.detach()
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])

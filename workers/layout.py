@@ -224,7 +224,7 @@ def model_inputs(batch: dict[str, torch.Tensor], config=None) -> dict[str, Any]:
     earlier tokens of its own sequence and of its shared prompt; padding sees itself), exact with any kernel
     that takes a 4-D mask (sdpa, eager): `attention_masks` makes it in the form the model's kernel and layers read."""
     if "packed_index" not in batch:
-        return prepare_inputs(batch)
+        return padded_inputs(batch, config)
     if "packed_one_row" in batch:
         # No mask: transformers' flash path finds each sequence where position_ids restart (`cu_seqlens` for
         # the varlen kernel), and sdpa/eager build the same block-diagonal mask from them; both only without
@@ -233,6 +233,33 @@ def model_inputs(batch: dict[str, torch.Tensor], config=None) -> dict[str, Any]:
                 "use_cache": False}
     return {"input_ids": batch["packed_input_ids"], "attention_mask": attention_masks(batch, config),
             "position_ids": batch["packed_position_ids"]}
+
+
+def host_view(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A micro-batch's tensors on the host (`workers.forward.MicroBatch.host`; itself when it has no host copy):
+    its structure (which tokens are real or actions) is read from there, because a `nonzero`, `.all()` or
+    `.item()` on the device waits until the device has finished all it was given."""
+    host = getattr(batch, "host", None)
+    return batch if host is None else host
+
+
+def padded_inputs(batch: dict[str, torch.Tensor], config=None) -> dict[str, Any]:
+    """`prepare_inputs` with the mask decided on the host: none when every token is real (the kernel's own causal
+    mask), else the `[b, 1, T, T]` mask of `attention_masks` (a token sees the earlier real tokens of its row).
+    Given the 2-D mask, transformers reads it back (`.all()`) at every forward to choose between the two: a
+    device stall per forward on a GPU. Flash-attention takes the 2-D mask (its varlen kernel unpads by it)."""
+    inputs = prepare_inputs(batch)
+    if "flash" in str(getattr(config, "_attn_implementation", "")):
+        return inputs
+    real = host_view(batch)["attention_mask"].bool()
+    if bool(real.all()):
+        # Every token real: the model's own causal mask and positions 0..T-1 (given position ids, transformers
+        # would search them for packed sequences: another read).
+        return {"input_ids": inputs["input_ids"], "attention_mask": None, "position_ids": None}
+    segments = torch.where(batch["attention_mask"].bool(), 0, -1)  # padding sees padding, never a real token
+    inputs["attention_mask"] = attention_masks({"packed_segment_ids": segments,
+                                                "packed_position_ids": batch["position_ids"]}, config)
+    return inputs
 
 
 def attention_masks(batch: dict[str, torch.Tensor], config=None) -> torch.Tensor | dict[str, torch.Tensor]:

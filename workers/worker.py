@@ -87,7 +87,7 @@ class BatchWorker:
         width = int(row_lengths(batch["attention_mask"][index], real_only=False).max())
         rows = {key: select(value, index, width) for key, value in batch.items()}
         micro = laid_out(rows, self.layout, share_prompts=self.share_prompts, multiple=self.sp_size)
-        return MicroBatch(to_device(micro, self.device), self.settings)
+        return MicroBatch(to_device(micro, self.device), self.settings, host=micro)
 
     def micro_batches(self, batch: Batch, units: list[list[int]] | None = None) -> list[tuple[Batch, bool]]:
         return [(self.micro_batch(batch, indices), real) for indices, real in self.plan(batch, units)]
@@ -115,9 +115,10 @@ class BatchWorker:
                         out[index, :result.shape[1]] = result.float()
                     else:
                         out[index] = result.float()
-        for out in outputs:
-            self.all_reduce(out)
-        return [out.cpu() for out in outputs]
+        # One buffer, one all-reduce and one device-to-host copy for all outputs: each copy waits for the device.
+        flat = torch.cat([out.flatten() for out in outputs])
+        self.all_reduce(flat)
+        return [part.view(out.shape) for part, out in zip(flat.cpu().split([out.numel() for out in outputs]), outputs)]
 
     @torch.no_grad()
     def sums(self, batch: Batch, fn: Callable[[Batch], list[float]], units: list[list[int]] | None = None) -> list[float]:
@@ -134,12 +135,12 @@ class BatchWorker:
 
     def forward_backward(self, trainable, batch: Batch, loss_fn: LossFn, global_count: float,
                          units: list[list[int]] | None = None,
-                         micro_batches: list[tuple[Batch, bool]] | None = None) -> tuple[dict[str, list[float]], list[Batch]]:
+                         micro_batches: list[tuple[Batch, bool]] | None = None) -> tuple[dict[str, list], list[Batch]]:
         """Accumulate `trainable`'s gradients over this rank's micro-batches of `batch`.
 
         `loss_fn(model, micro_batch)` returns the micro-batch's loss *summed* (over tokens, rows or
         pairs: whatever `global_count` counts over the whole batch) and its metrics. Returns the
-        metrics of the real micro-batches (one entry each; `loss` is the scaled loss, this rank's share of it:
+        metrics of the real micro-batches (one entry each, tensors unread: `workers.fsdp.read_back`; `loss` is the scaled loss, this rank's share of it:
         the mean over ranks is the batch's loss) and the micro-batches run. `micro_batches`: this batch's, made
         once for two models (PPO's actor and critic)."""
         micro = micro_batches if micro_batches is not None else self.micro_batches(batch, units)

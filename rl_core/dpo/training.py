@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workers.fsdp import read_back
 from workers.forward import token_logprobs
 from workers.layout import make_micro_batch
 from workers.worker import BatchWorker
@@ -91,7 +92,8 @@ def train_step(trainable, reference, worker: BatchWorker, pairs: list[Preference
 
     metrics, _ = worker.forward_backward(trainable, batch, loss_fn, len(pairs), units)
     lr = trainable.current_lr()
-    grad_norm = trainable.step()
+    metrics = read_back({**metrics, "grad_norm": [trainable.step()]})  # the step's one read from the device
+    grad_norm = metrics["grad_norm"][0]
     totals = worker.sum_over_ranks([sum(metrics[f"sum/{name}"]) for name in METRIC_NAMES])
     out = {f"train/{name}": value / len(pairs) for name, value in zip(METRIC_NAMES, totals)}
     out.update({"train/grad_norm": grad_norm, "train/lr": lr})

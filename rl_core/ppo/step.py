@@ -29,6 +29,8 @@ from rl_core.rewards.lm_human_preferences import truncated_ids
 from rl_core.rollout.trajectory import TokenSequence, Trajectory
 from workers import forward, layout
 from workers.balance import minibatch_indices
+from workers.forward import host_view
+from workers.fsdp import read_back
 from workers.layout import make_micro_batch
 from workers.trace import span
 from workers.worker import BatchWorker
@@ -333,7 +335,7 @@ def ppo_epochs(exp: Experience, targets: Targets, models: PPOModels, worker: Bat
     # Same permutation on every rank: ranks must agree on each minibatch's contents.
     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
     exp.batch.update(advantages=targets.advantages, returns=targets.returns)
-    history: dict[str, list[float]] = {}
+    history: dict[str, list] = {}  # per optimizer step; tensors stay on the device until the one read below
     for epoch in range(algo.noptepochs):
         # Advantages were computed over whole groups before this point, so any split is safe; a batch
         # short of failed trajectories gives minibatches that differ in size by at most one.
@@ -345,7 +347,7 @@ def ppo_epochs(exp: Experience, targets: Targets, models: PPOModels, worker: Bat
     kl_ctl.update(targets.stats["kl/mean"], n_traj)
     # Every rank's rows, not rank 0's alone: a rank's loss is its share of the global loss x dp_size, so the
     # mean over ranks is the global loss; the other averages (clip fraction, entropy) become means over ranks.
-    out = metrics_over_ranks({k: reduce_metric(k, v) for k, v in history.items()})
+    out = metrics_over_ranks({k: reduce_metric(k, v) for k, v in read_back(history).items()})
     out.update(targets.stats)
     out["kl/coef"] = kl_coef
     out["policy/lr"] = models.actor.current_lr()
@@ -354,15 +356,17 @@ def ppo_epochs(exp: Experience, targets: Targets, models: PPOModels, worker: Bat
 
 
 def train_minibatch(rows: dict[str, torch.Tensor], models: PPOModels, worker: BatchWorker,
-                    settings: StepSettings, kl_coef: float) -> dict[str, float]:
+                    settings: StepSettings, kl_coef: float) -> dict:
     """One optimizer step of the actor (and the critic) on a minibatch's rows (every rank holds them all;
-    the worker takes this rank's share and divides the loss by the minibatch's *global* count)."""
+    the worker takes this rank's share and divides the loss by the minibatch's *global* count). Its metrics
+    stay tensors where they were computed: a read per optimizer step would stall a GPU each time."""
     algo = settings.algo
     count = alg.global_denominator(rows["action_mask"], algo.loss_agg, settings.norm_length).item()
     micro = worker.micro_batches(rows)
     metrics, ran = worker.forward_backward(models.actor, rows, lambda m, b: policy_loss(m, b, settings, kl_coef),
                                            count, micro_batches=micro)
     out = {k: reduce_metric(k, v) for k, v in metrics.items() if k != "loss"}
+    ran = [host_view(b) for b in ran]
     out["perf/padding_fraction"] = sum(layout.padding_fraction(b) for b in ran) / max(len(ran), 1)
     out["perf/train_grid_tokens"] = sum(layout.grid_tokens(b) for b in ran)  # positions a rank ran per minibatch
     out["policy/loss"] = sum(metrics["loss"])
@@ -370,7 +374,7 @@ def train_minibatch(rows: dict[str, torch.Tensor], models: PPOModels, worker: Ba
     if models.critic is not None:
         metrics, _ = worker.forward_backward(models.critic, rows, lambda m, b: value_loss(m, b, algo), count,
                                              micro_batches=micro)
-        out.update({k: sum(v) / len(v) for k, v in metrics.items() if k != "loss"})
+        out.update({k: reduce_metric(k, v) for k, v in metrics.items() if k != "loss"})
         out["value/grad_norm"] = models.critic.step()
     return out
 
@@ -412,8 +416,13 @@ def value_loss(model, batch: dict[str, torch.Tensor], algo: AlgorithmConfig):
                   "value/loss": alg.masked_mean(per_token.detach(), mask)}
 
 
-def reduce_metric(key: str, values: list[float]) -> float:
-    """Micro-batch (or minibatch) values of one metric as one: extremes stay extremes, the rest are averaged."""
+def reduce_metric(key: str, values: list):
+    """Micro-batch (or minibatch) values of one metric as one: extremes stay extremes, the rest are averaged.
+    Numbers give a number; tensors give a tensor on their device, computed there (no host read)."""
+    if any(isinstance(v, torch.Tensor) for v in values):
+        device = next(v.device for v in values if isinstance(v, torch.Tensor))
+        stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(()) for v in values])
+        return stacked.amax() if key.endswith("_max") else stacked.amin() if key.endswith("_min") else stacked.mean()
     if key.endswith("_max"):
         return max(values)
     if key.endswith("_min"):

@@ -18,7 +18,7 @@ from rl_core.rewards.lm_human_preferences import reward_gain_bias
 from rl_core.reward_model.config import NormalizeConfig, RMConfig, RMTrainConfig
 from rl_core.reward_model.losses import preference_correct, preference_loss, spearman
 from rl_core.reward_model.sampling import pick_queries, sample_truncated
-from workers.fsdp import TrainableModel, full_state_dict, shard_model
+from workers.fsdp import TrainableModel, full_state_dict, read_back, shard_model
 from workers.forward import ForwardSettings, raw_reward_scores, reward_scores
 from workers.layout import make_micro_batch, packing_layout, to_device
 from workers.loading import init_reward_model, load_reward_model, prepare_for_run, set_reward_gain_bias
@@ -125,7 +125,8 @@ def train_one_epoch(trainable, worker: BatchWorker, examples: list, cfg: RMTrain
         batch, units = collate(minibatch, pad_id)
         metrics, _ = worker.forward_backward(trainable, batch, loss_fn, len(minibatch), units)
         lr = trainable.current_lr()
-        grad_norm = trainable.step()
+        metrics = read_back({**metrics, "grad_norm": [trainable.step()]})  # the step's one read from the device
+        grad_norm = metrics["grad_norm"][0]
         loss_sum += sum(metrics["loss_sum"])
         correct += sum(metrics["correct"])
         if (step + 1) % cfg.log_every == 0 or step + 1 == steps:

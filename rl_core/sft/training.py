@@ -13,7 +13,8 @@ import torch
 from rl_core.distributed import DataParallel
 from rl_core.sft.data import SFTExample
 from workers.decode import decode
-from workers.forward import token_logprobs_and_hits
+from workers.fsdp import read_back
+from workers.forward import host_view, token_logprobs_and_hits
 from workers.layout import grid_tokens, make_micro_batch
 from workers.worker import BatchWorker
 
@@ -42,8 +43,10 @@ def train_step(trainable, worker: BatchWorker, examples: list[SFTExample], pad_t
 
     metrics, micro = worker.forward_backward(trainable, batch, loss_fn, global_tokens)
     lr = trainable.current_lr()
-    grad_norm = trainable.step()
+    metrics = read_back({**metrics, "grad_norm": [trainable.step()]})  # the step's one read from the device
+    grad_norm = metrics["grad_norm"][0]
     nll, correct = worker.sum_over_ranks([sum(metrics["nll"]), sum(metrics["correct"])])
+    micro = [host_view(b) for b in micro]  # the layout's sizes, counted on the host
     grid = sum(grid_tokens(b) for b in micro)
     real_tokens = sum(int(b["attention_mask"].sum()) for b in micro)
     return {"train/loss": nll / global_tokens, "train/token_accuracy": correct / global_tokens,

@@ -8,8 +8,11 @@ import os
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
+from rl_core.optim import build_optimizer
 from tests.ranks import run_ranks
+from workers.fsdp import read_back
 
 WORLD_SIZE = 2
 LR = 1e-2
@@ -91,8 +94,8 @@ def _worker(rank: int, model_dir: str, out_dir: str) -> None:
     trainable = _build_trainable(model)
     micro_batches = _micro_batches(tokenizer, RANK_MICRO_BATCH_ROWS[rank])
     loss_fn = _loss_fn(_global_tokens(tokenizer), WORLD_SIZE)
-    results["metrics"] = trainable.forward_backward(micro_batches, loss_fn)
-    results["grad_norm"] = trainable.step()
+    results["metrics"] = read_back(trainable.forward_backward(micro_batches, loss_fn))
+    results["grad_norm"] = trainable.step().item()
     results["trained"] = full_state_dict(model)
 
     checkpoint_dir = os.path.join(out_dir, "checkpoint")
@@ -133,7 +136,7 @@ def single_process_step(tiny_model_dir):
     trainable = _build_trainable(load_causal_lm(tiny_model_dir))
     micro_batches = _micro_batches(tokenizer, [[0, 1, 2, 3, 4]])
     trainable.forward_backward(micro_batches, _loss_fn(_global_tokens(tokenizer), dp_size=1))
-    grad_norm = trainable.step()
+    grad_norm = trainable.step().item()
     return {name: p.detach().clone() for name, p in trainable.model.state_dict().items()}, grad_norm
 
 
@@ -219,35 +222,73 @@ def test_single_process_without_torchrun(tiny_model_dir, monkeypatch):
 HOST_READS = {"item", "tolist", "__bool__", "__float__", "__int__", "nonzero", "cpu", "numpy"}
 
 
-def test_a_forward_backward_reads_its_metrics_back_in_one_transfer():
-    """On a GPU every read of a device tensor stalls the host; the metrics of all micro-batches come back at once."""
-    from torch.overrides import TorchFunctionMode
+class CountHostReads(TorchFunctionMode):
+    """Every call that reads a tensor back to the host."""
 
-    from workers.fsdp import TrainableModel
+    def __init__(self):
+        super().__init__()
+        self.reads = []
 
-    class CountHostReads(TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.reads = []
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
 
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if getattr(func, "__name__", "") in HOST_READS:
-                self.reads.append(func.__name__)
-            return func(*args, **(kwargs or {}))
+
+def test_an_optimizer_step_reads_nothing_and_its_metrics_come_back_in_one_transfer():
+    """On a GPU every read of a device tensor stalls the host: the metrics of all micro-batches and the grad
+    norm stay on the device through forward, backward and the optimizer step, and come back at once."""
+    from workers.fsdp import TrainableModel, read_back
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
-    trainable = TrainableModel(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), sharded=False)
+    trainable = TrainableModel(model, lambda m: build_optimizer(m.parameters(), "adam", lr=0.1), sharded=False)
     micro_batches = [{"x": torch.randn(3, 4)} for _ in range(4)]
 
     def loss_fn(m, batch):
         out = m(batch["x"])
         return out.pow(2).sum(), {"mean": out.mean(), "max": out.max(), "rows": 3}
 
-    with CountHostReads() as counter:
-        metrics = trainable.forward_backward(micro_batches, loss_fn)
-    assert counter.reads == ["tolist"]  # 4 micro-batches x 3 tensors, one transfer
     with torch.no_grad():
         outs = [model(b["x"]) for b in micro_batches]
+    with CountHostReads() as counter:
+        metrics = trainable.forward_backward(micro_batches, loss_fn)
+        metrics["grad_norm"] = [trainable.step()]
+        assert counter.reads == []
+        metrics = read_back(metrics)
+    assert counter.reads == ["tolist"]  # 4 micro-batches x 3 tensors and the norm, one transfer
     assert metrics["loss"] == pytest.approx([o.pow(2).sum().item() for o in outs])
     assert metrics["max"] == pytest.approx([o.max().item() for o in outs]) and metrics["rows"] == [3.0] * 4
+    assert metrics["grad_norm"][0] > 0
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw", "tf_adam", "sgd"])
+def test_a_non_finite_gradient_skips_the_update_decided_on_the_device(optimizer):
+    """The skip of a non-finite step is the optimizer's `found_inf` (no host read) where it takes one; a plain
+    SGD decides on the host. Either way the weights and the optimizer state stay as they were, and the next
+    finite step trains as if the bad one had never happened."""
+    from workers.fsdp import TrainableModel
+
+    def build(m):
+        if optimizer == "sgd":
+            return torch.optim.SGD(m.parameters(), lr=0.1)
+        return build_optimizer(m.parameters(), optimizer, lr=0.1)
+
+    def train(poison_first: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        trainable = TrainableModel(model, build, sharded=False)
+        x = torch.randn(3, 4)
+        norms = []
+        for poisoned in ([True, False] if poison_first else [False]):
+            trainable.forward_backward([{"x": x * (float("nan") if poisoned else 1.0)}],
+                                       lambda m, b: (m(b["x"]).pow(2).sum(), {}))
+            norms.append(trainable.step())
+        return [p.detach().clone() for p in model.parameters()], torch.stack(norms)
+
+    clean, clean_norms = train(poison_first=False)
+    after_skip, norms = train(poison_first=True)
+    assert not torch.isfinite(norms[0]) and torch.isfinite(norms[1])
+    assert norms[1] == pytest.approx(clean_norms[0].item())
+    for expected, got in zip(clean, after_skip):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.ranks import run_ranks
+from workers.fsdp import read_back
 
 WORLD_SIZE = 2
 FAMILIES = {"qwen3": {}, "gemma2": {"sliding_window": 8}}
@@ -74,6 +75,7 @@ def _run(model_dir: str, tokenizer, world_size: int, rank: int, group) -> dict:
     trainable = TrainableModel(policy, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), sharded=sharded)
     count = float(batch["action_mask"].sum())
     metrics, _ = worker.forward_backward(trainable, batch, _loss, count)
+    metrics = read_back(metrics)
     grads = {}
     for name, parameter in policy.named_parameters():
         grad = parameter.grad

@@ -1,0 +1,140 @@
+"""A PPO step reads the training device back to the host at most 3 times: on a GPU each read waits until the
+device has finished everything queued, so a read per metric, micro-batch or optimizer step left the GPU idle
+while the host caught up (issue: the GPU step). Counted here on CPU, over the step's forward passes (old and
+reference logprobs, values, reward-model scores), advantages and PPO epochs (2 epochs x 2 minibatches, several
+micro-batches each, actor and critic)."""
+
+import traceback
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from rl_core.ppo import algorithms as alg
+from rl_core.ppo.config import AlgorithmConfig, ModelConfig, RewardConfig
+from rl_core.ppo.models import PPOModels
+from rl_core.ppo.step import (Experience, Scoring, StepSettings, compute_advantages, forward_passes, ppo_epochs,
+                              score_metrics, task_scores)
+from rl_core.rollout.trajectory import TokenSequence, Trajectory
+from workers.loading import init_reward_model
+from workers.worker import BatchWorker
+
+READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "cpu", "numpy"}
+
+
+class DeviceReads(TorchFunctionMode):
+    """Reads back to the host of tensors that live on the training device.
+
+    On CPU there is one device, so "on the training device" is followed from where it starts: the models'
+    parameters (their gradients, through `.grad`), every tensor moved to the device without blocking (what
+    `layout.to_device` does with a micro-batch), and every result of an op that reads one of those. A read
+    (`.item()`, `.tolist()`, `bool()`, `.cpu()`, a `nonzero`, a boolean-mask index) of such a tensor is a
+    host stall on a GPU; what the host builds from host data (the batch, its masks) is not."""
+
+    def __init__(self, models: list[torch.nn.Module]):
+        super().__init__()
+        self.reads: list[str] = []
+        self.where: list[str] = []  # the project's line that read, for the failure message
+        self._on_device: dict[int, weakref.ref] = {}
+        for model in models:
+            for parameter in model.parameters():
+                self._mark(parameter)
+
+    def _mark(self, tensor: torch.Tensor) -> None:
+        self._on_device[id(tensor)] = weakref.ref(tensor)
+
+    def _is_on_device(self, tensor: torch.Tensor) -> bool:
+        ref = self._on_device.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        on_device = any(self._is_on_device(t) for t in inputs)
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name == "to" and kwargs.get("non_blocking") and out is args[0]:
+            out = out.clone()  # on CPU a move to "the device" returns its input: a copy, as a real transfer makes
+        boolean_index = name == "__getitem__" and any(t.dtype == torch.bool for t in inputs[1:])
+        if on_device and (name in READS or boolean_index):
+            self.reads.append(name)
+            self.where.append(f"{name} at {project_frame()}")
+            return out.clone() if out is args[0] else out  # what came back is on the host (on CPU `.cpu()` is
+            # its input: a copy, as a real transfer makes)
+        if on_device and (name.endswith("_") or name == "__setitem__") and isinstance(args[0], torch.Tensor):
+            self._mark(args[0])  # written in place with device data
+        if on_device or (name == "to" and kwargs.get("non_blocking")):
+            for tensor in tree_flatten(out)[0]:
+                if isinstance(tensor, torch.Tensor):
+                    self._mark(tensor)
+        return out
+
+
+def project_frame() -> str:
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if "/rl_core/" in frame.filename or "/workers/" in frame.filename:
+            return f"{frame.filename.split('/')[-2]}/{frame.filename.split('/')[-1]}:{frame.lineno}"
+    return "?"
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    store = tmp_path_factory.mktemp("store") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def trajectory(prompt: int, response: int, token: int) -> Trajectory:
+    seq = TokenSequence()
+    seq.extend_context([5 + (token + i) % 50 for i in range(prompt)])
+    seq.extend_action([60 + (token * 7 + i) % 50 for i in range(response)], [-1.0] * response, [0] * response)
+    return Trajectory([seq], {"group_id": token // 2})
+
+
+@pytest.mark.parametrize("layout", [None, "rows"])
+def test_a_ppo_step_reads_the_device_back_three_times(process_group, tiny_model_dir, tmp_path, layout):
+    reward_dir = tmp_path / "rm"
+    init_reward_model(tiny_model_dir, pad_token_id=0, seed=0).save_pretrained(reward_dir)
+    algo = AlgorithmConfig(noptepochs=2, nminibatches=2)
+    models = PPOModels(ModelConfig(path=tiny_model_dir), algo, str(reward_dir), pad_token_id=0, total_steps=4)
+    assert models.critic is not None and models.reference is not None and models.uses_reference
+    # max_tokens small enough for several micro-batches per minibatch
+    worker = BatchWorker(0, 1, torch.device("cpu"), max_tokens=40, layout=layout)
+    settings = StepSettings(algo, Scoring.from_config(RewardConfig(), algo, 12), temperature=0.7, norm_length=12,
+                            seed=0)
+    kl_ctl = alg.AdaptiveKLController(algo.kl.init_coef, algo.kl.target, algo.kl.horizon)
+    exp = Experience.from_trajectories([trajectory(4 + i % 3, 6 + i % 5, i) for i in range(8)])
+    before = [p.detach().clone() for p in models.actor.model.parameters()]
+
+    with DeviceReads([models.actor.model, models.critic.model, models.reference, models.reward_model]) as counter:
+        forward_passes(exp, models, worker, settings, old_from_engine=False)
+        metrics = score_metrics(exp, old_from_engine=False)
+        scores, _ = task_scores(exp, settings.scoring)
+        targets = compute_advantages(exp, scores, kl_ctl.value, algo)
+        metrics.update(ppo_epochs(exp, targets, models, worker, settings, kl_ctl, step=0))
+
+    # one copy of the policy's, reference's and critic's outputs, one of the reward model's scores, and every
+    # metric of the 4 optimizer steps (losses, clip fractions, grad norms) at the end
+    assert counter.reads == ["cpu", "cpu", "tolist"], counter.where
+    assert metrics["policy/optimizer_steps"] == 4 and metrics["policy/grad_norm"] > 0
+    assert not any(isinstance(v, torch.Tensor) for v in metrics.values())
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, models.actor.model.parameters()))
+
+
+def test_the_counter_sees_reads_of_what_the_model_computed(process_group, tiny_model_dir):
+    """The counter is not blind: a metric read per micro-batch, as the step did before, is counted."""
+    from workers import forward
+
+    models = PPOModels(ModelConfig(path=tiny_model_dir), AlgorithmConfig(advantage_estimator="grpo"), None,
+                       pad_token_id=0, total_steps=1)
+    worker = BatchWorker(0, 1, torch.device("cpu"), max_tokens=40)
+    exp = Experience.from_trajectories([trajectory(4, 6, i) for i in range(4)])
+    with DeviceReads([models.actor.model]) as counter:
+        for micro, _ in worker.micro_batches(exp.batch):
+            forward.token_logprobs(models.actor.model, micro, actions_only=True).sum().item()
+        exp.batch["action_mask"].sum().item()  # the host's own batch: not a device read
+    assert counter.reads == ["item"] * len(worker.plan(exp.batch))
