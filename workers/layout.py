@@ -119,14 +119,20 @@ def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False, one_row: b
     if share_prompts and one_row:
         raise ValueError("a shared prompt is read by other sequences, which flash-attention's varlen kernel cannot "
                          "express; pack with share_prompts or one_row, not both")
+    # Placement is planned per unit and row with plain integers, then every token is moved by one scatter: per-row
+    # tensor ops (a few thousand for 256 rows) cost ~0.1 s of host time per micro-batch, which a GPU waits for.
     real = batch["attention_mask"].bool()
-    columns = [real[row].nonzero().squeeze(1) for row in range(real.shape[0])]
-    units = _packing_units(batch, columns, share_prompts)  # (shared prompt length, rows)
-    sizes = [prompt + sum(len(columns[row]) - prompt for row in rows) for prompt, rows in units]
+    lengths = real.sum(dim=1).tolist()
+    group, prompt_length = prompt_groups(batch) if share_prompts else (list(range(len(lengths))), [0] * len(lengths))
+    members: dict[int, list[int]] = {}
+    for row, g in enumerate(group):
+        members.setdefault(g, []).append(row)
+    units = [(prompt_length[rows[0]], rows) for rows in members.values()]  # (shared prompt length, rows)
+    sizes = [prompt + sum(lengths[row] - prompt for row in rows) for prompt, rows in units]
     longest = sum(sizes) if one_row else max(sizes)
     bins: list[list[int]] = []
     loads: list[int] = []
-    for unit in sorted(range(len(units)), key=lambda u: -sizes[u]):
+    for unit in sorted(range(len(units)), key=lambda u: -sizes[u]):  # first fit, longest first
         fits = next((b for b, load in enumerate(loads) if load + sizes[unit] <= longest), None)
         if fits is None:
             bins.append([unit])
@@ -135,35 +141,39 @@ def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False, one_row: b
             bins[fits].append(unit)
             loads[fits] += sizes[unit]
     width = -(-max(loads) // multiple) * multiple
-    ids = torch.zeros(len(bins), width, dtype=torch.long)  # id 0 under padding (OpenAI detail, prepare_inputs)
-    positions = torch.zeros(len(bins), width, dtype=torch.long)
-    segments = torch.full((len(bins), width), -1, dtype=torch.long)
-    contexts = torch.full((len(bins), width), -1, dtype=torch.long)
-    index = torch.full(real.shape, -1, dtype=torch.long)
+    # Per row: where its prompt and its own tokens start (flat, in the packed rows), and their segments.
+    n = len(lengths)
+    prompt_start, own_start, prompt_segment, own_segment = [0] * n, [0] * n, [0] * n, [0] * n
     segment = 0
-    for packed_row, members in enumerate(bins):
-        start = 0
-        for unit in members:
+    for packed_row, bin_units in enumerate(bins):
+        start = packed_row * width
+        for unit in bin_units:
             prompt, rows = units[unit]
-            prompt_segment = segment
+            shared_start, shared_segment = start, segment
             if prompt:  # the shared prompt, once
-                span = torch.arange(start, start + prompt)
-                first = rows[0]
-                ids[packed_row, span] = batch["input_ids"][first, columns[first][:prompt]]
-                positions[packed_row, span] = torch.arange(prompt)
-                segments[packed_row, span] = contexts[packed_row, span] = segment
-                for row in rows:
-                    index[row, columns[row][:prompt]] = packed_row * width + span
                 start, segment = start + prompt, segment + 1
-            for row in rows:  # each sequence's own tokens (all of them when nothing is shared)
-                own = columns[row][prompt:]
-                span = torch.arange(start, start + len(own))
-                ids[packed_row, span] = batch["input_ids"][row, own]
-                positions[packed_row, span] = torch.arange(prompt, prompt + len(own))
-                segments[packed_row, span] = segment
-                contexts[packed_row, span] = prompt_segment if prompt else segment
-                index[row, own] = packed_row * width + span
-                start, segment = start + len(own), segment + 1
+            for row in rows:
+                prompt_start[row], prompt_segment[row] = shared_start, shared_segment
+                own_start[row], own_segment[row] = start, segment
+                start, segment = start + lengths[row] - prompt, segment + 1
+    rows_of, columns_of = real.nonzero(as_tuple=True)
+    rank = exclusive_cumsum(real)[rows_of, columns_of]  # a real token's place among its row's real tokens
+    row_prompt = torch.tensor(prompt_length)[rows_of]
+    in_prompt = rank < row_prompt
+    where = torch.where(in_prompt, torch.tensor(prompt_start)[rows_of] + rank,
+                        torch.tensor(own_start)[rows_of] + rank - row_prompt)
+    token_segment = torch.where(in_prompt, torch.tensor(prompt_segment)[rows_of], torch.tensor(own_segment)[rows_of])
+    shape = (len(bins), width)
+    ids = torch.zeros(shape, dtype=torch.long)  # id 0 under padding (OpenAI detail, prepare_inputs)
+    positions = torch.zeros(shape, dtype=torch.long)
+    segments = torch.full(shape, -1, dtype=torch.long)
+    contexts = torch.full(shape, -1, dtype=torch.long)
+    ids.view(-1)[where] = batch["input_ids"][rows_of, columns_of]  # a shared prompt's rows write the same ids
+    positions.view(-1)[where] = rank
+    segments.view(-1)[where] = token_segment
+    contexts.view(-1)[where] = torch.where(row_prompt > 0, torch.tensor(prompt_segment)[rows_of], token_segment)
+    index = torch.full(real.shape, -1, dtype=torch.long)
+    index[rows_of, columns_of] = where
     out = {**batch, "packed_input_ids": ids, "packed_position_ids": positions, "packed_segment_ids": segments,
            "packed_context_ids": contexts, "packed_index": index}
     if one_row:
@@ -193,29 +203,36 @@ def laid_out(batch: dict[str, torch.Tensor], layout: str | None, share_prompts: 
     return pack(batch, share_prompts=share_prompts, one_row=layout == "one_row", multiple=multiple)
 
 
-def prompt_of(real_ids: list[int], real_actions: list[int]) -> tuple[int, ...] | None:
-    """The part of a sequence that other sequences may share: its real tokens before its first action;
-    None when it has no action or starts with one. Packing and the balancing of shared prompts use it."""
-    first = next((position for position, action in enumerate(real_actions) if action), 0)
-    return tuple(real_ids[:first]) if first else None
-
-
-def _packing_units(batch: dict[str, torch.Tensor], columns: list[torch.Tensor],
-                   share_prompts: bool) -> list[tuple[int, list[int]]]:
-    """`(prompt length, rows)`: rows whose first `prompt length` real tokens are packed once (0: none)."""
-    if not share_prompts:
-        return [(0, [row]) for row in range(len(columns))]
-    by_prompt: dict[tuple[int, ...], list[int]] = {}
-    units: list[tuple[int, list[int]]] = []
-    for row, real_columns in enumerate(columns):
-        prompt = prompt_of(batch["input_ids"][row, real_columns].tolist(), batch["action_mask"][row, real_columns].tolist())
-        if prompt is None:
-            units.append((0, [row]))
-        else:
-            by_prompt.setdefault(prompt, []).append(row)
-    for prompt, rows in by_prompt.items():
-        units.append((len(prompt) if len(rows) > 1 else 0, rows))
-    return units
+def prompt_groups(batch: dict[str, torch.Tensor]) -> tuple[list[int], list[int]]:
+    """Rows that share a prompt (their real tokens before their first action; a row without an action, or
+    starting with one, has none): each row's group (numbered in order of first appearance) and the length of
+    the prompt its group shares (0: a group of one, nothing shared). Packing and the balancing of shared
+    prompts use it. Found with tensor ops over the whole batch, not a Python pass over each row's tokens."""
+    real = batch["attention_mask"].bool()
+    acting = batch["action_mask"].bool() & real
+    rank = exclusive_cumsum(real)
+    n = real.shape[0]
+    # real tokens before the first action: the rank of the first action (0 when there is none: no prompt)
+    first_action = torch.where(acting, rank, real.shape[1]).min(dim=1).values
+    prompt = torch.where(acting.any(dim=1), first_action, 0)
+    longest = int(prompt.max()) if n else 0
+    keys = torch.full((n, longest + 1), -1, dtype=torch.long)
+    keys[:, 0] = prompt
+    in_prompt = real & (rank < prompt[:, None])
+    rows, columns = in_prompt.nonzero(as_tuple=True)
+    keys[rows, rank[rows, columns] + 1] = batch["input_ids"][rows, columns]
+    _, key_of = torch.unique(keys, dim=0, return_inverse=True)
+    alone = (prompt == 0).tolist()
+    group_of_key: dict[int, int] = {}
+    group, members = [], []
+    for row, key in enumerate(key_of.tolist()):
+        g = len(members) if alone[row] else group_of_key.setdefault(key, len(members))
+        if g == len(members):
+            members.append(0)
+        members[g] += 1
+        group.append(g)
+    prompts = prompt.tolist()
+    return group, [prompts[row] if members[g] > 1 else 0 for row, g in enumerate(group)]
 
 
 def model_inputs(batch: dict[str, torch.Tensor], config=None) -> dict[str, Any]:

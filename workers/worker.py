@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from workers.balance import micro_batches_for_rank, with_stand_ins
 from workers.forward import ForwardSettings, MicroBatch
-from workers.layout import laid_out, prompt_of, to_device
+from workers.layout import laid_out, prompt_groups, to_device
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.nn.Module, Batch], tuple[torch.Tensor, dict[str, float]]]
@@ -203,28 +203,27 @@ def select(value: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor
 def shared_prompt_units(batch: Batch, units: list[list[int]] | None,
                         max_tokens: int) -> tuple[list[list[int]], list[int]]:
     """Units of balancing with shared prompts, and the tokens each runs: the rows with the same prompt
-    (`layout.prompt_of`), packed as the prompt once plus each row's rest, cut into consecutive chunks
+    (`layout.prompt_groups`), packed as the prompt once plus each row's rest, cut into consecutive chunks
     of at most `max_tokens`; a row without actions is a unit alone."""
     if units is not None:
         raise ValueError("share_prompts groups rows by their prompt; it cannot take other units too")
-    groups: dict[tuple[int, ...] | int, list[tuple[int, int]]] = {}  # keyed by the prompt, or the row alone
-    for row, (ids, kept, actions) in enumerate(zip(batch["input_ids"].tolist(), batch["attention_mask"].tolist(),
-                                                   batch["action_mask"].tolist())):
-        real = [token for token, keep in zip(ids, kept) if keep]
-        prompt = prompt_of(real, [action for action, keep in zip(actions, kept) if keep])
-        groups.setdefault(row if prompt is None else prompt, []).append((row, len(real)))
+    group, prompt_length = prompt_groups(batch)
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    members: dict[int, list[int]] = {}
+    for row, g in enumerate(group):
+        members.setdefault(g, []).append(row)
     unit_rows: list[list[int]] = []
     unit_tokens: list[int] = []
-    for key, members in groups.items():
-        prompt = len(key) if isinstance(key, tuple) else 0
+    for rows in members.values():
+        prompt = prompt_length[rows[0]]
         chunk, tokens = [], prompt
-        for row, length in members:
-            if chunk and tokens + length - prompt > max_tokens:
+        for row in rows:
+            if chunk and tokens + lengths[row] - prompt > max_tokens:
                 unit_rows.append(chunk)
                 unit_tokens.append(tokens)
                 chunk, tokens = [], prompt
             chunk.append(row)
-            tokens += length - prompt
+            tokens += lengths[row] - prompt
         unit_rows.append(chunk)
         unit_tokens.append(tokens)
     return unit_rows, unit_tokens

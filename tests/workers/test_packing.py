@@ -144,3 +144,44 @@ def test_packed_reward_scores_and_gradients_equal_the_padded_ones(tiny_model_dir
     for name, grad in padded_grads.items():
         torch.testing.assert_close(packed_grads[name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(),
                                    msg=lambda message: f"{name}: {message}")
+
+
+@pytest.mark.parametrize("share_prompts,one_row,multiple", [(False, False, 1), (True, False, 4), (False, True, 2)])
+def test_every_token_of_a_large_random_batch_sees_exactly_its_own_earlier_tokens(share_prompts, one_row, multiple):
+    """40 rows in groups (a prompt with 1-4 responses, left pads inside the row, rows with no action): through the
+    packed layout's index and mask, each real token sees exactly the earlier real tokens of its own row."""
+    from workers.layout import attention_masks
+
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    while len(rows) < 40:
+        prompt = torch.randint(3, 250, (int(torch.randint(1, 9, (1,), generator=generator)),), generator=generator).tolist()
+        for _ in range(int(torch.randint(1, 5, (1,), generator=generator))):
+            pads, response = (int(v) for v in torch.randint(0, 4, (2,), generator=generator))
+            tokens = prompt + torch.randint(3, 250, (response,), generator=generator).tolist()
+            rows.append({"input_ids": [0] * pads + tokens, "attention_mask": [0] * pads + [1] * len(tokens),
+                         "action_mask": [0] * (pads + len(prompt)) + [1] * response})
+    batch = make_micro_batch(rows, pad_token_id=0)
+    packed = pack(batch, share_prompts=share_prompts, one_row=one_row, multiple=multiple)
+    assert packed["packed_input_ids"].shape[1] % multiple == 0 and (len(packed["packed_input_ids"]) == 1 or not one_row)
+    index, real = packed["packed_index"], batch["attention_mask"].bool()
+    assert torch.equal(index >= 0, real)
+    assert torch.equal(packed["packed_input_ids"].flatten()[index[real]], batch["input_ids"][real])
+    assert torch.equal(packed["packed_position_ids"].flatten()[index[real]], batch["position_ids"][real])
+    sees = attention_masks(packed)[:, 0] if not one_row else None
+    width = packed["packed_input_ids"].shape[1]
+    for row in range(len(rows)):
+        places = index[row][real[row]]
+        assert len(set(places.tolist())) == len(places)
+        if sees is None:  # one row: sequences are told apart by restarting positions
+            continue
+        packed_row, columns = places // width, places % width
+        assert (packed_row == packed_row[0]).all()
+        visible = sees[packed_row[0]][columns][:, columns]
+        assert torch.equal(visible, torch.ones_like(visible).tril()), f"row {row}"
+        # and nothing else that is real: the row's tokens see only these positions among all real ones
+        others = torch.zeros(width, dtype=torch.bool)
+        others[columns] = True
+        assert not (sees[packed_row[0]][columns] & ~others & (packed["packed_segment_ids"][packed_row[0]] >= 0)).any()
+    if share_prompts:  # each group's prompt is held once: fewer packed tokens than real ones
+        assert int((packed["packed_segment_ids"] >= 0).sum()) < int(real.sum())
