@@ -156,9 +156,12 @@ def _head_outputs(hidden: torch.Tensor, labels: torch.Tensor, *, weight: torch.T
         logits = torch.tanh(logits / softcap) * softcap
     # OpenAI detail: logprobs come from logits / sampling temperature, matching the sampler.
     logits = logits / temperature
-    outputs = [logprobs_from_logits(logits, labels)]
+    # One logsumexp over the vocabulary serves the logprobs and the entropy (log p = z - lse, H = lse - sum p z).
+    lse = torch.logsumexp(logits, dim=-1)
+    outputs = [logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse]
     if wanted.entropy:
-        outputs.append(entropy_from_logits(logits if wanted.entropy_grad else logits.detach()))
+        z, z_lse = (logits, lse) if wanted.entropy_grad else (logits.detach(), lse.detach())
+        outputs.append(z_lse - (torch.exp(z - z_lse.unsqueeze(-1)) * z).sum(dim=-1))
     if wanted.hits:
         outputs.append((logits.detach().argmax(-1) == labels).float())
     return tuple(outputs)
