@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from envs.base import Action, Env, StepResult
-from envs.tools import ERROR_KINDS, ToolCall, Toolbox, load_parser
+from envs.tools import ERROR_KINDS, ToolCall, Toolbox, ToolResult, load_parser
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +91,15 @@ class ChatEnv:
     async def close(self) -> None:
         """Release resources. Called once, when the pool drops the env."""
 
-    async def call_tools(self, calls: list[ToolCall]) -> list[dict]:
-        """Run `calls` concurrently; one `tool` message each, in order. Failures are messages too."""
+    async def call_tools(self, calls: list[ToolCall], max_calls: int | None = None) -> list[dict]:
+        """Run `calls` concurrently; one `tool` message each, in order. Failures are messages too. Calls past
+        the first `max_calls` are not run: each is answered with an error (`over_limit`)."""
         toolbox = self.toolbox or Toolbox([])  # no env.tools: every call is answered "no tool named ..."
-        results = await asyncio.gather(*(toolbox.run(call) for call in calls))
+        run, refused = (calls, []) if max_calls is None else (calls[:max_calls], calls[max_calls:])
+        results = await asyncio.gather(*(toolbox.run(call) for call in run))
+        results += [ToolResult({"role": "tool", "tool_call_id": call.id, "name": call.name,
+                                "content": f"error: at most {max_calls} tool calls per turn; this one was not run"},
+                               "over_limit", 0.0) for call in refused]
         for result in results:
             self.tool_stats.calls += 1
             self.tool_stats.seconds += result.seconds
@@ -110,14 +115,18 @@ class ToolUseEnv(ChatEnv):
     `prompt_key`: the sample's column holding the messages (or a text, sent as the user turn);
     `system_prompt`: prepended when given; `max_tool_turns`: turns with calls before the episode ends;
     `max_result_chars`: each tool message cut to this many characters (a small context cannot take a
-    long result or error; None keeps them whole).
+    long result or error; None keeps them whole); `max_calls_per_turn`: calls of one turn that run, the rest
+    answered with an error (a policy may write dozens in one turn).
     """
 
     def __init__(self, toolbox: Toolbox | None = None, prompt_key: str = "messages", system_prompt: str | None = None,
-                 max_tool_turns: int = 4, max_result_chars: int | None = None):
+                 max_tool_turns: int = 4, max_result_chars: int | None = None, max_calls_per_turn: int = 8):
         super().__init__(toolbox)
         if max_tool_turns < 0:
             raise ValueError(f"ToolUseEnv: max_tool_turns must be >= 0, got {max_tool_turns}")
+        if max_calls_per_turn < 1:
+            raise ValueError(f"ToolUseEnv: max_calls_per_turn must be >= 1, got {max_calls_per_turn}")
+        self.max_calls_per_turn = max_calls_per_turn
         if max_result_chars is not None and max_result_chars < 1:
             raise ValueError(f"ToolUseEnv: max_result_chars must be >= 1 or null, got {max_result_chars}")
         self.prompt_key, self.system_prompt, self.max_tool_turns = prompt_key, system_prompt, max_tool_turns
@@ -140,7 +149,7 @@ class ToolUseEnv(ChatEnv):
         if self.tool_turns >= self.max_tool_turns:
             return ChatStep(done=True, info={"answered": False, "out_of_tool_turns": True})
         self.tool_turns += 1
-        results = await self.call_tools(message.tool_calls)
+        results = await self.call_tools(message.tool_calls, self.max_calls_per_turn)
         if self.max_result_chars is not None:
             results = [{**result, "content": result["content"][:self.max_result_chars]} for result in results]
         return ChatStep(results)
@@ -219,9 +228,10 @@ class ChatSetup:
 
     @classmethod
     def build(cls, tokenizer: Any, tools: list[str], parser: str = "hermes", timeout_s: float = 30.0,
-              max_threads: int = 8) -> "ChatSetup":
-        """From the env config's `tools` (import paths), `tool_parser` and `tool_timeout_s`."""
-        toolbox = Toolbox.from_paths(list(tools), timeout_s=timeout_s, max_threads=max_threads) if tools else None
+              max_threads: int = 8, max_concurrent: int = 8) -> "ChatSetup":
+        """From the env config's `tools` (import paths), `tool_parser`, `tool_timeout_s` and `tool_concurrency`."""
+        toolbox = Toolbox.from_paths(list(tools), timeout_s=timeout_s, max_threads=max_threads,
+                                     max_concurrent=max_concurrent) if tools else None
         if toolbox is not None and not template_renders_tools(tokenizer, toolbox.schemas):
             logger.warning("the tokenizer's chat template ignores `tools`: the model is not shown env.tools; use a "
                            "template that renders them, or describe them in the env's system prompt")

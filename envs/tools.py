@@ -26,7 +26,7 @@ from typing import Any, Callable
 from envs.base import EnvThreadPool
 from envs.plugins import load_by_path
 
-ERROR_KINDS = ("unparsed", "unknown_tool", "bad_arguments", "raised", "timed_out")
+ERROR_KINDS = ("unparsed", "unknown_tool", "bad_arguments", "raised", "timed_out", "over_limit")
 
 
 @dataclass
@@ -99,14 +99,20 @@ _JSON_TYPES = {"integer": int, "number": (int, float), "string": str, "boolean":
 
 class Toolbox:
     """The tools of an environment by name; `timeout_s` bounds each call, `max_threads` the blocking
-    (non-async) tool calls running at once."""
+    (non-async) tool calls running at once, `max_concurrent` all calls running at once: one toolbox serves a
+    job's every env, so this bounds the job's total (a sandbox per call would otherwise run as many programs
+    as the policy writes calls)."""
 
-    def __init__(self, functions: list[Callable], timeout_s: float = 30.0, max_threads: int = 8):
+    def __init__(self, functions: list[Callable], timeout_s: float = 30.0, max_threads: int = 8,
+                 max_concurrent: int = 8):
         from transformers.utils import get_json_schema
 
         if timeout_s <= 0:
             raise ValueError(f"a tool timeout must be > 0 seconds, got {timeout_s}")
+        if max_concurrent < 1:
+            raise ValueError(f"tool calls running at once must be >= 1, got {max_concurrent}")
         self.timeout_s = timeout_s
+        self._running = asyncio.Semaphore(max_concurrent)
         self._threads = EnvThreadPool(max_threads, name="tool-worker")
         self.functions: dict[str, Callable] = {}
         self.schemas: list[dict] = []
@@ -129,6 +135,10 @@ class Toolbox:
 
     async def run(self, call: ToolCall) -> ToolResult:
         """Run `call`; whatever happens, a `tool` message for the model."""
+        async with self._running:
+            return await self._run(call)
+
+    async def _run(self, call: ToolCall) -> ToolResult:
         started = time.perf_counter()
         error, content = self._check(call)
         if error is None:

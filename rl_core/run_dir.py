@@ -33,7 +33,11 @@ class RunDirLock:
         self._handle = None
 
     def acquire(self) -> "RunDirLock":
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Owner-only when this job makes it: samples, evaluation answers and checkpoints are read by nobody else
+        # (code a policy writes runs as another user, and must not find them).
+        if not self.run_dir.exists():
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.run_dir.chmod(0o700)
         handle = open(self.path, "a+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -41,3 +41,23 @@ def test_a_live_holder_refuses_others_and_its_death_frees_the_directory(tmp_path
     assert f"pid {os.getpid()} " in (tmp_path / LOCK_NAME).read_text()
     lock.release()
     RunDirLock(tmp_path).acquire().release()
+
+
+def test_a_new_run_directory_is_owner_only(tmp_path):
+    run_dir = tmp_path / "runs" / "job"
+    lock = RunDirLock(run_dir).acquire()
+    try:
+        (run_dir / "eval_samples.jsonl").write_text('{"answer": "#### 13"}\n')
+        assert (run_dir.stat().st_mode & 0o777) == 0o700
+        if os.geteuid() == 0:  # another user (as the sandbox's code runs) cannot read what is inside
+            os.chmod(tmp_path, 0o755)
+            os.chmod(tmp_path / "runs", 0o755)
+            read = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "cat",
+                                   str(run_dir / "eval_samples.jsonl")], capture_output=True, text=True)
+            assert read.returncode != 0 and "Permission denied" in read.stderr
+    finally:
+        lock.release()
+    existing = tmp_path / "shared"
+    existing.mkdir(mode=0o755)
+    RunDirLock(existing).acquire().release()
+    assert (existing.stat().st_mode & 0o777) == 0o755  # a directory the user made keeps its mode

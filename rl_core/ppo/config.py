@@ -143,6 +143,7 @@ class EnvConfig:
     tools: list = field(default_factory=list)
     tool_parser: str = "hermes"
     tool_timeout_s: float = 30.0
+    tool_concurrency: int = 8  # tool calls running at once in the whole job (each python call is a sandbox)
 
 
 @dataclass
@@ -391,6 +392,7 @@ def validate(cfg: PPOConfig) -> None:
     require(0.0 <= cfg.env.max_failed_ratio <= 1.0, "config key 'env.max_failed_ratio' must be in [0, 1]")
     require(cfg.env.step_timeout_s > 0, "config key 'env.step_timeout_s' must be > 0")
     require(cfg.env.tool_timeout_s > 0, "config key 'env.tool_timeout_s' must be > 0")
+    require(cfg.env.tool_concurrency >= 1, "config key 'env.tool_concurrency' must be >= 1")
     require(not cfg.env.tools or cfg.env.tool_timeout_s < cfg.env.step_timeout_s,
             f"config key 'env.tool_timeout_s' ({cfg.env.tool_timeout_s:g}) must be below env.step_timeout_s "
             f"({cfg.env.step_timeout_s:g}): a step runs its tool calls")

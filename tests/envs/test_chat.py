@@ -144,6 +144,52 @@ def test_tool_use_env_answers_calls_with_tool_messages_and_counts_every_failure(
     assert stats["tool_errors/unknown_tool"] == stats["tool_errors/unparsed"] == stats["tool_errors/bad_arguments"] == 1
 
 
+def test_a_turn_of_24_python_calls_runs_8_sandboxes_and_answers_the_rest_with_an_error():
+    """A policy may write dozens of calls in one turn: `max_calls_per_turn` of them run, each of the rest gets an
+    error message (counted), and the job's toolbox never runs more than `tool_concurrency` at once."""
+    running, most = 0, 0
+
+    async def slow(x: int) -> int:
+        """Returns x after a while.
+
+        Args:
+            x: A number.
+        """
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await asyncio.sleep(0.05)
+        running -= 1
+        return x
+
+    toolbox = Toolbox([slow], max_concurrent=3)
+    env = ToolUseEnv(toolbox, max_calls_per_turn=8)
+    other = ToolUseEnv(toolbox, max_calls_per_turn=8)  # a second env of the same job shares the toolbox
+    calls = [ToolCall(f"call_{i}", "slow", {"x": i}) for i in range(24)]
+
+    async def both():
+        await env.reset({"messages": "go"})
+        await other.reset({"messages": "go"})
+        return await asyncio.gather(env.step(AssistantMessage("", [], calls)),
+                                    other.step(AssistantMessage("", [], calls[:5])))
+
+    turn, _ = asyncio.run(both())
+    contents = [m["content"] for m in turn.messages]
+    assert contents[:8] == [str(i) for i in range(8)] and len(contents) == 24
+    assert all(c == "error: at most 8 tool calls per turn; this one was not run" for c in contents[8:])
+    assert [m["tool_call_id"] for m in turn.messages] == [c.id for c in calls]
+    stats = env.tool_stats.info()
+    assert stats["tool_calls"] == 24 and stats["tool_errors/over_limit"] == 16
+    assert most == 3  # 13 calls of two envs, at most 3 running at once
+
+
+def test_the_python_tool_runs_in_the_sandbox_with_a_private_root():
+    from envs.sandbox import python
+
+    text = asyncio.run(python("import os; print(os.getcwd(), os.path.exists('/etc/passwd'))"))
+    assert text == "/work False\n"
+
+
 def test_without_tools_a_call_is_answered_with_an_error_not_a_failure():
     env = ToolUseEnv(None)  # a job without env.tools: the policy answering on its own
     turn = asyncio.run(env.step(AssistantMessage(CALL, [], hermes_tool_calls(CALL))))

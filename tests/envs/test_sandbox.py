@@ -41,16 +41,29 @@ def children_of(pid: int) -> list[int]:
 
 
 def processes_in(directory: str) -> list[int]:
-    """Processes whose working directory is `directory` or below (deleted ones included)."""
-    found = []
+    """Processes whose working directory is `directory` or below (deleted ones included), and their
+    descendants: inside the sandbox's own root a call's directory is /work, and reads so from here."""
+    found, parents = [], {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 cwd = os.readlink(f"/proc/{entry}/cwd")
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
+            if fields[0] == "Z":
+                continue
+            parents[int(entry)] = int(fields[1])
             if cwd.startswith(directory + os.sep):
                 found.append(int(entry))
+    roots = set(found)
+    for pid in parents:
+        ancestor = parents.get(pid)
+        while ancestor is not None and ancestor not in roots:
+            ancestor = parents.get(ancestor)
+        if ancestor is not None and pid not in roots:
+            found.append(pid)
     return found
 
 
@@ -101,8 +114,8 @@ def test_prints_to_stdout_in_a_private_directory_that_is_removed():
     assert result.ok and result.exit_code == 0 and result.signal is None and not result.timed_out
     assert result.stdout == "hello 42\n"
     workdir, env, isolated = result.stderr.splitlines()
-    assert workdir.startswith(tempfile.tempdir) and not os.path.exists(workdir)
-    assert env == "['HOME', 'LANG', 'PATH', 'TMPDIR']" and isolated == "1"  # nothing inherited, python -I
+    assert workdir == "/work" and os.listdir(tempfile.tempdir) == []  # its own root; the host directory is gone
+    assert env == "['HOME', 'LANG', 'PATH', 'PWD', 'TMPDIR']" and isolated == "1"  # nothing inherited, python -I
 
 
 def test_exception_fails_with_the_traceback_in_stderr():
@@ -240,14 +253,16 @@ def test_writing_outside_its_directory_fails():
         os.chmod(target, 0o644)
         result = run(f"""
             open("mine.txt", "w").write("fine")  # its own directory is writable
-            for path, mode in [({target!r}, "a"), ({outside + '/new'!r}, "w"), ({ROOT + '/envs/pwned.py'!r}, "w")]:
+            for path, mode in [({target!r}, "a"), ({outside + '/new'!r}, "w"), ({ROOT + '/envs/pwned.py'!r}, "w"),
+                               ("/usr/pwned", "w")]:
                 try:
                     open(path, mode).write("pwned")
                     print("wrote", path)
-                except PermissionError:
-                    print("refused")
+                except OSError as err:
+                    print(type(err).__name__)
         """)
-        assert result.ok and result.stdout == "refused\nrefused\nrefused\n"
+        # the host's directories are not in its root at all; the system's are there read-only
+        assert result.ok and result.stdout == "FileNotFoundError\n" * 3 + "OSError\n", result.stdout
         assert os.listdir(outside) == ["owned-by-root"] and open(target).read() == "original"
         assert not os.path.exists(os.path.join(ROOT, "envs", "pwned.py"))
     finally:
@@ -270,7 +285,8 @@ def test_no_network_even_to_a_port_open_on_this_host():
         server.settimeout(0)
         with pytest.raises(BlockingIOError):
             server.accept()  # nothing got through
-    assert result.ok and result.stdout == "OSError 101\n"  # ENETUNREACH: only a loopback that is down
+    # ECONNREFUSED from the sandbox's own loopback (its network namespace has nothing else), not the host's port
+    assert result.ok and result.stdout == "ConnectionRefusedError 111\n"
 
 
 def test_64_concurrent_calls_keep_the_event_loop_responsive():
@@ -288,7 +304,7 @@ def test_64_concurrent_calls_keep_the_event_loop_responsive():
                 now = time.monotonic()
                 gaps.append(now - last)
                 last = now
-                running.append(len(children_of(os.getpid())))  # one `unshare` per running call
+                running.append(len(children_of(os.getpid())))  # one `bwrap` per running call
 
         tick = asyncio.create_task(ticker())
         results = await asyncio.gather(*(sandbox.run_python(f"import time; time.sleep(0.1); print({i})")
@@ -308,7 +324,7 @@ def test_64_concurrent_calls_keep_the_event_loop_responsive():
 def test_cancelling_the_caller_kills_the_code_and_removes_its_directory(sandbox_tmp):
     async def main():
         task = asyncio.create_task(run_python("import time; print('up', flush=True); time.sleep(60)", timeout_s=60))
-        while len(processes_in(sandbox_tmp)) < 3:  # unshare, the runner, the code
+        while len(processes_in(sandbox_tmp)) < 3:  # bwrap, the runner, the code
             await asyncio.sleep(0.02)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -357,7 +373,7 @@ def test_code_dies_with_its_parent(sandbox_tmp):
          "asyncio.run(run_python('import os, time; os.system(\"sleep 60 &\"); time.sleep(60)', timeout_s=60))"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": sandbox_tmp})
     try:
-        assert wait_until(lambda: len(processes_in(sandbox_tmp)) >= 4, 20)  # unshare, runner, code, sleep
+        assert wait_until(lambda: len(processes_in(sandbox_tmp)) >= 4, 20)  # bwrap, runner, code, sleep
         parent.kill()
         parent.wait()
         assert wait_until(lambda: processes_in(sandbox_tmp) == [], 5)
@@ -404,3 +420,156 @@ def test_the_python_tool_answers_a_tool_call_with_its_output_or_its_error():
     assert bad.error is None  # the tool answered: the program's failure is the model's to read
     assert "ZeroDivisionError" in bad.message["content"] and "error: the program failed (exit code 1)" in \
         bad.message["content"]
+
+
+# --------------------------------------------------------------------------- a private filesystem per call
+
+
+def test_the_code_sees_none_of_the_hosts_files_and_cannot_find_an_answer_by_walking():
+    """An RL policy searches: here it walks its whole root (but the system's programs) for an answer file put
+    world-readable in the project and in the host's /tmp, as held-out data and run directories are (devices and /proc
+    are left out of the walk: reading them blocks or never ends)."""
+    secret = "#### 1234567-answer"
+    planted = [os.path.join(ROOT, "assets", "sandbox-test-answer.txt"), os.path.join("/tmp", "sandbox-test-answer.txt")]
+    try:
+        for path in planted:
+            with open(path, "w") as f:
+                f.write(secret)
+            os.chmod(path, 0o644)
+        result = run(f"""
+            import os
+            print(sorted(p for p in {[ROOT, "/root", "/home", "/etc", "/var/lib", "/opt", "/work/main.py"]!r}
+                         if os.path.exists(p)))
+            found = []
+            for top, dirs, files in os.walk("/"):
+                if top == "/":
+                    dirs[:] = [d for d in dirs if d not in ("usr", "proc", "dev")]
+                for name in files:
+                    try:
+                        if {secret!r} in open(os.path.join(top, name), errors="ignore").read(4096):
+                            found.append(os.path.join(top, name))
+                    except OSError:
+                        pass
+            print(found)
+        """)
+        assert result.ok, result.stderr
+        # only its own script is there (main.py holds the search string itself, nothing else does)
+        assert result.stdout == "['/work/main.py']\n['/work/main.py']\n"
+    finally:
+        for path in planted:
+            os.remove(path)
+
+
+def test_nothing_a_call_writes_to_a_temp_dir_reaches_another_call_or_the_host():
+    dirs = ["/tmp", "/var/tmp", "/dev/shm"]
+    host_before = {d: set(os.listdir(d)) for d in dirs}
+    write = run(f"""
+        for d in {dirs!r}:
+            open(d + "/cached-answer", "w").write("42")
+        print("written")
+    """)
+    read = run(f"import os; print([os.listdir(d) for d in {dirs!r}])")
+    assert write.ok and write.stdout == "written\n"
+    assert read.ok and read.stdout == "[[], [], []]\n"
+    for d in dirs:  # the host's temp dirs got nothing either
+        assert "cached-answer" not in set(os.listdir(d)) - host_before[d]
+
+
+def test_two_concurrent_calls_cannot_hand_each_other_a_file():
+    sandbox = Sandbox(max_concurrency=2, timeout_s=20.0)
+
+    async def main():
+        writer = sandbox.run_python("import time\nfor d in ('/tmp', '/var/tmp', '/dev/shm'):\n"
+                                    "    open(d + '/drop', 'w').write('x')\ntime.sleep(2)")
+        reader = sandbox.run_python("import os, time\nseen = set()\nfor _ in range(30):\n"
+                                    "    seen |= {d for d in ('/tmp', '/var/tmp', '/dev/shm') if os.path.exists(d + '/drop')}\n"
+                                    "    time.sleep(0.05)\nprint(sorted(seen))")
+        return await asyncio.gather(writer, reader)
+
+    written, read = asyncio.run(main())
+    assert written.ok and read.ok and read.stdout == "[]\n"
+
+
+def test_the_temp_dirs_are_capped_at_tmpfs_mb():
+    result = run("""
+        import errno
+        written = 0
+        try:
+            while written < 64:
+                open(f"/dev/shm/part{written}", "wb").write(b"x" * 2**20)
+                written += 1
+        except OSError as err:
+            print(written, err.errno == errno.ENOSPC)
+    """, tmpfs_mb=8)
+    assert result.ok and result.stdout in ("7 True\n", "8 True\n"), result.stdout  # 8 MB, less the tmpfs' own use
+
+
+def test_inputs_are_there_read_only_by_name(sandbox_tmp):
+    inputs = tempfile.mkdtemp(prefix="inputs-", dir="/tmp")
+    try:
+        with open(os.path.join(inputs, "question.txt"), "w") as f:
+            f.write("2 + 2")
+        os.chmod(inputs, 0o755)
+        os.chmod(os.path.join(inputs, "question.txt"), 0o644)
+        result = asyncio.run(Sandbox(1).run_python(textwrap.dedent("""
+            print(open("/data/question.txt").read())
+            try:
+                open("/data/question.txt", "a").write("1")
+            except OSError as err:
+                print(err.errno)
+        """), inputs={"/data": inputs}))
+        assert result.ok and result.stdout in ("2 + 2\n30\n", "2 + 2\n13\n")  # EROFS (EACCES first as nobody)
+        assert open(os.path.join(inputs, "question.txt")).read() == "2 + 2"
+        with pytest.raises(ValueError, match="absolute path"):
+            asyncio.run(Sandbox(1).run_python("pass", inputs={"data": inputs}))
+    finally:
+        subprocess.run(["rm", "-rf", inputs], check=True)
+
+
+# --------------------------------------------------------------------------- limits on the call as a whole
+
+HAS_CALL_CGROUPS = sandbox_module.CallCgroups.for_host({}) is not None
+needs_cgroups = pytest.mark.skipif(not HAS_CALL_CGROUPS, reason="no per-call cgroup on this host (it needs root and "
+                                   "writable cgroup v1 memory and pids controllers)")
+
+
+@needs_cgroups
+def test_children_together_cannot_hold_more_than_memory_mb():
+    """Six children of 48 MB each stay under the per-process limit (RLIMIT_AS 128 MB) but not under the call's."""
+    result = run("""
+        import os, time
+        children = []
+        for _ in range(6):
+            pid = os.fork()
+            if pid == 0:
+                block = bytearray(48 * 2**20)
+                for i in range(0, len(block), 4096):
+                    block[i] = 1
+                time.sleep(2)
+                os._exit(0)
+            children.append(pid)
+        statuses = [os.waitpid(pid, 0)[1] for pid in children]
+        print(sum(os.WIFSIGNALED(s) and os.WTERMSIG(s) == 9 for s in statuses))
+    """, memory_mb=128, timeout_s=20)
+    assert result.signal == signal.SIGKILL or int(result.stdout) >= 1, result  # the kernel's OOM kill in the cgroup
+
+
+@needs_cgroups
+def test_tmpfs_pages_count_against_memory_mb():
+    result = run("""
+        written = 0
+        try:
+            while written < 200:
+                open(f"/dev/shm/part{written}", "wb").write(b"x" * 2**20)
+                written += 1
+        except OSError as err:
+            pass
+        print(written)
+    """, memory_mb=64, tmpfs_mb=256, timeout_s=20)
+    assert result.signal == signal.SIGKILL or int(result.stdout) < 64, result
+
+
+def test_the_sandbox_says_which_limits_hold_here():
+    said = Sandbox(1).enforced
+    assert said.startswith("sandbox: private root per call (bwrap)")
+    assert ("a cgroup per call: 512 MB" in said) == HAS_CALL_CGROUPS and ("no per-call cgroup" in said) != HAS_CALL_CGROUPS
