@@ -291,7 +291,9 @@ class ChatSetup:
         toolbox = Toolbox.from_paths(list(tools), timeout_s=timeout_s, max_threads=max_threads,
                                      max_concurrent=max_concurrent) if tools else None
         for function in (toolbox.functions.values() if toolbox else ()):
-            getattr(function, "start_check", lambda: None)()  # a tool that cannot work here stops the job now
+            said = getattr(function, "start_check", lambda: None)()  # a tool that cannot work here stops the job now
+            if said:
+                logger.info(said)  # e.g. which limits the sandbox enforces on this host
         if toolbox is not None and not template_renders_tools(tokenizer, toolbox.schemas):
             logger.warning("the tokenizer's chat template ignores `tools`: the model is not shown env.tools; use a "
                            "template that renders them, or describe them in the env's system prompt")

@@ -49,9 +49,15 @@ Enforced (checked by tests/envs/test_sandbox.py on Linux 6.x as root):
     a fork bomb. The limit set is max_processes + 1, for the runner counted with it.
   * Output is read as it comes; only the first `max_output_bytes` of each stream are kept.
 
+  * The call as a whole, where the job runs as root on a host with cgroup v1 `memory` and `pids` (and
+    `cpu`) hierarchies, as these machines mount them: a cgroup per call holds all its processes to
+    `memory_mb` together (the tmpfs pages it wrote included; over it, the kernel kills), to
+    `max_processes`, and to `cpus` cores' worth of time. `Sandbox.enforced` says which holds here.
+
 Not enforced:
-  * `memory_mb` and `cpu_s` are per process (rlimits): several children may each use that much, and
-    the tmpfs (at most 3 x `tmpfs_mb`) is not counted in it. A cgroup per call would bound the whole.
+  * Without such a cgroup (no root, or cgroup v2 only), `memory_mb` and `cpu_s` bind each process, not
+    the call: several children may each use that much, and the tmpfs (at most 3 x `tmpfs_mb`) is not
+    counted in it. `cpu_s` is per process either way (the wall clock bounds the call).
   * A parent killed with SIGKILL takes its sandboxes' processes with it, not their directories.
 
 Needs Linux with unprivileged user namespaces (bwrap as `user` must work; Ubuntu 24.04, for one,
@@ -172,10 +178,11 @@ class Sandbox:
     def __init__(self, max_concurrency: int = DEFAULT_MAX_CONCURRENCY, *, timeout_s: float = 10.0,
                  memory_mb: int = 512, max_output_bytes: int = 16384, max_processes: int = 32,
                  max_file_mb: int = 16, cpu_s: int | None = None, python: str | None = None,
-                 user: str = "nobody", tmpfs_mb: int = 64):
+                 user: str = "nobody", tmpfs_mb: int = 64, cpus: float = 1.0):
         for name, value in [("max_concurrency", max_concurrency), ("timeout_s", timeout_s),
                             ("memory_mb", memory_mb), ("max_output_bytes", max_output_bytes),
-                            ("max_processes", max_processes), ("max_file_mb", max_file_mb), ("tmpfs_mb", tmpfs_mb)]:
+                            ("max_processes", max_processes), ("max_file_mb", max_file_mb), ("tmpfs_mb", tmpfs_mb),
+                            ("cpus", cpus)]:
             if not value > 0:
                 raise ValueError(f"sandbox {name} must be > 0, got {value!r}")
         if cpu_s is not None and cpu_s < 1:
@@ -219,8 +226,10 @@ class Sandbox:
                   "RLIMIT_NPROC": (max_processes + 1, max_processes + 1), "RLIMIT_CORE": (0, 0)}
         self.limits = ",".join(f"{name}={soft}:{hard}" for name, (soft, hard) in limits.items())
         # The call as a whole (every child, the tmpfs pages): a cgroup per call where this host lets us make one.
-        # pids: the code's processes, the runner and bwrap's outer process (outside the namespace, in the cgroup)
-        self.cgroups = CallCgroups.for_host({"memory.limit_in_bytes": memory, "pids.max": max_processes + 2})
+        # pids: the code's processes, the runner and bwrap's outer process (outside the namespace, in the cgroup);
+        # cpu: `cpus` cores' worth of time at most, however many processes the code starts
+        self.cgroups = CallCgroups.for_host({"memory.limit_in_bytes": memory, "pids.max": max_processes + 2,
+                                             "cpu.cfs_period_us": 100_000, "cpu.cfs_quota_us": int(cpus * 100_000)})
         self.enforced = (f"sandbox: private root per call (bwrap), {'user ' + user if self.uid is not None else 'the caller'}"
                          f", rlimits per process, " + (self.cgroups.describe() if self.cgroups else
                                                       "no per-call cgroup (needs root and cgroup v1 memory and pids "
@@ -333,10 +342,11 @@ async def python(code: str) -> str:
     return (await run_python(code)).for_model()
 
 
-def check_can_start() -> None:
+def check_can_start() -> str:
     """Run one trivial call now; raise `SandboxError` (one line with the fix) where the sandbox cannot start on
-    this host. The job calls it at start-up for `envs.sandbox:python` (`start_check`), so a host without user
-    namespaces stops the job there, instead of answering every tool call of the run with that error."""
+    this host, else return what it enforces here (`Sandbox.enforced`). The job calls it at start-up for
+    `envs.sandbox:python` (`start_check`), so a host without user namespaces stops the job there, instead of
+    answering every tool call of the run with that error."""
     result: dict = {}
 
     def attempt() -> None:
@@ -353,6 +363,7 @@ def check_can_start() -> None:
         why = result.get("error") or (out.stderr.strip().splitlines() or [f"exit {out.exit_code}"])[-1]
         raise SandboxError(f"envs.sandbox:python cannot run on this host ({why}); it needs bubblewrap with "
                            "unprivileged user namespaces: see the envs/sandbox.py docstring")
+    return Sandbox(1).enforced
 
 
 python.start_check = check_can_start  # read by envs.chat.ChatSetup.build
@@ -489,17 +500,19 @@ class CallCgroups:
                 for line in f:
                     _, controllers, path = line.rstrip("\n").split(":", 2)
                     for controller in controllers.split(","):
-                        if controller in ("memory", "pids"):
+                        if controller in ("memory", "pids", "cpu"):
                             parents[controller] = os.path.join(CGROUP_V1, controller, path.lstrip("/"))
         except OSError:
             return None
-        if set(parents) != {"memory", "pids"} or not all(os.access(p, os.W_OK) for p in parents.values()):
+        if not {"memory", "pids"} <= set(parents) or not all(os.access(p, os.W_OK) for p in parents.values()):
             return None
-        return cls(parents, settings)
+        return cls(parents, settings)  # cpu: where its hierarchy is there too
 
     def describe(self) -> str:
+        cpus = (f", {self.settings['cpu.cfs_quota_us'] / self.settings['cpu.cfs_period_us']:g} CPU at most"
+                if "cpu" in self.parents and "cpu.cfs_quota_us" in self.settings else "")
         return (f"a cgroup per call: {self.settings['memory.limit_in_bytes'] // 2**20} MB for all its processes and "
-                f"tmpfs, {self.settings['pids.max']} processes")
+                f"tmpfs, {self.settings['pids.max']} processes{cpus}")
 
     @contextlib.contextmanager
     def call(self):

@@ -615,3 +615,44 @@ def test_a_project_the_sandbox_user_cannot_enter_still_gets_a_bwrap_it_can_run(t
     finally:
         subprocess.run(["rm", "-rf", os.path.dirname(os.path.dirname(os.path.dirname(usable)))], check=True)
         sandbox_module._reachable_copy.cache_clear()
+
+
+@needs_cgroups
+@pytest.mark.skipif(not os.access("/sys/fs/cgroup/cpu", os.W_OK), reason="no writable cgroup v1 cpu hierarchy")
+def test_busy_children_are_held_to_cpus_of_time_together(sandbox_tmp):
+    """Three children spinning for 1.5 s: the call's cgroup holds them to half a core, so the kernel throttles it."""
+    def call_cgroup() -> str | None:
+        """The cpu cgroup of this test's call: its bwrap is this process's child."""
+        for pid in children_of(os.getpid()):
+            try:
+                lines = open(f"/proc/{pid}/cgroup").read().splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                _, controllers, path = line.split(":", 2)
+                if "cpu" in controllers.split(",") and "rl-sandbox-" in path:
+                    return os.path.join("/sys/fs/cgroup/cpu", path.lstrip("/"))
+        return None
+
+    async def main():
+        sandbox = Sandbox(1, timeout_s=20, cpus=0.5)
+        task = asyncio.create_task(sandbox.run_python(textwrap.dedent("""
+            import os, time
+            for _ in range(3):
+                if os.fork() == 0:
+                    end = time.monotonic() + 1.5
+                    while time.monotonic() < end:
+                        pass
+                    os._exit(0)
+            for _ in range(3):
+                os.wait()
+        """)))
+        while (path := call_cgroup()) is None:
+            await asyncio.sleep(0.01)
+        quota = open(os.path.join(path, "cpu.cfs_quota_us")).read().strip()
+        await asyncio.sleep(1.0)
+        stat = dict(line.split() for line in open(os.path.join(path, "cpu.stat")))
+        return quota, int(stat["nr_throttled"]), await task
+
+    quota, throttled, result = asyncio.run(main())
+    assert result.ok and quota == "50000" and throttled > 0
