@@ -222,13 +222,14 @@ class ChatTokens:
     rendering (`divergences` counts these).
     """
 
-    def __init__(self, tokenizer: Any, tools: list[dict] | None = None):
+    def __init__(self, tokenizer: Any, tools: list[dict] | None = None, max_result_tokens: int | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("a conversation env needs a tokenizer with a chat template; set model.tokenizer_path to "
                              "one that has")
         self.tokenizer = tokenizer
         self.tools = tools or None
         self.guard = ToolTextGuard(tokenizer)
+        self.max_result_tokens = max_result_tokens  # a tool message's text cut to this many tokens (None: whole)
         self.messages: list[dict] = []
         self.text = ""  # the text of `ids`: what the model has seen
         self.ids: list[int] = []
@@ -258,10 +259,19 @@ class ChatTokens:
         token is the template's to write)."""
         return self.decode(action_ids, skip_special_tokens=True)
 
+    def tool_text(self, text: str) -> str:
+        """A tool message's text as the model gets it: guarded (`ToolTextGuard`), then cut to `max_result_tokens`."""
+        text = self.guard(text)
+        if self.max_result_tokens is not None:
+            ids = self.encode(text)
+            if len(ids) > self.max_result_tokens:
+                text = self.decode(ids[:self.max_result_tokens], skip_special_tokens=False)
+        return text
+
     def add_turn(self, action_ids: list[int], new_messages: list[dict]) -> list[int]:
         """The ids of the next state: the current sequence extended, or a new one (a divergence). Tool messages'
         text goes through `ToolTextGuard`."""
-        new_messages = [{**m, "content": self.guard(m["content"])} if m.get("role") == "tool" and
+        new_messages = [{**m, "content": self.tool_text(m["content"])} if m.get("role") == "tool" and
                         isinstance(m.get("content"), str) else dict(m) for m in new_messages]
         self.messages += [{"role": "assistant", "content": self.assistant_text(action_ids)}, *new_messages]
         seen = self.text + self.decode(action_ids, skip_special_tokens=False)
@@ -283,11 +293,13 @@ class ChatSetup:
     tokenizer: Any
     toolbox: Toolbox | None
     parser: Callable[[str], list[ToolCall]]
+    max_result_tokens: int | None = None  # each tool message cut to this many tokens
 
     @classmethod
     def build(cls, tokenizer: Any, tools: list[str], parser: str = "hermes", timeout_s: float = 30.0,
-              max_threads: int = 8, max_concurrent: int = 8) -> "ChatSetup":
-        """From the env config's `tools` (import paths), `tool_parser`, `tool_timeout_s` and `tool_concurrency`."""
+              max_threads: int = 8, max_concurrent: int = 8, max_result_tokens: int | None = None) -> "ChatSetup":
+        """From the env config's `tools` (import paths), `tool_parser`, `tool_timeout_s`, `tool_concurrency` and
+        `max_result_tokens`."""
         toolbox = Toolbox.from_paths(list(tools), timeout_s=timeout_s, max_threads=max_threads,
                                      max_concurrent=max_concurrent) if tools else None
         for function in (toolbox.functions.values() if toolbox else ()):
@@ -297,7 +309,7 @@ class ChatSetup:
         if toolbox is not None and not template_renders_tools(tokenizer, toolbox.schemas):
             logger.warning("the tokenizer's chat template ignores `tools`: the model is not shown env.tools; use a "
                            "template that renders them, or describe them in the env's system prompt")
-        return cls(tokenizer, toolbox, load_parser(parser))
+        return cls(tokenizer, toolbox, load_parser(parser), max_result_tokens)
 
 
 def template_renders_tools(tokenizer: Any, schemas: list[dict]) -> bool:
@@ -314,10 +326,11 @@ class ChatEnvAdapter(Env):
     """Presents a `ChatEnv` as a token-level `Env`: messages in, token ids out (`ChatTokens`), with the
     model's tool calls parsed by `parse` and the env's tool use and template divergences in `info`."""
 
-    def __init__(self, env: ChatEnv, tokenizer: Any, parse: Callable[[str], list[ToolCall]]):
+    def __init__(self, env: ChatEnv, tokenizer: Any, parse: Callable[[str], list[ToolCall]],
+                 max_result_tokens: int | None = None):
         self.env = env
         self.parse = parse
-        self.tokens = ChatTokens(tokenizer, env.toolbox.schemas if env.toolbox else None)
+        self.tokens = ChatTokens(tokenizer, env.toolbox.schemas if env.toolbox else None, max_result_tokens)
 
     async def reset(self, sample: dict) -> list[int]:
         self.env.tool_stats = ToolStats()

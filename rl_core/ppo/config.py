@@ -144,6 +144,7 @@ class EnvConfig:
     tool_parser: str = "hermes"
     tool_timeout_s: float = 30.0
     tool_concurrency: int = 8  # tool calls running at once in the whole job (each python call is a sandbox)
+    max_result_tokens: Optional[int] = None  # each tool message cut to this many tokens (null: whole)
 
 
 @dataclass
@@ -393,6 +394,8 @@ def validate(cfg: PPOConfig) -> None:
     require(cfg.env.step_timeout_s > 0, "config key 'env.step_timeout_s' must be > 0")
     require(cfg.env.tool_timeout_s > 0, "config key 'env.tool_timeout_s' must be > 0")
     require(cfg.env.tool_concurrency >= 1, "config key 'env.tool_concurrency' must be >= 1")
+    require(cfg.env.max_result_tokens is None or cfg.env.max_result_tokens >= 1,
+            "config key 'env.max_result_tokens' must be >= 1 or null")
     require(not cfg.env.tools or cfg.env.tool_timeout_s < cfg.env.step_timeout_s,
             f"config key 'env.tool_timeout_s' ({cfg.env.tool_timeout_s:g}) must be below env.step_timeout_s "
             f"({cfg.env.step_timeout_s:g}): a step runs its tool calls")

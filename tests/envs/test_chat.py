@@ -122,6 +122,22 @@ def test_tool_output_cannot_forge_a_special_token_or_a_turn(chat_tokenizer_dir, 
     assert "1 + 1?" in text  # the output itself is there, readable
 
 
+def test_a_tool_result_is_cut_to_max_result_tokens(chat_tokenizer_dir):
+    tokenizer = tokenizer_with(chat_tokenizer_dir, "chatml_tools")
+    long_output = " ".join(str(n) for n in range(400))
+
+    def tool_content(max_result_tokens):
+        tokens = ChatTokens(tokenizer, max_result_tokens=max_result_tokens)
+        tokens.start(start_messages())
+        tokens.add_turn(unusual_ids(tokenizer, CALL) + [tokenizer.eos_token_id], [tool_message(long_output)])
+        return tokens.messages[-1]["content"]
+
+    assert tool_content(None) == long_output
+    cut = tool_content(12)
+    assert long_output.startswith(cut) and len(tokenizer.encode(cut, add_special_tokens=False)) <= 12
+    assert 0 < len(cut) < len(long_output)
+
+
 def test_a_template_that_drops_earlier_thinking_starts_a_new_sequence_and_counts_it(chat_tokenizer_dir):
     tokenizer = tokenizer_with(chat_tokenizer_dir, "reasoning_drops_thinking")
     tokens = ChatTokens(tokenizer)
