@@ -151,20 +151,52 @@ class _Wanted:
 def _head_outputs(hidden: torch.Tensor, labels: torch.Tensor, *, weight: torch.Tensor, bias: torch.Tensor | None,
                   temperature: float, softcap: float | None, wanted: _Wanted) -> tuple[torch.Tensor, ...]:
     """Logprob of each label, entropy and argmax hit for `[k, H]` hidden states (one chunk)."""
+    # OpenAI detail: logprobs come from logits / sampling temperature, matching the sampler. Without a soft cap
+    # the division goes on the hidden states and bias (H wide), not on the logits (vocabulary wide): the same
+    # logits, one pass over the vocabulary-wide tensor and its gradient fewer.
+    scale = 1.0 if softcap else 1.0 / temperature
+    if scale != 1.0:
+        hidden, bias = hidden * scale, None if bias is None else bias * scale
     logits = torch.nn.functional.linear(hidden, weight, bias).float()
     if softcap:  # Gemma's final soft-capping, as its own forward applies it after the head
-        logits = torch.tanh(logits / softcap) * softcap
-    # OpenAI detail: logprobs come from logits / sampling temperature, matching the sampler.
-    logits = logits / temperature
-    # One logsumexp over the vocabulary serves the logprobs and the entropy (log p = z - lse, H = lse - sum p z).
-    lse = torch.logsumexp(logits, dim=-1)
-    outputs = [logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse]
-    if wanted.entropy:
-        z, z_lse = (logits, lse) if wanted.entropy_grad else (logits.detach(), lse.detach())
-        outputs.append(z_lse - (torch.exp(z - z_lse.unsqueeze(-1)) * z).sum(dim=-1))
+        logits = torch.tanh(logits / softcap) * softcap / temperature
+    logprobs, entropy = _LabelLogprobs.apply(logits, labels, wanted.entropy, wanted.entropy_grad)
+    outputs = [logprobs] + ([entropy] if wanted.entropy else [])
     if wanted.hits:
         outputs.append((logits.detach().argmax(-1) == labels).float())
     return tuple(outputs)
+
+
+class _LabelLogprobs(torch.autograd.Function):
+    """`[k, V]` logits -> each label's logprob and (optionally) the entropy, with a hand-written backward.
+
+    Autograd through log_softmax, gather and the entropy's exp/mul/sum keeps several `[k, V]` tensors and makes
+    about eight passes over them; the gradient in closed form takes three: d log p_y / dz = onehot(y) - p and
+    dH/dz = -p (log p + H). Why by hand: the LM head's vocabulary-wide tensors are the largest of a step."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, with_entropy: bool, entropy_grad: bool):
+        logp = torch.log_softmax(logits, dim=-1)
+        label_logp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        entropy = -(logp.exp() * logp).sum(-1) if with_entropy else label_logp.new_zeros(0)
+        ctx.entropy_grad = with_entropy and entropy_grad
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(logp, labels, entropy)
+        return label_logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        logp, labels, entropy = ctx.saved_tensors
+        if grad_logp is None:  # only the entropy is in the loss
+            grad_logp = logp.new_zeros(logp.shape[:-1])
+        grad = logp.exp()
+        if ctx.entropy_grad and grad_entropy is not None:
+            grad *= -(grad_logp.unsqueeze(-1) + grad_entropy.unsqueeze(-1) * (logp + entropy.unsqueeze(-1)))
+        else:
+            grad *= -grad_logp.unsqueeze(-1)
+        grad.scatter_add_(-1, labels.unsqueeze(-1), grad_logp.unsqueeze(-1))
+        return grad, None, None, None
 
 
 def _in_chunks(head: Callable, hidden: torch.Tensor, labels: torch.Tensor, settings: ForwardSettings,

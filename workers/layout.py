@@ -285,8 +285,10 @@ def attention_masks(batch: dict[str, torch.Tensor], config=None) -> torch.Tensor
     - sliding-window layers see only the last `sliding_window` positions (transformers' rule, key position
       > query position - window), so a model with `layer_types` gets one mask per layer type and one with
       only `sliding_window` (Mistral, Phi3) the windowed mask;
-    - eager attention *adds* the mask to its scores, so it gets 0 / a large negative float (a boolean
-      mask added as 1/0 masks nothing: Gemma 2, eager by default, read other sequences' tokens)."""
+    - given the model's `config`, the mask is additive: 0 / a large negative float. Eager attention *adds* its
+      mask to the scores (a boolean mask added as 1/0 masks nothing: Gemma 2, eager by default, read other
+      sequences' tokens), and sdpa turns a boolean mask into that form in every layer (`[n, 1, L, L]` twice
+      per layer and step), so it is made once here. Without `config`: the boolean mask (True = may read)."""
     segments = batch["packed_segment_ids"]
     contexts = batch.get("packed_context_ids", segments)
     length = segments.shape[1]
@@ -302,7 +304,7 @@ def attention_masks(batch: dict[str, torch.Tensor], config=None) -> torch.Tensor
         masks = {kind: sliding if window and kind == "sliding_attention" else full for kind in layer_types}
     else:
         masks = {"all": sliding if window else full}
-    if "eager" in str(getattr(config, "_attn_implementation", "")):
+    if config is not None:
         masks = {kind: torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
                  for kind, mask in masks.items()}
     return masks if layer_types else masks["all"]

@@ -264,3 +264,30 @@ def test_logprobs_and_entropy_from_logits():
     probs = torch.softmax(logits, -1)
     torch.testing.assert_close(entropy_from_logits(logits), -(probs * probs.log()).sum(-1))
     assert entropy_from_logits(torch.zeros(1, 4)).item() == pytest.approx(math.log(4))
+
+
+@pytest.mark.parametrize("entropy, entropy_grad", [(False, False), (True, False), (True, True)])
+def test_hand_written_head_gradient_equals_autograd(entropy, entropy_grad):
+    """`_LabelLogprobs`' closed-form backward against autograd through log_softmax, in float64: the same
+    values and the same logits gradient for a loss mixing both outputs (the entropy's only when it has one)."""
+    from workers.forward import _LabelLogprobs
+    generator = torch.Generator().manual_seed(3)
+    logits = (torch.randn(7, 13, generator=generator, dtype=torch.float64) * 3).requires_grad_()
+    labels = torch.randint(0, 13, (7,), generator=generator)
+    weights = torch.randn(2, 7, generator=generator, dtype=torch.float64)
+
+    def loss(logprobs, ent):
+        return (weights[0] * logprobs).sum() + ((weights[1] * ent).sum() if entropy_grad else 0)
+
+    logprobs, ent = _LabelLogprobs.apply(logits, labels, entropy, entropy_grad)
+    loss(logprobs, ent).backward()
+    mine, logits.grad = logits.grad, None
+    reference = torch.log_softmax(logits, -1)
+    ref_logprobs = reference.gather(-1, labels[:, None]).squeeze(-1)
+    ref_entropy = -(reference.exp() * reference).sum(-1)
+    loss(ref_logprobs, ref_entropy).backward()
+    torch.testing.assert_close(logprobs, ref_logprobs)
+    if entropy:
+        torch.testing.assert_close(ent, ref_entropy)
+    assert ent.requires_grad == entropy_grad
+    torch.testing.assert_close(mine, logits.grad)
