@@ -1,10 +1,11 @@
 """Typed configuration for every job: YAML recipe + `key=value` overrides -> validated dataclasses.
 
 OmegaConf reads the YAML and the dotlist overrides; each job describes its keys as plain
-dataclasses (`rl_core/ppo/config.py`, `rl_core/reward_model/config.py`) that share the
-`trainer.*` section below. `load_config` checks every key, type and allowed value, then the
-job's cross-field rules, *before* any process group or engine starts, so a typo costs one line
-of output instead of a crashed job.
+dataclasses (`rl_core/ppo/config.py`, `rl_core/sft/config.py`, `rl_core/dpo/config.py`,
+`rl_core/reward_model/config.py`) that share the `trainer.*` section below; a comment next to each
+field describes its key (scripts/config_reference.py writes docs/config-reference.md from them).
+`load_config` checks every key, type and allowed value, then the job's cross-field rules, *before* any
+process group or engine starts, so a typo costs one line of output instead of a crashed job.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def choice(default: Any, allowed: typing.Iterable[Any]) -> Any:
 @dataclass
 class LoraSettings:
     rank: int = 0  # 0 = train every weight; > 0 = LoRA adapters of this rank (PEFT), the base weights frozen
-    alpha: float = 16.0
-    dropout: float = 0.0
+    alpha: float = 16.0  # LoRA scaling: the adapters' update is alpha / rank x BA
+    dropout: float = 0.0  # dropout on the adapters' input (the PPO actor keeps 0: OpenAI's no-dropout detail)
     target_modules: Optional[list] = None  # null = PEFT's default for the architecture (GPT-2: c_attn)
     export: str = choice("merged", ("merged", "adapter"))  # <run_dir>/final: the merged model, or the adapter
 
@@ -88,11 +89,11 @@ class ModelRunConfig:
 class TrainerConfig:
     """Run-level settings every job shares; a job's own trainer section subclasses this."""
 
-    run_dir: str = "runs/job"
-    seed: int = 1
+    run_dir: str = "runs/job"  # where the job writes config, metrics, logs, checkpoints and final/
+    seed: int = 1  # base seed; each rank uses seed + rank * 100003
     progress: bool = True  # progress bars on rank 0
-    wandb: bool = False
-    wandb_project: str = "rl_core"
+    wandb: bool = False  # also log to Weights & Biases (needs the wandb package)
+    wandb_project: str = "rl_core"  # the wandb project, when trainer.wandb is true
     collective_timeout_s: float = 600.0  # bounds every collective: a dead rank stops the job
 
     def validate(self) -> None:

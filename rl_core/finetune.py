@@ -40,26 +40,26 @@ def run_job(argv, description: str, default_config: str, schema: type, validate,
 @dataclass
 class FinetuneTrainConfig:
     batch_size: int = 32  # rows (SFT) or pairs (DPO) per optimizer step, over all ranks
-    epochs: int = 1
+    epochs: int = 1  # passes over the training data
     max_steps: Optional[int] = None  # stop earlier than `epochs`
-    lr: float = 1e-5
+    lr: float = 1e-5  # peak learning rate
     schedule: str = choice("linear", ("linear", "constant"))  # after warmup: annealed to zero, or held
-    warmup_steps: int = 0
-    optimizer: str = choice("adamw", OPTIMIZER_NAMES)
-    weight_decay: float = 0.0
-    adam_eps: float = 1e-8
-    adam_betas: tuple = (0.9, 0.999)
-    max_grad_norm: Optional[float] = 1.0
+    warmup_steps: int = 0  # steps of linear warmup from zero
+    optimizer: str = choice("adamw", OPTIMIZER_NAMES)  # adam, adamw or tf_adam (TensorFlow's epsilon placement)
+    weight_decay: float = 0.0  # decoupled weight decay (adamw)
+    adam_eps: float = 1e-8  # Adam epsilon
+    adam_betas: tuple = (0.9, 0.999)  # Adam betas
+    max_grad_norm: Optional[float] = 1.0  # gradient clipping; null = none
     max_tokens_per_device: int = 8192  # per micro-batch: its padded size, or with packing its real tokens
     # Padding-free micro-batches (workers.layout.pack): the model runs on the rows' real tokens back to
     # back, attention kept inside each row; the same losses and gradients as padded rows.
     packing: bool = False
-    log_every: int = 10
+    log_every: int = 10  # steps between metrics lines
 
 
 @dataclass
 class FinetuneTrainerConfig(TrainerConfig):
-    save_every: int = 0
+    save_every: int = 0  # steps between checkpoints; 0 = none
     keep_last: int = 2  # newest complete checkpoints kept on disk; 0 keeps all
     resume: str = "never"  # never | auto | <checkpoint dir>
     # A checkpoint that cannot be written (disk full, permissions): stop the job, or say so and train on.

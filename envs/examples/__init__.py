@@ -1,1 +1,1 @@
-"""Small example environments, plugged in by import path (see the README)."""
+"""Small example environments, plugged in by import path (see docs/envs.md)."""

@@ -1,4 +1,4 @@
-"""README example: a custom env in a few lines, plugged in by import path.
+"""docs/envs.md example: a custom env in a few lines, plugged in by import path.
 
     env:
       cls: envs.examples.echo_length:TargetLengthEnv

@@ -24,12 +24,12 @@ class DPODataConfig:
     # N-1 pairs of the best against each other response).
     train_path: str = "tiny"
     test_path: Optional[str] = "tiny"  # null = hold out data.heldout_fraction of train
-    heldout_fraction: float = 0.05
-    format: str = choice("auto", ("auto", *FORMATS))
+    heldout_fraction: float = 0.05  # with test_path null: the share of train pairs held out
+    format: str = choice("auto", ("auto", *FORMATS))  # auto = found from the columns
     margin_map: Optional[dict] = None  # read with the file; DPO does not use margins
     max_length: int = 128  # prompt + response tokens per sequence
-    on_malformed: str = choice("error", ("error", "skip"))
-    eval_max_pairs: Optional[int] = 512
+    on_malformed: str = choice("error", ("error", "skip"))  # a malformed row stops the job, or is skipped and counted
+    eval_max_pairs: Optional[int] = 512  # held-out pairs evaluated; null = all
 
 
 @dataclass
@@ -43,10 +43,10 @@ class DPOEvalConfig:
     every: int = 0  # steps between evaluations (besides step 0 and the end); 0 = only those two
     # Sample continuations of held-out prompts and score them with a reward model: eval/rm_score.
     reward_model_path: Optional[str] = None  # "tiny" = the tiny sentiment reward model; null = off
-    prompts: int = 128
-    query_length: int = 64
-    response_length: int = 24
-    temperature: float = 0.7
+    prompts: int = 128  # held-out prompts continued and scored
+    query_length: int = 64  # prompt tokens
+    response_length: int = 24  # tokens sampled per prompt
+    temperature: float = 0.7  # sampling temperature (0 = greedy)
 
 
 @dataclass

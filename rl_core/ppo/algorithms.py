@@ -4,7 +4,7 @@ Every function works on plain tensors. Shapes: ``[B, T]`` for per-token quantiti
 is one trajectory's generated tokens laid out in order (a multi-sequence trajectory is
 flattened into one row by the caller), ``mask`` is 1 on generated (action) tokens, ``[B]``
 for per-row scores. "OpenAI" below means ``openai/lm-human-preferences``
-(``lm_human_preferences/train_policy.py`` and ``utils/core.py``); the README's table of
+(``lm_human_preferences/train_policy.py`` and ``utils/core.py``); docs/openai-details.md's table of
 OpenAI details says where each one lives and which test checks it.
 """
 

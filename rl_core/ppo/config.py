@@ -27,7 +27,7 @@ RELEASE_CHOICES = ("auto", "always", "never", True, False)
 class ModelConfig(ModelRunConfig):
     # "tiny" = the offline assets (rl_core/tiny); otherwise any HF causal LM path or hub name.
     path: str = "tiny"
-    tokenizer_path: Optional[str] = None
+    tokenizer_path: Optional[str] = None  # null = model.path
     dtype: str = choice("float32", DTYPES)  # master weights; under mixed precision they stay fp32
     cpu_offload: bool = False  # FSDP2 parameter/optimizer offload (GPU only)
     # LoRA for the actor (the critic trains every weight): the engines get the merged weights on each
@@ -44,12 +44,12 @@ class RewardConfig:
     model_path: Optional[str] = "tiny"
     # OpenAI rejection sampling: cut at the first truncate_token at/after truncate_after, else fixed penalty.
     truncate_token: Optional[str] = "."
-    truncate_after: int = 16
-    penalty: float = -1.0
+    truncate_after: int = 16  # the first token index at which truncate_token may cut
+    penalty: float = -1.0  # the fixed score of a response with no truncate_token at/after truncate_after
     # Reward functions by import path: {name: {fn: "pkg.module:callable", weight: 1.0, kwargs: {...}}};
     # each gets (completion text, dataset row) and returns a number (see rl_core/rewards).
     fns: dict = field(default_factory=dict)
-    fn_timeout_s: float = 30.0
+    fn_timeout_s: float = 30.0  # each reward function call's time limit; past it the trajectory fails
     # Worker processes for sync reward functions (each call on a main thread, where signal-based
     # timeouts such as math-verify's work); 0 = a thread pool in rank 0 (for functions that cannot pickle).
     fn_processes: int = 2
@@ -65,32 +65,33 @@ class DataConfig:
     hub_config: Optional[str] = None  # hub datasets only: the configuration, e.g. "main" for openai/gsm8k
     # Held-out prompts evaluated at step 0, every trainer.eval_every steps and at the end; null = no eval.
     eval_path: Optional[str] = None
-    eval_split: str = "test"
+    eval_split: str = "test"  # hub datasets only: the split of data.eval_path
     prompt_key: Optional[str] = None  # the prompt column; null = the first of messages, prompt, text
     # Chat messages always go through the tokenizer's chat template; true also wraps plain text as a user turn.
     apply_chat_template: Optional[bool] = None
-    system_prompt: Optional[str] = None
+    system_prompt: Optional[str] = None  # a system turn put before each prompt rendered with the chat template
     max_prompt_length: int = 256  # tokens
     # Longer prompts: skip (and count), error, or truncate (OpenAI's fixed-length queries, sentiment recipe).
     on_long_prompt: str = choice("skip", LONG_PROMPT_POLICIES)
     start_text: Optional[str] = None  # OpenAI query mode only (on_long_prompt=truncate)
-    end_text: Optional[str] = None
+    end_text: Optional[str] = None  # OpenAI query mode only: the query ends at this text
+    # a malformed prompt row stops the job, or is skipped and counted
     on_malformed: str = choice("error", ("error", "skip"))
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = choice("embedded", ("embedded", "sglang"))
-    response_length: int = 24
-    temperature: float = 0.7
-    top_k: int = 0
-    top_p: float = 1.0
+    engine: str = choice("embedded", ("embedded", "sglang"))  # the inference engine each rank runs (docs/engines.md)
+    response_length: int = 24  # max new tokens per assistant turn
+    temperature: float = 0.7  # sampling temperature; the trainer's logprobs use the same one
+    top_k: int = 0  # 0 = no top-k cut
+    top_p: float = 1.0  # nucleus sampling; 1.0 = off
     ignore_eos: bool = False  # true = OpenAI's fixed-length responses, sampling past EOS (sentiment recipe)
     stop_token_ids: list = field(default_factory=list)  # besides EOS
-    max_turns: int = 1
-    concurrency: int = 256
-    router_policy: str = choice("cache_aware", POLICIES)
-    engine_timeout_s: float = 300.0
+    max_turns: int = 1  # assistant turns per episode (multi-turn envs and tools)
+    concurrency: int = 256  # trajectories in flight at once on rank 0
+    router_policy: str = choice("cache_aware", POLICIES)  # sglang-router's load-balancing policy
+    engine_timeout_s: float = 300.0  # each engine or router HTTP call's time limit
     # The embedded engine decodes at most this many requests together (SGLang sizes its own batches from
     # GPU memory): a batch's requests beyond it wait for a whole second wave of decode steps.
     engine_max_batch_size: int = 256
@@ -112,7 +113,7 @@ class RolloutConfig:
     # mean absolute gap; null = by engine dtype (see workers/engines/weights.py).
     weight_check_tolerance: Optional[float] = None
     mem_fraction_static: float = 0.6  # SGLang KV/weights share of the GPU when colocated
-    tp_size: int = 1
+    tp_size: int = 1  # GPUs per SGLang engine (tensor parallelism)
     sglang_args: dict = field(default_factory=dict)  # any further SGLang ServerArgs, e.g. {attention_backend: triton}
     # The Python that runs each SGLang server; null = the job's own. On CPU: .venv-sglang/bin/python
     # (scripts/setup_sglang_cpu.sh builds it), so the job's environment needs no sglang.
@@ -132,44 +133,45 @@ class RolloutConfig:
 
 @dataclass
 class EnvConfig:
-    cls: str = "envs.sentiment:SentimentEnv"
-    kwargs: dict = field(default_factory=dict)
-    num_envs: int = 64
-    step_timeout_s: float = 60.0
-    max_failed_ratio: float = 0.1
-    thread_pool_size: int = 4
+    cls: str = "envs.sentiment:SentimentEnv"  # the env class by import path (docs/envs.md)
+    kwargs: dict = field(default_factory=dict)  # keyword arguments for the env class
+    num_envs: int = 64  # size of the env pool; a trajectory leases one env while it runs
+    step_timeout_s: float = 60.0  # each reset/step call's time limit; past it the trajectory fails
+    max_failed_ratio: float = 0.1  # more failed trajectories than this share of a batch stop the job
+    thread_pool_size: int = 4  # threads for blocking (SyncEnv) envs and tools
     # Conversation envs (envs/chat.py): tool functions by import path ("pkg.module:function"), the parser
     # of the model's calls ("hermes" or "pkg.module:function"), and each call's time limit.
     tools: list = field(default_factory=list)
-    tool_parser: str = "hermes"
-    tool_timeout_s: float = 30.0
+    tool_parser: str = "hermes"  # the model's tool calls from its text: hermes or "pkg.module:function"
+    tool_timeout_s: float = 30.0  # each tool call's time limit; keep it below env.step_timeout_s
     tool_concurrency: int = 8  # tool calls running at once in the whole job (each python call is a sandbox)
     max_result_tokens: Optional[int] = None  # each tool message cut to this many tokens (null: whole)
 
 
 @dataclass
 class KLConfig:
-    init_coef: float = 0.15
-    adaptive: bool = True
-    target: float = 6.0
-    horizon: int = 10000
-    estimator: str = choice("k1", KL_KINDS)
+    init_coef: float = 0.15  # the KL coefficient (the adaptive controller's start); 0 = no reference model
+    adaptive: bool = True  # OpenAI's adaptive KL controller, steering the KL towards target
+    target: float = 6.0  # adaptive: the KL (nats per response) the controller steers to
+    horizon: int = 10000  # adaptive: the controller's horizon in episodes
+    estimator: str = choice("k1", KL_KINDS)  # Schulman's KL estimators; GRPO uses k3 in the loss
     # Where the KL to the reference goes: per-token in the reward (OpenAI, RLOO) or in the policy loss (GRPO, use k3).
     placement: str = choice("reward", ("reward", "loss"))
 
 
 @dataclass
 class RolloutCorrectionConfig:
-    mode: str = choice("tis", ROLLOUT_CORRECTIONS)  # none | tis | mis-token | mis-sequence
+    mode: str = choice("tis", ROLLOUT_CORRECTIONS)  # each token's loss weight for the engine gap (docs/walkthrough.md)
     is_cap: float = 2.0  # tis: min(pi_old / pi_behaviour, is_cap)
     mask_low: float = 0.5  # mis-*: keep tokens (rows) whose ratio is within [mask_low, mask_high]
-    mask_high: float = 2.0
+    mask_high: float = 2.0  # mis-*: the band's upper bound
 
 
 @dataclass
 class AlgorithmConfig:
+    # gae = PPO with a critic; grpo, rloo, reinforce = group baselines, no critic
     advantage_estimator: str = choice("gae", ("gae", *GROUP_KINDS))
-    group_size: int = 1
+    group_size: int = 1  # responses per prompt (group baselines need > 1)
     # A group short of members (a failed or stale-dropped response): keep the rest (baseline from them,
     # a lone response gets advantage 0) or drop the whole group.
     incomplete_groups: str = choice("keep", ("keep", "drop"))
@@ -178,10 +180,10 @@ class AlgorithmConfig:
     # DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the
     # batch is full; at most filter_max_groups_factor x the groups a batch needs are launched per step.
     filter_zero_variance_groups: bool = False
-    filter_max_groups_factor: float = 4.0
+    filter_max_groups_factor: float = 4.0  # dynamic sampling: groups launched per step, at most, x those needed
     batch_size: int = 64  # episodes per step
-    nminibatches: int = 1
-    noptepochs: int = 4
+    nminibatches: int = 1  # minibatches per PPO epoch (one optimizer step each)
+    noptepochs: int = 4  # PPO epochs over each batch
     max_tokens_per_device: int = 8192  # per micro-batch: its padded size, or with packing its real tokens
     # Padding-free micro-batches (workers.layout.pack): the model runs on the sequences' real tokens
     # back to back, attention kept inside each; the same losses and gradients as padded rows.
@@ -191,30 +193,30 @@ class AlgorithmConfig:
     # gradients. Each group becomes one packed row as long as its prompt and all its responses, so
     # attention (quadratic in a row's length) grows with long responses: best for short ones.
     share_prompts: bool = False
-    lr: float = 1.41e-5
-    critic_lr: Optional[float] = None
-    optimizer: str = choice("adam", OPTIMIZER_NAMES)
-    adam_eps: float = 1e-5
-    weight_decay: float = 0.0
-    max_grad_norm: Optional[float] = None
-    anneal_lr: bool = True
-    gamma: float = 1.0
-    lam: float = 0.95
-    cliprange: float = 0.2
+    lr: float = 1.41e-5  # the actor's learning rate
+    critic_lr: Optional[float] = None  # null = algorithm.lr
+    optimizer: str = choice("adam", OPTIMIZER_NAMES)  # tf_adam = TensorFlow's epsilon placement (OpenAI's)
+    adam_eps: float = 1e-5  # Adam epsilon
+    weight_decay: float = 0.0  # decoupled weight decay
+    max_grad_norm: Optional[float] = None  # gradient clipping; null = none
+    anneal_lr: bool = True  # learning rate annealed linearly to zero over the run
+    gamma: float = 1.0  # GAE discount
+    lam: float = 0.95  # GAE lambda
+    cliprange: float = 0.2  # PPO ratio clip range
     cliprange_low: Optional[float] = None  # ratio floor 1 - cliprange_low; null = cliprange
     cliprange_high: Optional[float] = None  # DAPO clip-higher: ratio ceiling 1 + cliprange_high; null = cliprange_low
     importance_ratio: str = choice("token", ("token", "sequence"))  # sequence = GSPO
     # DAPO overlong shaping: the last overlong_buffer tokens before rollout.response_length cost up to
     # overlong_penalty_factor reward, linearly; 0 = off.
     overlong_buffer: int = 0
-    overlong_penalty_factor: float = 1.0
-    cliprange_value: float = 0.2
-    vf_coef: float = 0.1
-    entropy_coef: float = 0.0
-    whiten_rewards: bool = True
-    loss_agg: str = choice("token-mean", LOSS_AGG_MODES)
+    overlong_penalty_factor: float = 1.0  # the overlong penalty at rollout.response_length tokens
+    cliprange_value: float = 0.2  # clip range of the value loss
+    vf_coef: float = 0.1  # weight of the value loss
+    entropy_coef: float = 0.0  # weight of the entropy bonus
+    whiten_rewards: bool = True  # OpenAI: whiten rewards (without shifting the mean) before GAE
+    loss_agg: str = choice("token-mean", LOSS_AGG_MODES)  # how token losses become a loss (docs/grpo.md)
     # Tokens are sampled by the engine (pi_behaviour) but the loss is taken against the trainer's pi_old:
-    # stale engines (async) and different kernels or precision (sync too) make them differ. See the README.
+    # stale engines (async) and different kernels or precision (sync too) make them differ. See docs/walkthrough.md.
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     # pi_old: "trainer" recomputes it (a forward pass over the batch); "engine" takes the engine's sampling
     # logprobs; "auto" takes the engine's in sync mode when the last push's probe gap (max over ranks) is at
@@ -232,7 +234,7 @@ class EvalConfig:
     """Sampling on the held-out prompts (data.eval_path): greedy once per prompt by default."""
     n: int = 1  # samples per prompt; pass@k for k = 1, 2, 4, ... <= n
     temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling; 1.0 = off
     response_length: Optional[int] = None  # null = rollout.response_length
     max_prompts: Optional[int] = None  # null = every eval prompt
     # The reward function whose value > 0 marks a correct answer (eval/accuracy); null = the first in reward.fns.
@@ -242,24 +244,25 @@ class EvalConfig:
 
 @dataclass
 class AsyncConfig:
-    max_staleness: int = 1
+    max_staleness: int = 1  # async: a trajectory is used only while the policy is at most this many versions newer
+    # async: engines pause in place for a push and their requests continue on the new weights
     partial_rollout: bool = False
-    queue_batches: int = 2
+    queue_batches: int = 2  # async: generated batches waiting for the trainer, at most
 
 
 @dataclass
 class PPOTrainerConfig(TrainerConfig):
     run_dir: str = "runs/ppo_sentiment"
-    mode: str = choice("sync", ("sync", "async"))
-    total_episodes: int = 4096
-    save_every: int = 0
+    mode: str = choice("sync", ("sync", "async"))  # sync = on-policy; async = generation overlaps training (async.*)
+    total_episodes: int = 4096  # episodes of the run; steps = total_episodes / algorithm.batch_size
+    save_every: int = 0  # steps between checkpoints; 0 = none
     keep_last: int = 2  # newest complete checkpoints kept on disk; 0 keeps all
     resume: str = "never"  # never | auto | <checkpoint dir>
     # A checkpoint that cannot be written (disk full, permissions): stop the job, or say so and train on.
     on_checkpoint_error: str = choice("stop", ("stop", "continue"))
-    log_samples_every: int = 10
+    log_samples_every: int = 10  # steps between sample tables in samples.jsonl; 0 = none
     eval_every: int = 0  # steps between evaluations (besides step 0 and the end); 0 = only those two
-    export_hf: bool = True
+    export_hf: bool = True  # <run_dir>/final in Hugging Face format
     # Steps (as logged, 1..total) traced by torch.profiler into <run_dir>/profile/step_N/rankR.pt.trace.json
     # (rl_core/profiling.py): CPU (and CUDA) activity, the phases and engine HTTP calls as named ranges.
     profile_steps: list = field(default_factory=list)

@@ -26,40 +26,40 @@ class RMDataConfig:
     train_path: str = "tiny"
     # "tiny" goes with a tiny train set; null = hold out heldout_fraction of the train file.
     test_path: Optional[str] = "tiny"
-    heldout_fraction: float = 0.1
-    format: str = choice("auto", ("auto", *FORMATS))
+    heldout_fraction: float = 0.1  # with test_path null: the share of train rows held out
+    format: str = choice("auto", ("auto", *FORMATS))  # pairwise, llama2 or openai; auto = found from the columns
     margin_map: Optional[dict] = None  # LLaMA-2 prefer_degree -> margin; null = margins off
     max_length: int = 128  # prompt + response tokens per row
-    on_malformed: str = choice("error", ("error", "skip"))
+    on_malformed: str = choice("error", ("error", "skip"))  # a malformed row stops the job, or is skipped and counted
 
 
 @dataclass
 class RMTrainConfig:
     batch_size: int = 32  # comparisons per optimizer step
-    lr: float = 5e-5
-    optimizer: str = choice("adam", OPTIMIZER_NAMES)
-    adam_eps: float = 1e-5
-    max_grad_norm: Optional[float] = None
+    lr: float = 5e-5  # annealed linearly to zero over the epoch
+    optimizer: str = choice("adam", OPTIMIZER_NAMES)  # tf_adam = TensorFlow's epsilon placement
+    adam_eps: float = 1e-5  # Adam epsilon
+    max_grad_norm: Optional[float] = None  # gradient clipping; null = none
     max_tokens_per_device: int = 4096  # real tokens per micro-batch (a comparison's responses stay together)
     packing: bool = False  # padding-free micro-batches (workers.layout.pack): the same loss, less compute
-    log_every: int = 10
+    log_every: int = 10  # steps between metrics lines
 
 
 @dataclass
 class NormalizeConfig:
     # Queries the reference policy continues: "tiny" = assets train prompts, else a prompt file with text_key.
     prompts_path: str = "tiny"
-    text_key: str = "text"
-    num_samples: int = 256
-    query_length: int = 64
-    response_length: int = 24
-    temperature: float = 1.0
-    batch_size: int = 64
+    text_key: str = "text"  # the prompt column of prompts_path
+    num_samples: int = 256  # reference-policy samples the gain and bias are fitted on
+    query_length: int = 64  # query tokens
+    response_length: int = 24  # tokens sampled per query
+    temperature: float = 1.0  # sampling temperature
+    batch_size: int = 64  # samples generated and scored at a time
     # OpenAI rejection sampling, as the PPO job applies it before scoring: each response is cut at
     # its first truncate_token at/after index truncate_after, and one without it is not scored
     # (PPO gives it a fixed penalty instead). null = score whole responses.
     truncate_token: Optional[str] = "."
-    truncate_after: int = 16
+    truncate_after: int = 16  # the first index at which truncate_token may cut
 
 
 @dataclass

@@ -25,13 +25,13 @@ class SFTDataConfig:
     # the response; a prompt that is a list of messages is rendered with the chat template).
     train_path: str = "tiny-arithmetic-sft"
     eval_path: Optional[str] = None  # held-out rows: loss and token accuracy; null = no evaluation
-    format: str = choice("auto", ("auto", *SFT_FORMATS))
-    messages_key: str = "messages"
-    prompt_key: str = "prompt"
-    response_key: str = "response"
+    format: str = choice("auto", ("auto", *SFT_FORMATS))  # auto = messages when the rows have messages_key
+    messages_key: str = "messages"  # the column of chat rows
+    prompt_key: str = "prompt"  # the prompt column of prompt/response rows
+    response_key: str = "response"  # the response column of prompt/response rows
     max_length: int = 512  # tokens per row
     on_long: str = choice("drop", ("drop", "truncate"))  # a longer row is left out, or cut at max_length
-    eval_max_rows: Optional[int] = None
+    eval_max_rows: Optional[int] = None  # held-out rows evaluated; null = all
 
 
 @dataclass
@@ -40,7 +40,7 @@ class SFTEvalConfig:
     # Greedy generation on the eval prompts, scored by a reward function ("pkg.module:fn", called
     # (completion, row) -> float; > 0 counts as correct): eval/accuracy. null = loss and token accuracy only.
     reward_fn: Optional[str] = None
-    max_new_tokens: int = 32
+    max_new_tokens: int = 32  # greedy tokens generated per eval row
     generate_rows: int = 200  # eval rows generated for eval/accuracy (greedy decoding is the slow part)
 
 

@@ -1,4 +1,4 @@
-"""The sentiment task env and the README's example env."""
+"""The sentiment task env and docs/envs.md's example env."""
 
 import asyncio
 

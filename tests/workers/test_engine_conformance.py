@@ -2,7 +2,7 @@
 
 Each test runs once per engine kind, on a server started exactly as the job starts it
 (`start_engine` with an `EngineSpec`; SGLang gets its CPU settings by itself). Where the two
-really differ, the test says so per kind and the README lists the difference and why the job
+really differ, the test says so per kind and docs/engines.md lists the difference and why the job
 never meets it; everything else must agree.
 """
 

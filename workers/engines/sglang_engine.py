@@ -26,7 +26,7 @@ TORCHRUN_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTE
                   "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE")
 
 
-# SGLang on a CPU rank (see shared facts in the README): the memory saver needs a CUDA package
+# SGLang on a CPU rank (see docs/engines.md): the memory saver needs a CUDA package
 # (release/resume are no-ops without it, and nothing is freed on CPU anyway); the torch-native
 # attention backend is the one that runs without AMX; no CUDA graphs; without sleep_on_idle the
 # scheduler busy-polls a core even while idle, halving the trainer next to it; and a bounded KV

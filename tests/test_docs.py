@@ -1,0 +1,53 @@
+"""docs/ builds with `mkdocs build --strict`, and the configuration reference covers every key of the four
+jobs with a description and is what scripts/config_reference.py writes today."""
+
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@functools.lru_cache(maxsize=None)
+def config_reference():
+    spec = importlib.util.spec_from_file_location("config_reference", REPO / "scripts" / "config_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("config_reference", module)  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_mkdocs_builds_the_site_strictly(tmp_path):
+    assert importlib.util.find_spec("mkdocs") and importlib.util.find_spec("material"), \
+        "mkdocs and mkdocs-material are missing: pip install -e '.[dev]'"
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "site" / "config-reference" / "index.html").is_file()
+    assert (tmp_path / "site" / "architecture.svg").is_file()
+
+
+def test_every_config_key_of_every_job_has_a_description():
+    missing = config_reference().undescribed()
+    assert not missing, "keys without a description (write a comment next to the field):\n" + "\n".join(missing)
+
+
+def test_the_config_reference_page_is_current():
+    ref = config_reference()
+    assert ref.OUTPUT.read_text() == ref.render(), \
+        "docs/config-reference.md is stale: run python scripts/config_reference.py and commit it"
+
+
+def test_the_config_reference_lists_every_key_with_type_and_default():
+    ref = config_reference()
+    page = ref.OUTPUT.read_text()
+    for _, _, _, spec, _ in ref.JOBS:
+        for _, _, keys in ref.keys_of(ref.load_schema(spec)):
+            for key in keys:
+                assert f"| `{key.key}` | " in page, f"{spec}: {key.key} is not in docs/config-reference.md"
+                assert key.type and key.default, f"{spec}: {key.key} has no type or default"
+    assert "| `async.max_staleness` |" in page and "| `async_" not in page  # users' spelling of the section
