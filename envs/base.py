@@ -269,7 +269,7 @@ def make_env_factory(env_cls: type | str, env_kwargs: dict | None = None,
     def build() -> Env:
         if is_chat:
             return ChatEnvAdapter(env_cls(toolbox=chat.toolbox, **kwargs), chat.tokenizer, chat.parser,
-                                  chat.max_result_tokens)
+                                  chat.max_result_tokens, chat.template_kwargs)
         env = env_cls(**kwargs)
         return SyncEnvAdapter(env, executor) if isinstance(env, SyncEnv) else env
 

@@ -14,36 +14,44 @@ The tokens are the framework's job (`ChatTokens`), and they are exact: the model
 the engine sampled them, and each turn adds only the rendered conversation's suffix beyond what the
 model already saw, tokenized on its own. A template that is not append-only (one that drops earlier
 `<think>` blocks, or re-renders an earlier turn) is detected and the trajectory continues in a new
-sequence holding the whole re-rendered conversation, counted as a template divergence.
+sequence holding the whole re-rendered conversation, counted as a template divergence (envs/chat_tokens.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from envs.base import Action, Env, StepResult
-from envs.tools import ERROR_KINDS, ToolCall, Toolbox, ToolResult, load_parser
+from envs.chat_tokens import ChatTokens, ToolTextGuard, template_markers  # noqa: F401 - the chat API in one place
+from envs.chat_tokens import special_strings
+from envs.tools import ERROR_KINDS, ToolCall, Toolbox, ToolResult
+from envs.turns import ParsedTurn, TurnParser
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class AssistantMessage:
-    """One assistant turn: its text (special tokens left out), the engine's ids, the calls parsed from it."""
+    """One assistant turn: its text (special tokens left out), the engine's ids, the calls parsed from it, and,
+    read by `env.reasoning_parser`, its content without reasoning and calls and its reasoning (None: none)."""
 
     text: str
     token_ids: list[int]
     tool_calls: list[ToolCall]
     finish_reason: str = "stop"
+    content: str | None = None  # None: not parsed, the text is the content
+    reasoning_content: str | None = None
 
     @property
     def message(self) -> dict:
-        return {"role": "assistant", "content": self.text}
+        message = {"role": "assistant", "content": self.text if self.content is None else self.content}
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        return message
 
 
 @dataclass
@@ -156,152 +164,24 @@ class ToolUseEnv(ChatEnv):
         return ChatStep(results)
 
 
-ZERO_WIDTH_SPACE = "\u200b"
-
-
-class ToolTextGuard:
-    """Tool output as text that cannot forge a turn: every special or added token of the tokenizer and every
-    line of text the chat template writes around messages (`<|im_start|>user`, `User:`) that appears in it is
-    broken by a zero-width space after its first character, so it is tokenized as plain text and reads as
-    no turn. Code a policy writes prints what it likes; without this a printed `<|im_end|>` became the real
-    special token, and a printed `User:` line a turn to anything that reads the transcript."""
-
-    def __init__(self, tokenizer: Any):
-        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-        strings = set(getattr(tokenizer, "all_special_tokens", [])) | {token.content for token in added.values()}
-        tokens = re.compile("|".join(map(re.escape, sorted(strings, key=len, reverse=True))) or "$^")
-        for marker in template_markers(tokenizer):  # a header after an end-of-turn token forges a turn alone too
-            strings.update(part.strip() for part in tokens.split(marker))
-            strings.add(marker)
-        strings = sorted((text for text in strings if len(text.strip()) > 1), key=len, reverse=True)
-        self.pattern = re.compile("|".join(map(re.escape, strings))) if strings else None
-
-    def __call__(self, text: str) -> str:
-        if self.pattern is None:
-            return text
-        for _ in range(8):  # a break may leave the text around it forming another marker: until none is left
-            broken = self.pattern.sub(lambda m: m.group(0)[0] + ZERO_WIDTH_SPACE + m.group(0)[1:], text)
-            if broken == text:
-                break
-            text = broken
-        return text
-
-
-def template_markers(tokenizer: Any) -> set[str]:
-    """The lines of text the chat template writes between messages (role headers, end-of-turn markers), found
-    by rendering probe conversations whose contents are placeholders; a template that refuses a probe (a role
-    it does not know, an order it does not allow) is simply probed less."""
-    probes = [["system", "user", "assistant", "user"], ["user", "assistant", "tool", "user"], ["user"]]
-    markers: set[str] = set()
-    for roles in probes:
-        messages = []
-        for k, role in enumerate(roles):
-            message = {"role": role, "content": f"\x07{k}\x07"}
-            if role == "tool":
-                message.update(tool_call_id="call_0", name="probe")
-            messages.append(message)
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception:  # noqa: BLE001 - templates raise what they like on conversations they refuse
-            continue
-        for piece in re.split(r"\x07\d+\x07", text):
-            markers.update(line.strip() for line in piece.splitlines() if len(line.strip()) >= 3)
-    return markers
-
-
-class ChatTokens:
-    """One conversation as token ids the model saw, kept exact turn by turn.
-
-    `start(messages)` renders the first messages with the generation prompt. `add_turn(ids, new)` keeps
-    the engine's `ids` as they are, appends the assistant turn (rendered from the model's own text) and
-    the new messages to the conversation and renders it again: if that rendering starts with the text
-    the model saw (the previous rendering plus the decoded ids), only the rest is tokenized and appended.
-    That rest starts with whatever of the template's end-of-turn text the model did not generate itself
-    (all of it when a length limit cut the turn; only the newline after a generated `<|im_end|>`).
-    Otherwise the template rewrote something the model saw, and a new sequence starts with the whole
-    rendering (`divergences` counts these).
-    """
-
-    def __init__(self, tokenizer: Any, tools: list[dict] | None = None, max_result_tokens: int | None = None):
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("a conversation env needs a tokenizer with a chat template; set model.tokenizer_path to "
-                             "one that has")
-        self.tokenizer = tokenizer
-        self.tools = tools or None
-        self.guard = ToolTextGuard(tokenizer)
-        self.max_result_tokens = max_result_tokens  # a tool message's text cut to this many tokens (None: whole)
-        self.messages: list[dict] = []
-        self.text = ""  # the text of `ids`: what the model has seen
-        self.ids: list[int] = []
-        self.divergences = 0
-
-    def render(self, messages: list[dict]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True,
-                                                  tokenize=False)
-
-    def encode(self, text: str) -> list[int]:
-        """A rendered piece on its own; the template writes any BOS itself."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
-
-    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
-
-    def start(self, messages: list[dict]) -> list[int]:
-        self.messages = [dict(m) for m in messages]
-        self.text = self.render(self.messages)
-        self.ids = self.encode(self.text)
-        self.divergences = 0
-        return list(self.ids)
-
-    def assistant_text(self, action_ids: list[int]) -> str:
-        """The turn's content as the template gets it: the model's text without special tokens (the stop
-        token is the template's to write)."""
-        return self.decode(action_ids, skip_special_tokens=True)
-
-    def tool_text(self, text: str) -> str:
-        """A tool message's text as the model gets it: guarded (`ToolTextGuard`), then cut to `max_result_tokens`."""
-        text = self.guard(text)
-        if self.max_result_tokens is not None:
-            ids = self.encode(text)
-            if len(ids) > self.max_result_tokens:
-                text = self.decode(ids[:self.max_result_tokens], skip_special_tokens=False)
-        return text
-
-    def add_turn(self, action_ids: list[int], new_messages: list[dict]) -> list[int]:
-        """The ids of the next state: the current sequence extended, or a new one (a divergence). Tool messages'
-        text goes through `ToolTextGuard`."""
-        new_messages = [{**m, "content": self.tool_text(m["content"])} if m.get("role") == "tool" and
-                        isinstance(m.get("content"), str) else dict(m) for m in new_messages]
-        self.messages += [{"role": "assistant", "content": self.assistant_text(action_ids)}, *new_messages]
-        seen = self.text + self.decode(action_ids, skip_special_tokens=False)
-        rendered = self.render(self.messages)
-        if rendered.startswith(seen):
-            self.ids = self.ids + list(action_ids) + self.encode(rendered[len(seen):])
-        else:
-            self.divergences += 1
-            self.ids = self.encode(rendered)
-        self.text = rendered
-        return list(self.ids)
-
-
 @dataclass
 class ChatSetup:
-    """What the framework gives conversation envs: the tokenizer (its chat template renders), the tools
-    (None: no tools) and the parser of the model's tool calls."""
+    """What the framework gives conversation envs: the tokenizer (its chat template renders, with
+    `template_kwargs`), the tools (None: no tools) and the reader of the model's turns (`TurnParser`)."""
 
     tokenizer: Any
     toolbox: Toolbox | None
-    parser: Callable[[str], list[ToolCall]]
+    parser: TurnParser
     max_result_tokens: int | None = None  # each tool message cut to this many tokens
+    template_kwargs: dict = field(default_factory=dict)  # env.chat_template_kwargs, e.g. {"enable_thinking": False}
 
     @classmethod
-    def build(cls, tokenizer: Any, tools: list[str], parser: str = "hermes", timeout_s: float = 30.0,
-              max_threads: int = 8, max_concurrent: int = 8, max_result_tokens: int | None = None) -> "ChatSetup":
-        """From the env config's `tools` (import paths), `tool_parser`, `tool_timeout_s`, `tool_concurrency` and
-        `max_result_tokens`."""
-        toolbox = Toolbox.from_paths(list(tools), timeout_s=timeout_s, max_threads=max_threads,
-                                     max_concurrent=max_concurrent) if tools else None
+    def build(cls, tokenizer: Any, tools: list[str], parser: str = "hermes", reasoning_parser: str = "none",
+              template_kwargs: dict | None = None, max_result_tokens: int | None = None,
+              toolbox_options: dict | None = None) -> "ChatSetup":
+        """From the env config's `tools` (import paths), `tool_parser`, `reasoning_parser`, `chat_template_kwargs`,
+        `max_result_tokens`; `toolbox_options`: `Toolbox`'s timeout_s, max_threads, max_concurrent."""
+        toolbox = Toolbox.from_paths(list(tools), **(toolbox_options or {})) if tools else None
         for function in (toolbox.functions.values() if toolbox else ()):
             said = getattr(function, "start_check", lambda: None)()  # a tool that cannot work here stops the job now
             if said:
@@ -309,7 +189,9 @@ class ChatSetup:
         if toolbox is not None and not template_renders_tools(tokenizer, toolbox.schemas):
             logger.warning("the tokenizer's chat template ignores `tools`: the model is not shown env.tools; use a "
                            "template that renders them, or describe them in the env's system prompt")
-        return cls(tokenizer, toolbox, load_parser(parser), max_result_tokens)
+        turns = TurnParser(parser, reasoning_parser, toolbox.schemas if toolbox else None, tokenizer,
+                           special_strings(tokenizer))
+        return cls(tokenizer, toolbox, turns, max_result_tokens, dict(template_kwargs or {}))
 
 
 def template_renders_tools(tokenizer: Any, schemas: list[dict]) -> bool:
@@ -324,13 +206,13 @@ def template_renders_tools(tokenizer: Any, schemas: list[dict]) -> bool:
 
 class ChatEnvAdapter(Env):
     """Presents a `ChatEnv` as a token-level `Env`: messages in, token ids out (`ChatTokens`), with the
-    model's tool calls parsed by `parse` and the env's tool use and template divergences in `info`."""
+    model's turns read by `parse` (`TurnParser`) and the env's tool use and template divergences in `info`."""
 
-    def __init__(self, env: ChatEnv, tokenizer: Any, parse: Callable[[str], list[ToolCall]],
-                 max_result_tokens: int | None = None):
+    def __init__(self, env: ChatEnv, tokenizer: Any, parse: TurnParser, max_result_tokens: int | None = None,
+                 template_kwargs: dict | None = None):
         self.env = env
-        self.parse = parse
-        self.tokens = ChatTokens(tokenizer, env.toolbox.schemas if env.toolbox else None, max_result_tokens)
+        self.tokens = ChatTokens(tokenizer, env.toolbox.schemas if env.toolbox else None, max_result_tokens,
+                                 template_kwargs, parse)
 
     async def reset(self, sample: dict) -> list[int]:
         self.env.tool_stats = ToolStats()
@@ -340,16 +222,18 @@ class ChatEnvAdapter(Env):
         return self.tokens.start(messages)
 
     async def step(self, action: Action) -> StepResult:
-        text = self.tokens.assistant_text(action.token_ids)
-        message = AssistantMessage(text, list(action.token_ids), self.parse(text), action.finish_reason)
-        turn = await self.env.step(message)
-        if turn.done or not turn.messages:
-            return StepResult(None, turn.reward, True, self._info(turn))
-        ids = self.tokens.add_turn(action.token_ids, turn.messages)
-        return StepResult(ids, turn.reward, False, self._info(turn))
+        turn: ParsedTurn = self.tokens.read_turn(action.token_ids)
+        message = AssistantMessage(self.tokens.assistant_text(action.token_ids), list(action.token_ids),
+                                   turn.tool_calls, action.finish_reason, turn.content, turn.reasoning)
+        step = await self.env.step(message)
+        if step.done or not step.messages:
+            return StepResult(None, step.reward, True, self._info(step))
+        ids = self.tokens.add_turn(action.token_ids, step.messages, turn)
+        return StepResult(ids, step.reward, False, self._info(step))
 
-    def _info(self, turn: ChatStep) -> dict:
-        return {**turn.info, **self.env.tool_stats.info(), "template_divergences": self.tokens.divergences}
+    def _info(self, step: ChatStep) -> dict:
+        return {**step.info, **self.env.tool_stats.info(), "template_divergences": self.tokens.divergences,
+                "reprefill_tokens": self.tokens.reprefill_tokens}
 
     async def close(self) -> None:
         await self.env.close()

@@ -3,7 +3,7 @@ take, the calls a model writes are parsed out of its text, and each call runs to
 
     toolbox = Toolbox([multiply, run_python])          # typed signature + Google-style docstring each
     tokenizer.apply_chat_template(messages, tools=toolbox.schemas, ...)
-    calls = hermes_tool_calls(action.text)             # or any parser: text -> list[ToolCall]
+    calls = hermes_tool_calls(action.text)             # or any parser (envs/tool_parsers.py)
     messages += [await toolbox.run(call) for call in calls]
 
 Schemas come from `transformers.utils.get_json_schema`, the function `apply_chat_template(tools=...)`
@@ -18,25 +18,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from envs.base import EnvThreadPool
 from envs.plugins import load_by_path
+from envs.tool_parsers import PARSERS, ToolCall, hermes_tool_calls, load_parser  # noqa: F401 - re-exported
 
 ERROR_KINDS = ("unparsed", "unknown_tool", "bad_arguments", "raised", "timed_out", "over_limit")
-
-
-@dataclass
-class ToolCall:
-    """One call the model wrote: `arguments` parsed, or `problem` saying why they could not be."""
-
-    id: str
-    name: str
-    arguments: dict[str, Any] = field(default_factory=dict)
-    problem: str | None = None
 
 
 @dataclass
@@ -44,52 +34,6 @@ class ToolResult:
     message: dict[str, str]  # {"role": "tool", "tool_call_id", "name", "content"}
     error: str | None  # one of ERROR_KINDS, None when the tool answered
     seconds: float
-
-
-# --------------------------------------------------------------------------- parsers
-
-HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def hermes_tool_calls(text: str) -> list[ToolCall]:
-    """The calls in Hermes/Qwen style, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, in order;
-    ids `call_0`, `call_1`, ... A call whose JSON does not parse keeps a `problem` (and a name if one shows)."""
-    calls = []
-    for index, match in enumerate(HERMES_CALL.finditer(text)):
-        call_id, body = f"call_{index}", match.group(1)
-        try:
-            payload = json.loads(body)
-        except json.JSONDecodeError as err:
-            name = re.search(r'"name"\s*:\s*"([^"]*)"', body)
-            calls.append(ToolCall(call_id, name.group(1) if name else "", problem=f"the call is not JSON ({err.msg})"))
-            continue
-        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
-            calls.append(ToolCall(call_id, "", problem='the call must be {"name": ..., "arguments": {...}}'))
-            continue
-        arguments = payload.get("arguments", {})
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string, as OpenAI's API does
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass
-        if not isinstance(arguments, dict):
-            calls.append(ToolCall(call_id, payload["name"], problem="the arguments must be a JSON object"))
-            continue
-        calls.append(ToolCall(call_id, payload["name"], arguments))
-    return calls
-
-
-PARSERS: dict[str, Callable[[str], list[ToolCall]]] = {"hermes": hermes_tool_calls}
-
-
-def load_parser(name_or_path: str) -> Callable[[str], list[ToolCall]]:
-    """A parser by name (`PARSERS`) or import path ("pkg.module:function", text -> list[ToolCall])."""
-    if name_or_path in PARSERS:
-        return PARSERS[name_or_path]
-    if ":" not in name_or_path:
-        raise ValueError(f"tool-call parser {name_or_path!r} is neither one of {sorted(PARSERS)} nor an import path "
-                         "'pkg.module:function'")
-    return load_by_path(name_or_path, "tool-call parser", "envs.tools:hermes_tool_calls")
 
 
 # --------------------------------------------------------------------------- the toolbox

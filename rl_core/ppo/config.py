@@ -140,9 +140,12 @@ class EnvConfig:
     max_failed_ratio: float = 0.1  # more failed trajectories than this share of a batch stop the job
     thread_pool_size: int = 4  # threads for blocking (SyncEnv) envs and tools
     # Conversation envs (envs/chat.py): tool functions by import path ("pkg.module:function"), the parser
-    # of the model's calls ("hermes" or "pkg.module:function"), and each call's time limit.
+    # of the model's calls (a format in envs/tool_parsers.py, "auto": the tokenizer's response template, or
+    # "pkg.module:function"), and each call's time limit.
     tools: list = field(default_factory=list)
-    tool_parser: str = "hermes"  # the model's tool calls from its text: hermes or "pkg.module:function"
+    tool_parser: str = "hermes"  # the model's tool calls from its text: a format, auto or "pkg.module:function"
+    reasoning_parser: str = "none"  # none | think (<think>...</think>) | gpt_oss: calls in reasoning never run
+    chat_template_kwargs: dict = field(default_factory=dict)  # to every rendering, e.g. {enable_thinking: false}
     tool_timeout_s: float = 30.0  # each tool call's time limit; keep it below env.step_timeout_s
     tool_concurrency: int = 8  # tool calls running at once in the whole job (each python call is a sandbox)
     max_result_tokens: Optional[int] = None  # each tool message cut to this many tokens (null: whole)
@@ -397,6 +400,13 @@ def validate(cfg: PPOConfig) -> None:
     require(cfg.env.step_timeout_s > 0, "config key 'env.step_timeout_s' must be > 0")
     require(cfg.env.tool_timeout_s > 0, "config key 'env.tool_timeout_s' must be > 0")
     require(cfg.env.tool_concurrency >= 1, "config key 'env.tool_concurrency' must be >= 1")
+    from envs.tool_parsers import PARSERS, REASONING_PARSERS
+
+    parsers = [*PARSERS, "auto"]
+    require(cfg.env.tool_parser in parsers or ":" in cfg.env.tool_parser,
+            f"config key 'env.tool_parser' is {cfg.env.tool_parser!r}; use one of {parsers} or 'pkg.module:function'")
+    require(cfg.env.reasoning_parser in REASONING_PARSERS,
+            f"config key 'env.reasoning_parser' is {cfg.env.reasoning_parser!r}; use one of {list(REASONING_PARSERS)}")
     require(cfg.env.max_result_tokens is None or cfg.env.max_result_tokens >= 1,
             "config key 'env.max_result_tokens' must be >= 1 or null")
     require(not cfg.env.tools or cfg.env.tool_timeout_s < cfg.env.step_timeout_s,

@@ -223,8 +223,10 @@ class JobRuntime(JobLifecycle):
             else:
                 self.reward_executor = make_executor(cfg.env.thread_pool_size)
             reward_fns = RewardFunctions.from_config(cfg.reward.fns, cfg.reward.fn_timeout_s, self.reward_executor)
-        chat = ChatSetup.build(tokenizer, list(cfg.env.tools), cfg.env.tool_parser, cfg.env.tool_timeout_s,
-                               cfg.env.thread_pool_size, cfg.env.tool_concurrency, cfg.env.max_result_tokens)
+        chat = ChatSetup.build(tokenizer, list(cfg.env.tools), cfg.env.tool_parser, cfg.env.reasoning_parser,
+                               dict(cfg.env.chat_template_kwargs), cfg.env.max_result_tokens,
+                               {"timeout_s": cfg.env.tool_timeout_s, "max_threads": cfg.env.thread_pool_size,
+                                "max_concurrent": cfg.env.tool_concurrency})
         env_factory = make_env_factory(cfg.env.cls, dict(cfg.env.kwargs), self.env_executor, chat)
         self.service = RolloutService(self.router_url, tokenizer, env_factory, cfg.env, settings,
                                       cfg.rollout.engine_timeout_s, reward_fns)

@@ -491,6 +491,8 @@ def rollout_metrics(kept: list[Trajectory], failed: list[Trajectory], wall_s: fl
         metrics["rollout/tool_errors_mean"] = mean("tool_errors")
         metrics["rollout/tool_time_s_mean"] = mean("tool_time_s")
         metrics["rollout/template_divergences"] = sum(t.info["template_divergences"] for t in chats)
+        # What a divergence costs: the tokens of the new sequences, sent to the engine again.
+        metrics["rollout/reprefill_tokens"] = sum(t.info.get("reprefill_tokens", 0) for t in chats)
         for kind in sorted({k for t in chats for k in t.info if k.startswith("tool_errors/")}):
             metrics[f"rollout/{kind}"] = sum(t.info.get(kind, 0) for t in chats)
     return metrics

@@ -245,7 +245,7 @@ def test_without_tools_a_call_is_answered_with_an_error_not_a_failure():
 
 def test_the_env_factory_wraps_chat_envs_and_refuses_tools_for_other_envs(chat_tokenizer_dir, caplog):
     tokenizer = tokenizer_with(chat_tokenizer_dir, "tools_in_system")
-    setup = ChatSetup.build(tokenizer, ["tests.envs.test_chat:multiply"], "hermes", timeout_s=5)
+    setup = ChatSetup.build(tokenizer, ["tests.envs.test_chat:multiply"], "hermes", toolbox_options={"timeout_s": 5})
     env = make_env_factory("envs.chat:ToolUseEnv", {"max_tool_turns": 1}, chat=setup)()
     assert isinstance(env, ChatEnvAdapter) and env.env.toolbox is setup.toolbox
 
@@ -301,7 +301,7 @@ def test_a_multi_turn_tool_conversation_through_a_real_engine_keeps_every_sample
     from workers.router import launch_router
 
     tokenizer = tokenizer_with(chat_tokenizer_dir, "tools_in_system")  # compact: the model has 128 positions
-    setup = ChatSetup.build(tokenizer, ["tests.envs.test_chat:multiply"], "hermes", timeout_s=5)
+    setup = ChatSetup.build(tokenizer, ["tests.envs.test_chat:multiply"], "hermes", toolbox_options={"timeout_s": 5})
     pool = EnvPool(make_env_factory(ScriptedToolEnv, {"turns": 3}, chat=setup), num_envs=4, step_timeout_s=30,
                    max_failed_ratio=0.0)
     samples = [{"question": q} for q in ["2 * 3?", "What is 7 times 8?", "9 * 9 =", "Say 4 * 5."]]

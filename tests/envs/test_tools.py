@@ -84,7 +84,7 @@ def test_hermes_calls_parse_in_order_and_keep_what_went_wrong():
     assert hermes_tool_calls("no calls here") == []
     assert load_parser("hermes") is hermes_tool_calls
     assert load_parser("envs.tools:hermes_tool_calls") is hermes_tool_calls
-    with pytest.raises(ValueError, match="neither one of \\['hermes'\\] nor an import path"):
+    with pytest.raises(ValueError, match="neither one of .* nor an import path"):
         load_parser("xml")
 
 
