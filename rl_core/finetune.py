@@ -154,11 +154,12 @@ def run_steps(start_step: int, total_steps: int, steps_per_epoch: int, one_step:
     failed_saves = 0
     for step in range(start_step, total_steps):
         progress.at(step + 1, "update")
-        with profile_step(trainer.profile_steps, step + 1, trainer.run_dir, dp.rank, dp.device):
+        with profile_step(trainer.profile_steps, step + 1, trainer.run_dir, dp.rank, dp.device) as profiled:
             started = time.perf_counter()  # inside: the profiler's start and the trace's export are not the step's
             with span("train step"):
                 metrics = one_step(step)
             metrics["perf/step_s"] = time.perf_counter() - started
+        metrics.update(profiled)  # a profiled step's device reads and kernel-level ops
         metrics["epoch"] = step / steps_per_epoch
         if failed_saves:
             metrics["checkpoint/failed"] = failed_saves

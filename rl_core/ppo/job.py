@@ -75,7 +75,7 @@ def train(cfg: PPOConfig, rt: JobRuntime, progress: JobProgress | None = None) -
     version = job.start_step
     for step in range(job.start_step, job.total_steps):
         # trainer.profile_steps: this step's torch.profiler trace on every rank (a null context otherwise)
-        with profile_step(cfg.trainer.profile_steps, step + 1, cfg.trainer.run_dir, rt.rank, rt.device):
+        with profile_step(cfg.trainer.profile_steps, step + 1, cfg.trainer.run_dir, rt.rank, rt.device) as profiled:
             timer = StepTimer()  # inside: perf/step_s leaves out the profiler's start and the trace's export
             progress.at(step + 1, "rollout")
             with timer("rollout"):  # 1. rollout through the router (rank 0), broadcast to every rank
@@ -113,6 +113,7 @@ def train(cfg: PPOConfig, rt: JobRuntime, progress: JobProgress | None = None) -
                 version = step + 1
                 metrics.update(push_weights(rt, job, version))
             metrics.update(step_metrics(timer, trajectories, step + 1, job))
+        metrics.update(profiled)  # a profiled step's device reads and kernel-level ops
         eval_rows = None
         if job.eval_due(step + 1):  # 8. held-out prompts with the new weights (not in perf/step_s)
             progress.at(step + 1, "evaluation")

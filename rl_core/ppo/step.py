@@ -98,11 +98,9 @@ class Experience:
                                    "attention_mask": s.attention_mask, "behaviour_logprobs": s.behaviour_logprobs,
                                    "token_rewards": s.token_rewards} for s in sequences], pad_token_id)
         width = batch["input_ids"].shape[1]
-        chains = [torch.cat([s * width + torch.arange(len(sequences[s])) for s in seqs]) for seqs in traj_seqs]
-        chain = torch.full((len(chains), max(len(c) for c in chains)), -1, dtype=torch.long)
-        for t, positions in enumerate(chains):
-            chain[t, :len(positions)] = positions
-        return cls(trajectories, sequences, traj_seqs, batch, chain)
+        chains = [[s * width + i for s in seqs for i in range(len(sequences[s]))] for seqs in traj_seqs]
+        return cls(trajectories, sequences, traj_seqs, batch, layout.pad_rows(chains, max(map(len, chains)), -1,
+                                                                              torch.long))
 
     def rows(self, per_token: torch.Tensor) -> torch.Tensor:
         """`[N, T]` -> `[n_traj, L]`: each trajectory's sequences laid end to end (the GAE chain, prompts

@@ -4,81 +4,19 @@ while the host caught up (issue: the GPU step). Counted here on CPU, over the st
 reference logprobs, values, reward-model scores), advantages and PPO epochs (2 epochs x 2 minibatches, several
 micro-batches each, actor and critic)."""
 
-import traceback
-import weakref
-
 import pytest
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from rl_core.ppo import algorithms as alg
 from rl_core.ppo.config import AlgorithmConfig, ModelConfig, RewardConfig
 from rl_core.ppo.models import PPOModels
 from rl_core.ppo.step import (Experience, Scoring, StepSettings, compute_advantages, forward_passes, ppo_epochs,
                               score_metrics, task_scores)
+from rl_core.profiling import DeviceReads
 from rl_core.rollout.trajectory import TokenSequence, Trajectory
 from workers.loading import init_reward_model
 from workers.worker import BatchWorker
-
-READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "cpu", "numpy"}
-
-
-class DeviceReads(TorchFunctionMode):
-    """Reads back to the host of tensors that live on the training device.
-
-    On CPU there is one device, so "on the training device" is followed from where it starts: the models'
-    parameters (their gradients, through `.grad`), every tensor moved to the device without blocking (what
-    `layout.to_device` does with a micro-batch), and every result of an op that reads one of those. A read
-    (`.item()`, `.tolist()`, `bool()`, `.cpu()`, a `nonzero`, a boolean-mask index) of such a tensor is a
-    host stall on a GPU; what the host builds from host data (the batch, its masks) is not."""
-
-    def __init__(self, models: list[torch.nn.Module]):
-        super().__init__()
-        self.reads: list[str] = []
-        self.where: list[str] = []  # the project's line that read, for the failure message
-        self._on_device: dict[int, weakref.ref] = {}
-        for model in models:
-            for parameter in model.parameters():
-                self._mark(parameter)
-
-    def _mark(self, tensor: torch.Tensor) -> None:
-        self._on_device[id(tensor)] = weakref.ref(tensor)
-
-    def _is_on_device(self, tensor: torch.Tensor) -> bool:
-        ref = self._on_device.get(id(tensor))
-        return ref is not None and ref() is tensor
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        on_device = any(self._is_on_device(t) for t in inputs)
-        out = func(*args, **kwargs)
-        name = getattr(func, "__name__", "")
-        if name == "to" and kwargs.get("non_blocking") and out is args[0]:
-            out = out.clone()  # on CPU a move to "the device" returns its input: a copy, as a real transfer makes
-        boolean_index = name == "__getitem__" and any(t.dtype == torch.bool for t in inputs[1:])
-        if on_device and (name in READS or boolean_index):
-            self.reads.append(name)
-            self.where.append(f"{name} at {project_frame()}")
-            return out.clone() if out is args[0] else out  # what came back is on the host (on CPU `.cpu()` is
-            # its input: a copy, as a real transfer makes)
-        if on_device and (name.endswith("_") or name == "__setitem__") and isinstance(args[0], torch.Tensor):
-            self._mark(args[0])  # written in place with device data
-        if on_device or (name == "to" and kwargs.get("non_blocking")):
-            for tensor in tree_flatten(out)[0]:
-                if isinstance(tensor, torch.Tensor):
-                    self._mark(tensor)
-        return out
-
-
-def project_frame() -> str:
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        if "/rl_core/" in frame.filename or "/workers/" in frame.filename:
-            return f"{frame.filename.split('/')[-2]}/{frame.filename.split('/')[-1]}:{frame.lineno}"
-    return "?"
-
 
 @pytest.fixture(scope="module")
 def process_group(tmp_path_factory):
