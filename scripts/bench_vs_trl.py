@@ -408,6 +408,8 @@ def project_side(args, paths: dict, workdir: Path, name: str = "project", config
                  f"trainer.total_episodes={args.batches * args.prompts * args.group_size}",
                  f"trainer.eval_every={args.eval_every}", f"trainer.seed={args.seed}",
                  "trainer.progress=false", "trainer.export_hf=false", "trainer.log_samples_every=0",
+                 # the last step profiled: its device reads and kernel-level ops (left out of the timings)
+                 *([f"trainer.profile_steps=[{args.batches}]"] if args.setting == "gpu86m" else []),
                  *args.project_overrides, *overrides]
     argv = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(args.nproc),
             "-m", "rl_core.train", "--config", config, *overrides]
@@ -417,13 +419,18 @@ def project_side(args, paths: dict, workdir: Path, name: str = "project", config
     wall_s, memory = run_measured(argv, workdir / f"{name}.log", gpu=args.device == "cuda")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]
-    timed = steps[1:] or steps  # the first step includes warm-up (allocator, kernels' first compile)
-    step_s = [r["perf/step_s"] for r in steps]
+    profiled = [r for r in steps if "profile/kernel_ops" in r]
+    unprofiled = [r for r in steps if "profile/kernel_ops" not in r]  # a profiled step runs slower
+    timed = unprofiled[1:] or unprofiled  # the first step includes warm-up (allocator, kernels' first compile)
+    step_s = [r["perf/step_s"] for r in unprofiled]
     phases = {k.split("/")[1][:-2]: sum(r[k] for r in timed) / sum(r["perf/step_s"] for r in timed) for k in PHASES}
     parts = {k.split("/")[1][:-2]: statistics.median(r[k] for r in timed) for k in PARTS if all(k in r for r in timed)}
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     return {"batch_s": step_s, "evals": evals, "wall_s": wall_s, **memory, "phases": phases, "parts_s": parts,
             "rollout_shape": rollout_shape(run_dir, timed, len(steps), args.response_length),
+            "step_counts": {"device_reads": statistics.median(r["profile/device_reads"] for r in profiled),
+                            "kernel_ops": statistics.median(r["profile/kernel_ops"] for r in profiled)}
+            if profiled else {},
             "rewards": [r.get("reward/fn_total_mean") for r in steps],
             "completions": sum(r["rollout/trajectories"] for r in steps),
             "tokens": sum(r["rollout/generated_tokens"] for r in steps),
@@ -617,7 +624,8 @@ def main() -> None:
         for name, overrides in runs:
             label = "this project" if name == "project" else f"project {name}"
             projects[label] = project_side(args, paths, workdir, name.replace("/", "-"), config, tuple(overrides))
-            line = {**summary(projects[label]), **{k: projects[label][k] for k in ("phases", "parts_s", "rollout_shape")}}
+            line = {**summary(projects[label]),
+                    **{k: projects[label][k] for k in ("phases", "parts_s", "rollout_shape", "step_counts")}}
             print(f"{label}: {json.dumps(line)}", flush=True)
         sides = {**{label: summary(result) for label, result in projects.items()}, **sides}
     check_same_work(sides, args.batches, batch_size, tokens)
@@ -625,7 +633,8 @@ def main() -> None:
     for label, project in projects.items():
         print(f"{label} phase split: " + ", ".join(f"{k} {v:.0%}" for k, v in project["phases"].items())
               + ("; inside them (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in project["parts_s"].items())
-                 if project["parts_s"] else "") + f"; rollout shape: {project['rollout_shape']}")
+                 if project["parts_s"] else "") + f"; rollout shape: {project['rollout_shape']}"
+              + (f"; per profiled step: {project['step_counts']}" if project["step_counts"] else ""))
     reference = sides.get(f"TRL {TRL_VERSION} position ids on") or sides.get(f"TRL {TRL_VERSION} position ids off")
     out = {"setting": args.setting, "device": args.device, "sides": sides, "workdir": str(workdir)}
     if args.device == "cuda":
@@ -640,7 +649,7 @@ def main() -> None:
         out.update({f"vs_trl_batches_per_s{suffix}": reference["median_batch_s"] / mine["median_batch_s"],
                     f"vs_trl_peak_memory{suffix}": mine[memory] / reference[memory] if reference[memory] else None,
                     f"phases{suffix}": project["phases"], f"parts_s{suffix}": project["parts_s"],
-                    f"rollout_shape{suffix}": project["rollout_shape"]})
+                    f"rollout_shape{suffix}": project["rollout_shape"], f"step_counts{suffix}": project["step_counts"]})
         if args.eval_every:
             out.update({f"accuracy_final{suffix}": mine["accuracy"].get(str(args.batches)),
                         "trl_accuracy_final": reference["accuracy"].get(str(args.batches))})

@@ -41,6 +41,10 @@ def test_gpu86m_runs_on_cpu_at_reduced_size_with_the_same_work_on_both_sides(tmp
     # sync: the memory plan's auto, and on CPU a tiny job fits beside its engine: no release, nothing to resume;
     # rollout.release_memory=always releases every step and resumes in the push
     assert out["parts_s_sync"]["release"] == 0 and out["parts_s_sync"]["resume"] == 0
+    # the last step is profiled, out of the timings: its reads of the device (the step's outputs gathered once,
+    # its metrics once, the probe) and its outermost aten ops
+    for suffix in ("sync", "release"):
+        assert out[f"step_counts_{suffix}"]["device_reads"] == 3 and out[f"step_counts_{suffix}"]["kernel_ops"] > 100
     assert out["parts_s_release"]["release"] > 0 and out["parts_s_release"]["resume"] > 0
     # every prompt is 64 tokens, unpadded, for both sides' tokenizer calls
     from transformers import AutoTokenizer
