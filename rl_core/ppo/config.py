@@ -48,7 +48,8 @@ class RewardConfig:
     truncate_after: int = 16  # the first token index at which truncate_token may cut
     penalty: float = -1.0  # the fixed score of a response with no truncate_token at/after truncate_after
     # Reward functions by import path: {name: {fn: "pkg.module:callable", weight: 1.0, kwargs: {...}}};
-    # each gets (completion text, dataset row) and returns a number (see rl_core/rewards).
+    # each gets (completion text, dataset row), and the conversation if it declares messages / tool_calls,
+    # and returns a number (see rl_core/rewards).
     fns: dict = field(default_factory=dict)
     fn_timeout_s: float = 30.0  # each reward function call's time limit; past it the trajectory fails
     # Worker processes for sync reward functions (each call on a main thread, where signal-based

@@ -12,6 +12,9 @@ score, plus every env reward, minus the KL when it goes in the reward). How A re
   normalising discounted rewards afresh, keeps every turn's sign that of its trajectory, so an early
   turn of a better-than-average conversation is never pushed down. gamma = 1 is ``trajectory``.
 
+Per-turn env rewards (`TokenSequence.token_rewards`, on the last token of the turn that earned them)
+count in the total A comes from; they are not credited to their own turn alone.
+
 A turn is one engine call (`TokenSequence.turns`), counted across all sequences of the trajectory, so
 a template divergence that starts a new sequence does not restart the count.
 """
