@@ -206,7 +206,12 @@ def template_renders_tools(tokenizer: Any, schemas: list[dict]) -> bool:
 
 class ChatEnvAdapter(Env):
     """Presents a `ChatEnv` as a token-level `Env`: messages in, token ids out (`ChatTokens`), with the
-    model's turns read by `parse` (`TurnParser`) and the env's tool use and template divergences in `info`."""
+    model's turns read by `parse` (`TurnParser`) and the env's tool use and template divergences in `info`.
+
+    `info["conversation"]` holds the conversation so far for reward functions that score it
+    (rl_core/rewards): `messages`, the rendered messages (the final assistant turn included; tool results
+    as the model read them), and `tool_calls`, every call parsed from the model's turns as
+    `{"id", "name", "arguments", "problem"}`. Nothing is tokenized again for it."""
 
     def __init__(self, env: ChatEnv, tokenizer: Any, parse: TurnParser, max_result_tokens: int | None = None,
                  template_kwargs: dict | None = None):
@@ -216,6 +221,7 @@ class ChatEnvAdapter(Env):
 
     async def reset(self, sample: dict) -> list[int]:
         self.env.tool_stats = ToolStats()
+        self.calls: list[dict] = []  # every call the model wrote, for info["conversation"]
         messages = await self.env.reset(sample)
         if not messages:
             raise ValueError(f"{type(self.env).__name__}.reset returned no messages")
@@ -225,15 +231,19 @@ class ChatEnvAdapter(Env):
         turn: ParsedTurn = self.tokens.read_turn(action.token_ids)
         message = AssistantMessage(self.tokens.assistant_text(action.token_ids), list(action.token_ids),
                                    turn.tool_calls, action.finish_reason, turn.content, turn.reasoning)
+        self.calls += [{"id": c.id, "name": c.name, "arguments": c.arguments, "problem": c.problem}
+                       for c in turn.tool_calls]
         step = await self.env.step(message)
-        if step.done or not step.messages:
-            return StepResult(None, step.reward, True, self._info(step))
+        if step.done or not step.messages:  # the last turn is in no rendering yet: added for the conversation
+            final = self.tokens.messages + [self.tokens.assistant_message(action.token_ids, turn)]
+            return StepResult(None, step.reward, True, self._info(step, final))
         ids = self.tokens.add_turn(action.token_ids, step.messages, turn)
-        return StepResult(ids, step.reward, False, self._info(step))
+        return StepResult(ids, step.reward, False, self._info(step, self.tokens.messages))
 
-    def _info(self, step: ChatStep) -> dict:
+    def _info(self, step: ChatStep, messages: list[dict]) -> dict:
         return {**step.info, **self.env.tool_stats.info(), "template_divergences": self.tokens.divergences,
-                "reprefill_tokens": self.tokens.reprefill_tokens}
+                "reprefill_tokens": self.tokens.reprefill_tokens,
+                "conversation": {"messages": list(messages), "tool_calls": list(self.calls)}}
 
     async def close(self) -> None:
         await self.env.close()

@@ -13,6 +13,7 @@ from rl_core.config import (LoraSettings, ModelRunConfig, TrainerConfig, choice,
                             validate_profile_steps)
 from rl_core.data import LONG_PROMPT_POLICIES
 from rl_core.ppo.algorithms import GROUP_KINDS, KL_KINDS, LOSS_AGG_MODES, ROLLOUT_CORRECTIONS
+from rl_core.ppo.turns import TURN_ADVANTAGES
 from rl_core.rollout.rollout import RolloutSettings
 from rl_core.optim import OPTIMIZER_NAMES
 from workers.engines.client import OUTPUT_RESERVE, max_input_length
@@ -47,7 +48,8 @@ class RewardConfig:
     truncate_after: int = 16  # the first token index at which truncate_token may cut
     penalty: float = -1.0  # the fixed score of a response with no truncate_token at/after truncate_after
     # Reward functions by import path: {name: {fn: "pkg.module:callable", weight: 1.0, kwargs: {...}}};
-    # each gets (completion text, dataset row) and returns a number (see rl_core/rewards).
+    # each gets (completion text, dataset row), and the conversation if it declares messages / tool_calls,
+    # and returns a number (see rl_core/rewards).
     fns: dict = field(default_factory=dict)
     fn_timeout_s: float = 30.0  # each reward function call's time limit; past it the trajectory fails
     # Worker processes for sync reward functions (each call on a main thread, where signal-based
@@ -179,6 +181,9 @@ class AlgorithmConfig:
     # a lone response gets advantage 0) or drop the whole group.
     incomplete_groups: str = choice("keep", ("keep", "drop"))
     normalize_group_std: bool = True  # GRPO's division by the group std; false = Dr. GRPO
+    # Multi-turn credit (group estimators): trajectory = A on every turn; discounted = turn k of T gets turn_gamma^(T-1-k) A
+    turn_advantage: str = choice("trajectory", TURN_ADVANTAGES)
+    turn_gamma: float = 1.0  # turn_advantage=discounted: the factor per turn before the last, in (0, 1]
     whiten_advantages: bool = True  # OpenAI: whiten over the batch; GRPO-family recipes turn it off
     # DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the
     # batch is full; at most filter_max_groups_factor x the groups a batch needs are launched per step.
@@ -503,6 +508,10 @@ def validate_group_options(cfg: PPOConfig) -> None:
         require(value is None or value >= 0, f"config key 'algorithm.{key}' must be >= 0, got {value}")
     require(algo.cliprange_low is None or algo.cliprange_low < 1,
             "config key 'algorithm.cliprange_low' must be < 1 (the ratio floor 1 - cliprange_low stays positive)")
+    require(algo.turn_advantage == "trajectory" or algo.advantage_estimator != "gae",
+            "algorithm.turn_advantage=discounted needs a group estimator: set algorithm.advantage_estimator to grpo, "
+            "rloo or reinforce (GAE discounts per token with algorithm.gamma)")
+    require(0 < algo.turn_gamma <= 1, f"config key 'algorithm.turn_gamma' must be in (0, 1], got {algo.turn_gamma}")
     require(0 <= algo.overlong_buffer <= ro.response_length,
             f"algorithm.overlong_buffer={algo.overlong_buffer} must be in [0, rollout.response_length={ro.response_length}]")
     if algo.filter_zero_variance_groups:

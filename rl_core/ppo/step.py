@@ -25,6 +25,7 @@ from rl_core.distributed import metrics_over_ranks
 from rl_core.ppo import algorithms as alg
 from rl_core.ppo.config import AlgorithmConfig, PPOConfig, RewardConfig
 from rl_core.ppo.models import PPOModels
+from rl_core.ppo.turns import turn_credit, turn_index
 from rl_core.rewards.lm_human_preferences import truncated_ids
 from rl_core.rollout.trajectory import TokenSequence, Trajectory
 from workers import forward, layout
@@ -306,11 +307,14 @@ def compute_advantages(exp: Experience, scores: torch.Tensor, kl_coef: float, al
         advantages, returns = alg.compute_gae(rewards, exp.rows(batch["values"]), gamma, lam, mask)
     else:
         # 3'. critic-free: one advantage per trajectory from its total reward (score + env, minus the
-        # summed KL when it goes in the reward, as RLOO does), put on every one of its action tokens
+        # summed KL when it goes in the reward, as RLOO does), put on its action tokens, each turn's
+        # discounted by its distance from the last turn under turn_advantage=discounted (rl_core/ppo/turns.py)
         total_reward = scores + env_rewards.sum(dim=1) - reward_kl_coef * kl_per_episode
         ids = group_ids(exp.trajectories)
         advantages = alg.group_advantages(total_reward, ids, estimator, normalize_std=algo.normalize_group_std)
-        advantages = advantages[:, None] * mask
+        token_turns = (exp.rows(turn_index(exp.sequences, batch["input_ids"].shape[1]))
+                       if algo.turn_advantage == "discounted" else None)
+        advantages = turn_credit(advantages, token_turns, mask, algo.turn_advantage, algo.turn_gamma)
         returns = advantages.clone()
         stats = {"groups/zero_variance_frac": alg.zero_variance_groups(total_reward, ids).float().mean().item()}
     # 4. advantage whitening

@@ -12,7 +12,14 @@ scores a whole rollout in one call (lists in, a list out), as TRL's reward funct
     @batched
     def my_batch_reward(completions: list[str], samples: list[dict], **kwargs) -> list[float]: ...
 
-which saves a worker round trip per completion for cheap scorers. The config names them
+which saves a worker round trip per completion for cheap scorers. A function that declares a `messages`
+and/or `tool_calls` parameter also gets the trajectory's conversation (conversation envs, envs/chat.py):
+
+    def my_tool_reward(completion: str, sample: dict, messages: list[dict], tool_calls: list[dict]) -> float: ...
+
+`messages` are the rendered chat messages (role/content dicts, tool results included), `tool_calls` every
+call parsed from the model's turns (`{"id", "name", "arguments", "problem"}`); both are None for envs that
+are not conversations, and lists of them, one per completion, for a `@batched` function. The config names them
 with weights (`reward.fns: {name: {fn: "pkg.module:function", weight: 1.0, kwargs: {...}}}`);
 the trajectory's reward is the weighted sum and every component is logged on its own. Sync
 functions run in worker processes (`reward.fn_processes`, see workers.py; 0 = a thread pool),
@@ -20,7 +27,7 @@ async ones on the rollout's event loop, each call under
 `reward.fn_timeout_s`: the loop that drives hundreds of trajectories never waits on a slow
 checker. A function that raises, times out or returns something other than a finite number
 fails its trajectory the way an env failure does (left out of training, counted). Multi-turn
-tasks, and rewards that need the whole interaction, are envs (`envs/base.py`).
+tasks whose reward comes from acting in the world are envs (`envs/base.py`).
 Shipped functions: `rl_core.rewards.math` (answer checker, format reward).
 """
 
@@ -55,12 +62,27 @@ def batched(fn: Callable) -> Callable:
     return fn
 
 
+CONVERSATION_PARAMS = ("messages", "tool_calls")
+
+
 @dataclass
 class RewardFn:
     name: str
     fn: Callable
     weight: float = 1.0
     kwargs: dict = field(default_factory=dict)
+    conversation_params: tuple = field(init=False)  # which of CONVERSATION_PARAMS `fn` declares
+
+    def __post_init__(self):
+        try:
+            params = inspect.signature(self.fn).parameters
+        except (TypeError, ValueError):  # a builtin without a signature: it takes none of them
+            params = {}
+        self.conversation_params = tuple(p for p in CONVERSATION_PARAMS if p in params)
+
+    def conversation_kwargs(self, conversation: dict | None) -> dict:
+        """The parts of a trajectory's conversation (`info["conversation"]`) this function asked for."""
+        return {p: (conversation or {}).get(p) for p in self.conversation_params}
 
     @property
     def is_async(self) -> bool:
@@ -91,17 +113,20 @@ class RewardFunctions:
     def __bool__(self) -> bool:
         return bool(self.fns)
 
-    async def score(self, completion: str, sample: dict) -> dict[str, float]:
+    async def score(self, completion: str, sample: dict, conversation: dict | None = None) -> dict[str, float]:
         """Every component's value for one completion; RewardFnError on any failure."""
-        (result,) = await self.score_batch([completion], [sample])
+        (result,) = await self.score_batch([completion], [sample], [conversation])
         if isinstance(result, RewardFnError):
             raise result
         return result
 
-    async def score_batch(self, completions: list[str], samples: list[dict]) -> list[dict[str, float] | RewardFnError]:
+    async def score_batch(self, completions: list[str], samples: list[dict],
+                          conversations: list[dict | None] | None = None) -> list[dict[str, float] | RewardFnError]:
         """Every component's value for each completion, all functions concurrently: a batched one in one call,
-        any other once per completion. A completion whose function failed gets the RewardFnError instead."""
-        per_fn = await asyncio.gather(*(self._values(f, completions, samples) for f in self.fns))
+        any other once per completion. A completion whose function failed gets the RewardFnError instead.
+        `conversations`: each completion's `info["conversation"]` (None: not a conversation env)."""
+        conversations = conversations or [None] * len(completions)
+        per_fn = await asyncio.gather(*(self._values(f, completions, samples, conversations) for f in self.fns))
         results: list[dict[str, float] | RewardFnError] = []
         for k in range(len(completions)):
             failed = next(((f, values[k]) for f, values in zip(self.fns, per_fn) if isinstance(values[k], Exception)), None)
@@ -117,13 +142,16 @@ class RewardFunctions:
     def total(self, components: dict[str, float]) -> float:
         return sum(f.weight * components[f.name] for f in self.fns)
 
-    async def _values(self, f: RewardFn, completions: list[str], samples: list[dict]) -> list[float | Exception]:
+    async def _values(self, f: RewardFn, completions: list[str], samples: list[dict],
+                      conversations: list[dict | None]) -> list[float | Exception]:
         """`f`'s number for each completion, or the exception that stands for it."""
+        extras = [f.conversation_kwargs(c) for c in conversations]
         if not f.is_batched:
-            return await asyncio.gather(*(self._one(f, c, s) for c, s in zip(completions, samples)),
+            return await asyncio.gather(*(self._one(f, c, s, e) for c, s, e in zip(completions, samples, extras)),
                                         return_exceptions=True)
         try:
-            values = await self._call(f, completions, samples)
+            per_completion = {p: [e[p] for e in extras] for p in f.conversation_params}
+            values = await self._call(f, completions, samples, per_completion)
             if not isinstance(values, (list, tuple)) or len(values) != len(completions):
                 raise RewardFnError(f"returned {type(values).__name__} of {len(values) if hasattr(values, '__len__') else '?'} "
                                     f"values for {len(completions)} completions; a batched reward function returns one "
@@ -138,15 +166,17 @@ class RewardFunctions:
                 out.append(err)
         return out
 
-    async def _one(self, f: RewardFn, completion: str, sample: dict) -> float:
-        return _as_number(await self._call(f, completion, sample))
+    async def _one(self, f: RewardFn, completion: str, sample: dict, extra: dict) -> float:
+        return _as_number(await self._call(f, completion, sample, extra))
 
-    async def _call(self, f: RewardFn, completion, sample) -> Any:
+    async def _call(self, f: RewardFn, completion, sample, extra: dict) -> Any:
+        """`extra`: the conversation parts `f` declares (`RewardFn.conversation_kwargs`)."""
+        kwargs = {**f.kwargs, **extra}
         if f.is_async:
-            call = f.fn(completion, sample, **f.kwargs)
+            call = f.fn(completion, sample, **kwargs)
         else:  # blocking checkers (sympy, subprocesses, HTTP) must not stall the rollout's event loop
             loop = asyncio.get_running_loop()  # a partial, not a lambda: worker processes receive it pickled
-            call = loop.run_in_executor(self.executor, functools.partial(f.fn, completion, sample, **f.kwargs))
+            call = loop.run_in_executor(self.executor, functools.partial(f.fn, completion, sample, **kwargs))
         try:
             return await asyncio.wait_for(call, self.timeout_s)
         except asyncio.TimeoutError:

@@ -196,7 +196,8 @@ class _Rollout:
             return trajectories
         start = time.perf_counter()
         completions = self.tokenizer.batch_decode([t.final_response()[1] for t in todo], skip_special_tokens=True)
-        results = await self.reward_fns.score_batch(completions, [t.sample for t in todo])
+        results = await self.reward_fns.score_batch(completions, [t.sample for t in todo],
+                                                    [t.info.get("conversation") for t in todo])  # envs/chat.py
         self.reward_s += time.perf_counter() - start
         failed: dict[int, Trajectory] = {}
         for traj, result in zip(todo, results):

@@ -38,6 +38,9 @@ class TokenSequence:
     versions: list[int] = field(default_factory=list)  # policy version per generated token, else -1
     token_rewards: list[float] = field(default_factory=list)  # env reward on the last token of the action that earned it
     attention_mask: list[int] = field(default_factory=list)  # 0 only on the left padding of a padded state
+    # The trajectory's turn (engine call, from 0) of each generated token, else -1: turn-level credit
+    # (rl_core/ppo/turns.py) needs it, since two turns need not have context tokens between them.
+    turns: list[int] = field(default_factory=list)
 
     @property
     def real_ids(self) -> list[int]:
@@ -60,9 +63,11 @@ class TokenSequence:
         self.behaviour_logprobs.extend([0.0] * n)
         self.versions.extend([-1] * n)
         self.token_rewards.extend([0.0] * n)
+        self.turns.extend([-1] * n)
 
-    def extend_action(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
-        """Append engine-generated tokens with their behaviour logprobs and policy versions."""
+    def extend_action(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
+                      turn: int = 0) -> None:
+        """Append engine-generated tokens with their behaviour logprobs, policy versions and turn."""
         n = len(ids)
         self.input_ids.extend(int(i) for i in ids)
         self.attention_mask.extend([1] * n)
@@ -70,6 +75,7 @@ class TokenSequence:
         self.behaviour_logprobs.extend(float(x) for x in logprobs)
         self.versions.extend(int(v) for v in versions)
         self.token_rewards.extend([0.0] * n)
+        self.turns.extend([int(turn)] * n)
 
 
 @dataclass
@@ -158,7 +164,7 @@ class TrajectoryBuilder:
         versions = [version] * len(output_ids) if isinstance(version, int) else list(version)
         if len(versions) != len(output_ids):
             raise ValueError(f"{len(output_ids)} output ids but {len(versions)} versions")
-        self.current.extend_action(output_ids, logprobs, versions)
+        self.current.extend_action(output_ids, logprobs, versions, turn=self.num_turns)
         text = self.tokenizer.decode(list(output_ids), skip_special_tokens=True)
         self.state_text = (self.state_text or "") + text
         return text
@@ -207,7 +213,7 @@ class TrajectoryBuilder:
             return
         cut = actions[-1] + 1
         for values in (seq.input_ids, seq.action_mask, seq.behaviour_logprobs, seq.versions, seq.token_rewards,
-                       seq.attention_mask):
+                       seq.attention_mask, seq.turns):
             del values[cut:]
 
     def _new_sequence(self, state: Observation) -> None:

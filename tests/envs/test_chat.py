@@ -291,9 +291,14 @@ class ScriptedToolEnv(ChatEnv):
         return ChatStep(await self.call_tools([ToolCall(f"call_{self.done}", "multiply", {"a": 3, "b": self.done})]))
 
 
+def tool_results_read(completion, sample, messages):
+    return float(sum(m["role"] == "tool" for m in messages))
+
+
 @pytest.mark.timeout(180)
 def test_a_multi_turn_tool_conversation_through_a_real_engine_keeps_every_sampled_id(chat_tokenizer_dir, tmp_path):
     from envs.pool import EnvPool
+    from rl_core.rewards import RewardFunctions
     from rl_core.rollout.rollout import RolloutSettings, rollout
     from workers.engines.client import EngineClient
     from workers.engines.rank_engine import EngineSpec, start_engine
@@ -306,6 +311,7 @@ def test_a_multi_turn_tool_conversation_through_a_real_engine_keeps_every_sample
                    max_failed_ratio=0.0)
     samples = [{"question": q} for q in ["2 * 3?", "What is 7 times 8?", "9 * 9 =", "Say 4 * 5."]]
     calls = []
+    reward_fns = RewardFunctions.from_config({"tools": {"fn": "tests.envs.test_chat:tool_results_read"}}, 30.0)
 
     async def main(url):
         async with EngineClient(url, timeout_s=60) as client:
@@ -318,7 +324,8 @@ def test_a_multi_turn_tool_conversation_through_a_real_engine_keeps_every_sample
             try:
                 return await rollout(samples, RolloutSettings({"max_new_tokens": 6, "temperature": 1.0}, max_turns=3,
                                                               max_total_tokens=128, progress=False),
-                                     client=client_view, env_pool=pool, tokenizer=tokenizer, policy_version=0)
+                                     client=client_view, env_pool=pool, tokenizer=tokenizer, policy_version=0,
+                                     reward_fns=reward_fns)
             finally:
                 await pool.close()
 
@@ -335,9 +342,14 @@ def test_a_multi_turn_tool_conversation_through_a_real_engine_keeps_every_sample
         # Every engine call's input is this sequence's prefix, and its output ids follow as they were sampled.
         mine = sorted(((ids, out) for ids, out in calls if sequence.input_ids[:len(ids)] == ids), key=lambda c: len(c[0]))
         assert len(mine) == 3
-        for ids, out in mine:
+        for turn, (ids, out) in enumerate(mine):
             assert sequence.input_ids[len(ids):len(ids) + len(out)] == out
             assert all(sequence.action_mask[len(ids):len(ids) + len(out)])
+            assert sequence.turns[len(ids):len(ids) + len(out)] == [turn] * len(out)  # for turn-level credit
+        # the reward function that declared `messages` read this conversation's two tool results
+        assert traj.reward_components == {"tools": 2.0}
+        roles = [m["role"] for m in traj.info["conversation"]["messages"]]
+        assert roles == ["user"] + ["assistant", "tool"] * 2 + ["assistant"]
         for k in (1, 2):  # between two engine calls: the end of the turn, the tool's answer, the generation prompt
             (before, out), (after, _) = mine[k - 1], mine[k]
             added = tokenizer.decode(sequence.input_ids[len(before) + len(out):len(after)])
@@ -345,3 +357,61 @@ def test_a_multi_turn_tool_conversation_through_a_real_engine_keeps_every_sample
             assert not any(sequence.action_mask[len(before) + len(out):len(after)])
     assert result.metrics["rollout/tool_calls_mean"] == 2 and result.metrics["rollout/template_divergences"] == 0
     assert result.metrics["rollout/turns_mean"] == 3
+
+
+def used_the_tool(completion, sample, messages, tool_calls):
+    """1 when the answer quotes a result the tool gave in this conversation (reward.fns may take `messages`)."""
+    results = [m["content"] for m in messages if m["role"] == "tool"]
+    return float(bool(tool_calls) and any(r in completion for r in results))
+
+
+async def says_408(completion, sample, messages=None):
+    """An async function taking the messages only; None outside conversation envs."""
+    return -1.0 if messages is None else float(messages[-1]["content"] == completion == "It is 408.")
+
+
+@pytest.mark.parametrize("template", ["chatml_tools", "tools_in_system"])
+def test_reward_functions_that_declare_messages_get_the_conversation_of_a_real_tool_episode(chat_tokenizer_dir,
+                                                                                            template):
+    from rl_core.rewards import RewardFunctions
+
+    tokenizer = tokenizer_with(chat_tokenizer_dir, template)
+    setup = ChatSetup.build(tokenizer, ["tests.envs.test_chat:multiply"], "hermes", toolbox_options={"timeout_s": 5})
+    env = make_env_factory("envs.chat:ToolUseEnv", {"max_tool_turns": 1}, chat=setup)()
+    sample = {"messages": [{"role": "user", "content": "12 * 34?"}]}
+    answer = "It is 408."
+
+    async def episode():
+        await env.reset(sample)
+        def ids(text):
+            return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+        call = await env.step(Action(CALL, ids(CALL)))
+        end = await env.step(Action(answer, ids(answer)))
+        return call, end
+
+    call, end = asyncio.run(episode())
+    assert not call.done and end.done and end.observation is None
+    conversation = end.info["conversation"]
+    # the rendered conversation, what the model read: the user turn, the call (as the template takes it:
+    # structured where it renders tool_calls, else the model's text), the tool's result, and the final answer
+    messages = conversation["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
+    assert messages[2]["content"] == "408" and messages[3] == {"role": "assistant", "content": answer}
+    if env.tokens.call_style is None:
+        assert messages[1] == {"role": "assistant", "content": CALL}
+    else:
+        assert messages[1]["tool_calls"][0]["function"]["name"] == "multiply"
+    assert conversation["tool_calls"] == [{"id": "call_0", "name": "multiply", "arguments": {"a": 12, "b": 34},
+                                           "problem": None}]
+    assert call.info["conversation"]["messages"] == messages[:3]  # after each step: the conversation so far
+
+    fns = RewardFunctions.from_config({"tool": {"fn": "tests.envs.test_chat:used_the_tool"},
+                                       "exact": {"fn": "tests.envs.test_chat:says_408", "weight": 2.0},
+                                       "length": {"fn": "tests.rewards.test_rewards:length_reward"}}, timeout_s=5.0)
+    assert [f.conversation_params for f in fns.fns] == [("messages", "tool_calls"), ("messages",), ()]
+    scored = asyncio.run(fns.score(answer, sample, conversation))
+    assert scored == {"tool": 1.0, "exact": 1.0, "length": float(len(answer))}  # the old signature still works
+    assert asyncio.run(fns.score("It is 409.", sample, conversation))["tool"] == 0.0
+    alone = RewardFunctions.from_config({"exact": {"fn": "tests.envs.test_chat:says_408"}}, timeout_s=5.0)
+    assert asyncio.run(alone.score(answer, sample)) == {"exact": -1.0}  # not a conversation env: messages=None

@@ -6,6 +6,8 @@ turns, because the tiny policy writes no calls of its own; the chat template lis
 prompt (tests/envs/chat_templates/tools_in_system.jinja). Every trajectory is then three engine calls on one
 growing sequence, and the trainer must score exactly the tokens the engine sampled: its logprobs of them
 equal the engine's (the behaviour gap), which would not hold if any turn were re-tokenized or misplaced.
+The embedded sync run also trains with `algorithm.turn_advantage=discounted` and a reward function that
+reads the conversation's messages.
 
     python -m pytest tests/ppo/test_tool_job.py
 """
@@ -43,8 +45,12 @@ def test_a_tool_conversation_env_trains_on_exactly_the_sampled_tokens(tool_chat_
     arithmetic, tokenizer_dir = tool_chat_assets
     engine_overrides = ["rollout.engine=sglang", f"rollout.sglang_python={require_sglang_python()}"] \
         if engine == "sglang" else []
+    # The embedded sync run also gives turn-level credit and a reward function that reads the conversation.
+    credit = [] if (engine, mode) != ("embedded", "sync") else [
+        "algorithm.turn_advantage=discounted", "algorithm.turn_gamma=0.5",
+        "reward.fns.tools.fn=tests.envs.test_chat:tool_results_read"]
     run_dir = tmp_path / "run"
-    run_to_end(torchrun_argv([
+    run_to_end(torchrun_argv([*credit,
         f"model.tokenizer_path={tokenizer_dir}", f"data.train_path={arithmetic.train_file}", "data.eval_path=null",
         "env.cls=tests.envs.test_chat:ScriptedToolEnv", "env.kwargs={turns: 3}",
         "env.tools=[tests.envs.test_chat:multiply]", "env.num_envs=8", "rollout.max_turns=3",
@@ -59,6 +65,7 @@ def test_a_tool_conversation_env_trains_on_exactly_the_sampled_tokens(tool_chat_
         assert m["rollout/tool_calls_mean"] == 2 and m["rollout/tool_errors_mean"] == 0
         assert m["rollout/template_divergences"] == 0 and m["rollout/failed"] == 0
         assert m["weight_sync/probe_gap"] < 1e-3
+        assert not credit or m["reward/fn/tools"] == 2  # two tool results in every conversation
     # In sync mode the weights that sampled are the trainer's: its logprobs of the sampled tokens are the engine's.
     if mode == "sync":
         gaps = [m["rollout/behaviour_logprob_gap"] for m in metrics]

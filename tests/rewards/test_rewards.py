@@ -298,3 +298,32 @@ def test_vader_compounds_is_vader_compound_over_a_batch():
 
     texts = ["What a wonderful day!", "", "This is awful."]
     assert vader_compounds(texts, [{}] * 3) == [vader_compound(t) for t in texts]
+
+
+@batched
+def tool_results_quoted(completions, samples, messages, tool_calls=None):
+    """A batched function declaring the conversation: lists, one entry per completion (None: not a conversation)."""
+    assert len(messages) == len(tool_calls) == len(completions)
+    return [0.0 if m is None else float(any(t["content"] in c for t in m if t["role"] == "tool"))
+            for c, m in zip(completions, messages)]
+
+
+def tool_call_count(completion, sample, tool_calls):
+    return len(tool_calls)
+
+
+def test_functions_that_declare_the_conversation_get_it_batched_and_in_worker_processes():
+    from rl_core.rewards.workers import ProcessExecutor
+
+    chat = {"messages": [{"role": "user", "content": "2 * 21?"}, {"role": "assistant", "content": "<call>"},
+                         {"role": "tool", "content": "42"}, {"role": "assistant", "content": "42"}],
+            "tool_calls": [{"id": "call_0", "name": "calc", "arguments": {"expr": "2 * 21"}, "problem": None}]}
+    executor = ProcessExecutor(1)  # the conversation reaches a worker process pickled, as plain dicts
+    try:
+        fns = RewardFunctions.from_config({"quoted": {"fn": f"{__name__}:tool_results_quoted"},
+                                           "calls": {"fn": f"{__name__}:tool_call_count"}}, 30.0, executor)
+        results = asyncio.run(fns.score_batch(["42", "41", "42"], [{}, {}, {}], [chat, chat, None]))
+    finally:
+        executor.shutdown(wait=True)
+    assert results[:2] == [{"quoted": 1.0, "calls": 1.0}, {"quoted": 0.0, "calls": 1.0}]
+    assert isinstance(results[2], RewardFnError) and "'calls' failed" in str(results[2])  # len(None): its own failure
