@@ -31,11 +31,11 @@ async def run(base_url: str, sample: dict) -> dict:
     messages = list(sample["messages"])
     calls = 0
     async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
-        for _ in range(MAX_CALLS):
+        for turn in range(MAX_CALLS):
             response = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
             message = response.choices[0].message
             messages.append(message.model_dump(exclude_none=True))
-            if not message.tool_calls:
+            if not message.tool_calls or turn == MAX_CALLS - 1:  # answered, or no call left to read the results
                 break
             for call in message.tool_calls:
                 calls += 1
