@@ -10,6 +10,8 @@ sampled: in sync mode its logprobs of them equal the engine's (the behaviour gap
     python -m pytest tests/ppo/test_agent_job.py
 """
 
+import subprocess
+
 import pytest
 
 from tests.jobs import run_to_end
@@ -47,3 +49,13 @@ def test_an_openai_client_agent_trains_on_exactly_the_sampled_tokens(tool_chat_a
         gaps = [m["rollout/behaviour_logprob_gap"] for m in metrics]
         assert all(gap < 1e-4 for gap in gaps), gaps
     assert not wait_gone(str(run_dir))
+
+
+@pytest.mark.timeout(120)
+def test_a_wrong_agent_path_stops_the_job_at_start_with_one_line(tmp_path):
+    proc = subprocess.run(torchrun_argv(["env.cls=envs.agent:AgentEnv", "env.kwargs={agent: my_pkg.nope:run}",
+                                         f"trainer.run_dir={tmp_path / 'run'}"], config="grpo_arithmetic.yaml"),
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode != 0
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert any(line.startswith("[rank 0] error: env.kwargs.agent: cannot import module 'my_pkg.nope'") for line in lines)
