@@ -38,6 +38,7 @@ class Action:
     text: str
     token_ids: list[int]
     finish_reason: str = "stop"
+    logprobs: list[float] = field(default_factory=list)  # the engine's, one per id
 
 
 @dataclass
@@ -68,6 +69,14 @@ class Env:
 
     async def close(self) -> None:
         """Release resources (processes, connections). Called once, when the pool drops the env."""
+
+    def next_sampling(self) -> dict:
+        """Sampling params for the next action over the job's: `max_new_tokens` (only lower) and `stop_token_ids`
+        (added). An agent's request asks for these (envs/agent.py); most envs leave the job's as they are."""
+        return {}
+
+    async def finish(self) -> None:
+        """The trajectory ended (done, out of turns or context, failed): stop what it left running."""
 
 
 class SyncEnv:
@@ -259,7 +268,7 @@ def make_env_factory(env_cls: type | str, env_kwargs: dict | None = None,
     kwargs = dict(env_kwargs or {})
     if issubclass(env_cls, SyncEnv) and executor is None:
         raise ValueError(f"{env_cls.__name__} is a blocking SyncEnv: pass an executor (envs.base.make_executor(n))")
-    is_chat = issubclass(env_cls, ChatEnv)
+    is_chat = issubclass(env_cls, ChatEnv) or getattr(env_cls, "wants_chat", False)
     if is_chat and chat is None:
         raise ValueError(f"{env_cls.__name__} is a ChatEnv: pass chat=envs.chat.ChatSetup(tokenizer, toolbox, parser)")
     if not is_chat and chat is not None and chat.toolbox is not None:
@@ -267,6 +276,8 @@ def make_env_factory(env_cls: type | str, env_kwargs: dict | None = None,
                          "envs.chat.ChatEnv (or use envs.chat:ToolUseEnv), or remove env.tools")
 
     def build() -> Env:
+        if getattr(env_cls, "wants_chat", False):  # an Env that renders chats itself (envs/agent.py)
+            return env_cls(chat=chat, **kwargs)
         if is_chat:
             return ChatEnvAdapter(env_cls(toolbox=chat.toolbox, **kwargs), chat.tokenizer, chat.parser,
                                   chat.max_result_tokens, chat.template_kwargs)

@@ -68,6 +68,9 @@ class EnvLease:
             self._fail("step", f"returned {type(result).__name__}, expected envs.base.StepResult")
         return result
 
+    def next_sampling(self) -> dict:
+        return self.env.next_sampling()
+
     async def _call(self, what: str, call: Awaitable):
         start = time.perf_counter()
         try:
@@ -124,6 +127,7 @@ class EnvPool:
                 yield lease
             finally:
                 self.in_use -= 1
+                await self._finish(lease)
                 await self._give_back(lease)
 
     def has_free_env(self) -> bool:
@@ -156,6 +160,15 @@ class EnvPool:
             raise EnvFailure(f"env factory failed: {detail}") from err
         self.created += 1
         return env
+
+    async def _finish(self, lease: EnvLease) -> None:
+        """Tell the env its trajectory ended (a hung one is closed instead); a failure here is logged, not raised."""
+        if lease.hung:
+            return
+        try:
+            await asyncio.wait_for(lease.env.finish(), timeout=self.step_timeout_s)
+        except Exception as err:  # noqa: BLE001 - the trajectory is over either way
+            logger.warning("%s.finish failed: %r", type(lease.env).__name__, err)
 
     async def _give_back(self, lease: EnvLease) -> None:
         self.finished += 1

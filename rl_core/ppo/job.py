@@ -182,7 +182,9 @@ def nothing_left_to_train(cfg: PPOConfig) -> str | None:
 def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
     """Everything before the first step, cheapest checks first: a bad import path, model path or
     prompt file costs seconds, not the minutes of loading models and starting engines."""
-    load_env_class(cfg.env.cls)
+    env_cls = load_env_class(cfg.env.cls)
+    if hasattr(env_cls, "check_kwargs"):  # e.g. AgentEnv's agent import path, before any engine starts
+        env_cls.check_kwargs(dict(cfg.env.kwargs))
     for spec in cfg.reward.fns.values():
         load_reward_fn(spec["fn"])
     on_every_rank(lambda: check_model_paths(cfg))

@@ -228,7 +228,8 @@ class _Rollout:
                 truncated = True
                 break
             seed = sample.get("sampling_seed")  # reproducible sampling, e.g. across a resume
-            action = await self._act(builder, room, None if seed is None else seed + 7919 * builder.num_turns, seat)
+            action = await self._act(builder, room, None if seed is None else seed + 7919 * builder.num_turns, seat,
+                                     env.next_sampling())
             builder.num_turns += 1
             finish_reasons.append(action.finish_reason)
             result = await env.step(action)
@@ -256,16 +257,23 @@ class _Rollout:
             return 0
         return max_output_length(self.max_total_tokens, sequence_length)
 
-    async def _act(self, builder: TrajectoryBuilder, room: int, seed: int | None, seat: Seat) -> Action:
+    async def _act(self, builder: TrajectoryBuilder, room: int, seed: int | None, seat: Seat,
+                   env_sampling: Mapping[str, Any]) -> Action:
         """Generate one action; an `abort` (engine paused for a weight update) continues where it stopped.
-        The trajectory's first request goes out with its wave (`seat`), every other one on its own."""
+        The trajectory's first request goes out with its wave (`seat`), every other one on its own.
+        `env_sampling` (`Env.next_sampling`) may lower max_new_tokens and add stop_token_ids."""
         ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
-        wanted = min(int(self.sampling_params.get("max_new_tokens", 128)), room)
+        wanted = min(int(self.sampling_params.get("max_new_tokens", 128)),
+                     int(env_sampling.get("max_new_tokens") or room), room)
+        sampling = dict(self.sampling_params)
+        if env_sampling.get("stop_token_ids") and not sampling.get("ignore_eos"):
+            sampling["stop_token_ids"] = sorted(set(sampling.get("stop_token_ids") or ()) |
+                                                set(env_sampling["stop_token_ids"]))
         rid = uuid.uuid4().hex
         for attempt in range(self.max_abort_retries + 1):
-            params = dict(self.sampling_params, max_new_tokens=wanted - len(ids))
+            params = dict(sampling, max_new_tokens=wanted - len(ids))
             if seed is not None:
                 params["sampling_seed"] = seed + attempt
             sent_version = self.current_version()
@@ -285,7 +293,7 @@ class _Rollout:
         reason = gen.finish_reason
         if reason == "length" and self._ends_with_stop(ids):  # SGLang checks the length limit before EOS
             reason = "stop"
-        return Action(text=text, token_ids=ids, finish_reason=reason)
+        return Action(text=text, token_ids=ids, finish_reason=reason, logprobs=logprobs)
 
     def _ends_with_stop(self, ids: list[int]) -> bool:
         """The last token ended the response (EOS or a stop token) even though it also hit the limit."""
@@ -496,4 +504,6 @@ def rollout_metrics(kept: list[Trajectory], failed: list[Trajectory], wall_s: fl
         metrics["rollout/reprefill_tokens"] = sum(t.info.get("reprefill_tokens", 0) for t in chats)
         for kind in sorted({k for t in chats for k in t.info if k.startswith("tool_errors/")}):
             metrics[f"rollout/{kind}"] = sum(t.info.get(kind, 0) for t in chats)
+    for key in sorted({k for t in kept for k in t.info if k.startswith("agent/")}):  # an agent's own metrics
+        metrics[f"rollout/{key}"] = sum(t.info.get(key, 0.0) for t in kept) / len(kept)
     return metrics
