@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from envs.base import EnvThreadPool
+from envs.threads import EnvThreadPool
 from envs.plugins import load_by_path
 from envs.tool_parsers import PARSERS, ToolCall, hermes_tool_calls, load_parser  # noqa: F401 - re-exported
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from envs.base import load_env_class
+from envs.factory import load_env_class
 from rl_core.checkpoint import Checkpointer, export_hf, finished_run
 from rl_core.cli import JobProgress, parse_job_config, run_main
 from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank, on_rank0, rank_seed,

@@ -206,7 +206,8 @@ class JobRuntime(JobLifecycle):
 
     def start_rollout_service(self, tokenizer, settings):
         """Rank 0: the envs, the reward functions and the rollout loop that sends `/generate` to the router."""
-        from envs.base import make_env_factory, make_executor
+        from envs.factory import make_env_factory
+        from envs.threads import make_executor
         from envs.chat import ChatSetup
         from rl_core.rollout.service import RolloutService
 

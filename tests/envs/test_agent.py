@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from envs.agent import AgentEnv
-from envs.base import make_env_factory
+from envs.factory import make_env_factory
 from envs.chat import ChatSetup
 from envs.tools import ToolCall
 from rl_core.errors import JobError

@@ -6,8 +6,9 @@ import time
 
 import pytest
 
-from envs.base import (Action, Env, StepResult, SyncEnv, SyncEnvAdapter, load_env_class, make_env_factory,
-                       make_executor)
+from envs.base import Action, Env, StepResult, SyncEnv, SyncEnvAdapter
+from envs.factory import load_env_class, make_env_factory
+from envs.threads import make_executor
 from envs.calculator import CalculatorEnv
 from envs.pool import EnvPool
 from envs.sentiment import SentimentEnv
@@ -102,7 +103,9 @@ def test_load_env_class_bad_paths(path, error, message):
 
 STUCK_ENV_SCRIPT = """
 import asyncio, itertools, sys, threading, time
-from envs.base import Action, StepResult, SyncEnv, make_env_factory, make_executor
+from envs.base import Action, StepResult, SyncEnv
+from envs.factory import make_env_factory
+from envs.threads import make_executor
 from envs.pool import EnvFailure, EnvPool
 
 calls = itertools.count()
@@ -151,7 +154,7 @@ def test_a_never_returning_sync_env_costs_its_thread_not_the_pool_nor_the_exit()
 
 
 def test_env_thread_pool_runs_queued_calls_and_cancels_them_on_shutdown():
-    from envs.base import EnvThreadPool
+    from envs.threads import EnvThreadPool
 
     pool = EnvThreadPool(1)
     gate = threading.Event()

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from envs.base import Action, make_env_factory
+from envs.base import Action
+from envs.factory import make_env_factory
 from envs.chat import (AssistantMessage, ChatEnv, ChatEnvAdapter, ChatSetup, ChatStep, ChatTokens, ToolUseEnv,
                        template_renders_tools)
 from envs.tools import ToolCall, Toolbox, hermes_tool_calls

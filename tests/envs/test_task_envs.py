@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from envs.base import Action, load_env_class
+from envs.base import Action
+from envs.factory import load_env_class
 from envs.sentiment import SentimentEnv
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from envs.base import Action, Env, StepResult, make_env_factory
+from envs.base import Action, Env, StepResult
+from envs.factory import make_env_factory
 from envs.calculator import CalculatorEnv
 from envs.pool import EnvPool, TooManyEnvFailures
 from envs.sentiment import SentimentEnv
