@@ -38,8 +38,8 @@ def small_job(tmp_path_factory):
         "env.num_envs=4"]}
 
 
-def torchrun_argv(overrides, config="ppo_sentiment.yaml"):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+def torchrun_argv(overrides, config="ppo_sentiment.yaml", ranks=2):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--standalone",
             "-m", "rl_core.train", "--config", config, *overrides]
 
 
