@@ -1,11 +1,17 @@
 """Every model family users train (rl_core/tiny/families.py) through the arithmetic GRPO recipe, as a user
-runs it: torchrun, 2 CPU ranks, 2 steps, on the embedded engine and on real SGLang.
+runs it: torchrun, 2 steps, on the embedded engine (2 CPU ranks) and on real SGLang (1 rank).
 
 Each family is a tiny random model built here from its `transformers` config with the recipe's chat
 tokenizer. The engine must serve exactly the trainer's weights after every push (the job itself stops
 at a probe gap of 1e-3 or more, and the logged gaps are checked too), and `final/` must load back as
 the same family. Sliding-window families get a window shorter than their sequences, so the window is
 really applied in rollout, training and the probe (21 tokens).
+
+On SGLang one rank, so one server start per family: a server's start (~30 s of CPU, most of a case's time
+on 2 cores) is what the family changes nothing in, while what the family does change, the pushed tensors
+landing in SGLang's model class and its logprobs, is the same from one rank as from each of two. The
+2-rank push into SGLang (gather, a server per rank, the same control calls as the embedded engine) is
+tests/ppo/test_job_sglang.py's; each family's 2-rank job is the embedded case here.
 
     python -m pytest tests/ppo/test_families.py
 """
@@ -60,7 +66,8 @@ def test_two_grpo_steps_keep_engine_and_trainer_equal_and_export_the_family(arit
         f"model.path={model_dir}", f"data.train_path={arithmetic.train_file}", "data.eval_path=null",
         "trainer.eval_every=0", "algorithm.batch_size=16", "algorithm.group_size=4", "env.num_envs=8",
         "trainer.total_episodes=32", "trainer.progress=false", f"trainer.run_dir={run_dir}",
-        f"rollout.weight_check_tolerance={MAX_GAP}", *engine_overrides], config="grpo_arithmetic.yaml"),
+        f"rollout.weight_check_tolerance={MAX_GAP}", *engine_overrides], config="grpo_arithmetic.yaml",
+        ranks=1 if engine == "sglang" else 2),
         timeout=600 if engine == "sglang" else 300)
     metrics = read_metrics(run_dir)
     gaps = [m["weight_sync/probe_gap"] for m in metrics]

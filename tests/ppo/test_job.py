@@ -38,8 +38,8 @@ def small_job(tmp_path_factory):
         "env.num_envs=4"]}
 
 
-def torchrun_argv(overrides, config="ppo_sentiment.yaml"):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+def torchrun_argv(overrides, config="ppo_sentiment.yaml", ranks=2):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--standalone",
             "-m", "rl_core.train", "--config", config, *overrides]
 
 
@@ -93,11 +93,22 @@ def engine_calls(log_text: str) -> str:
     return " ".join(calls)
 
 
+# 3 sync steps, a checkpoint each; always: the GPU's release/resume control flow, which a plan that fits
+# (this machine) would skip.
+SYNC_RUN = ("trainer.total_episodes=24", "trainer.save_every=1", "rollout.release_memory=always")
+
+
+@pytest.fixture(scope="module")
+def sync_run(small_job, tmp_path_factory):
+    """One uninterrupted sync run, read by the protocol test and as the resume test's reference."""
+    run_dir = tmp_path_factory.mktemp("sync") / "run"
+    run_job(small_job, run_dir, *SYNC_RUN)
+    return run_dir
+
+
 @pytest.mark.timeout(600)
-def test_sync_steps_follow_the_gpu_engine_protocol_and_write_outputs(small_job, tmp_path):
-    run_dir = tmp_path / "sync"
-    # always: the GPU's release/resume control flow, which a plan that fits (this machine) would skip.
-    run_job(small_job, run_dir, "trainer.total_episodes=24", "trainer.save_every=1", "rollout.release_memory=always")
+def test_sync_steps_follow_the_gpu_engine_protocol_and_write_outputs(small_job, sync_run):
+    run_dir = sync_run
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert all(m["memory/released"] == 1.0 for m in metrics)
@@ -149,12 +160,23 @@ def test_async_mode_respects_staleness_bound(small_job, tmp_path, partial):
     assert wait_gone(str(small_job["root"])) == []
 
 
+@pytest.fixture(scope="module")
+def slow_prepare_run(small_job, tmp_path_factory):
+    """2 sync steps whose preparation (20 s on rank 0) outlasts the collective timeout (5 s), with pi_old
+    recomputed by the trainer: one job for the two tests below. (run directory, its output)"""
+    run_dir = tmp_path_factory.mktemp("slow_prepare") / "run"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+            "-m", "tests.ppo.slow_prepare", "20", "--config", "ppo_sentiment.yaml", *small_job["overrides"],
+            f"trainer.run_dir={run_dir}", "trainer.total_episodes=16", "trainer.collective_timeout_s=5",
+            "algorithm.old_logprobs=trainer"]
+    return run_dir, run_to_end(argv, timeout=500, cwd=REPO)  # a timeout kills torchrun and its ranks
+
+
 @pytest.mark.timeout(600)
-def test_recomputed_old_logprobs_are_the_engines_in_sync_mode(small_job, tmp_path):
+def test_recomputed_old_logprobs_are_the_engines_in_sync_mode(slow_prepare_run):
     """What makes `algorithm.old_logprobs=auto` safe here: recomputed, pi_old equals the engine's
     sampling logprobs on every generated token (the CPU engines and the trainer agree exactly)."""
-    run_dir = tmp_path / "recomputed"
-    run_job(small_job, run_dir, "trainer.total_episodes=16", "algorithm.old_logprobs=trainer")
+    run_dir, _ = slow_prepare_run
     metrics = read_metrics(run_dir)
     assert [m["perf/old_logprobs_from_engine"] for m in metrics] == [0.0, 0.0]
     assert all(m["rollout/behaviour_logprob_gap"] < 1e-5 for m in metrics), metrics
@@ -179,11 +201,9 @@ def test_old_logprobs_come_from_the_engine_only_when_they_are_the_trainers():
 
 
 @pytest.mark.timeout(900)
-def test_resume_after_sigterm_continues_step_count_and_reproduces_metrics(small_job, tmp_path):
-    common = ["trainer.total_episodes=24", "trainer.save_every=1"]
-    reference_dir = tmp_path / "uninterrupted"
-    run_job(small_job, reference_dir, *common)
-    reference = read_metrics(reference_dir)
+def test_resume_after_sigterm_continues_step_count_and_reproduces_metrics(small_job, sync_run, tmp_path):
+    common = list(SYNC_RUN)
+    reference = read_metrics(sync_run)  # the same run, uninterrupted
 
     run_dir = tmp_path / "killed"
     overrides = small_job["overrides"] + [f"trainer.run_dir={run_dir}", *common]
@@ -285,16 +305,10 @@ def test_generating_on_a_released_engine_stops_the_job_with_one_clear_line(small
 
 
 @pytest.mark.timeout(600)
-def test_a_preparation_longer_than_the_collective_timeout_still_trains(small_job, tmp_path):
+def test_a_preparation_longer_than_the_collective_timeout_still_trains(slow_prepare_run):
     """The first rank of a node builds offline assets before any process group exists; the others
     wait for it (saying whom and what it last reported), never inside a collective that times out."""
-    run_dir = tmp_path / "slow_prepare"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-            "-m", "tests.ppo.slow_prepare", "20", "--config", "ppo_sentiment.yaml", *small_job["overrides"],
-            f"trainer.run_dir={run_dir}", "trainer.total_episodes=16", "trainer.collective_timeout_s=5"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=500, cwd=REPO, start_new_session=True)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-5000:]
+    run_dir, output = slow_prepare_run
     assert "[rank 1] waiting for rank 0 to prepare the offline assets first" in output
     assert re.search(r"\[rank 1\] waiting for rank 0 to prepare the offline assets \(building: step \d of 4\)", output)
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2]

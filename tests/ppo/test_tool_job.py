@@ -1,5 +1,6 @@
-"""A conversation env with tools in a real 2-rank GRPO job, as a user runs it (torchrun), on the embedded engine
-and on real SGLang, in sync and async mode.
+"""A conversation env with tools in a real GRPO job, as a user runs it (torchrun), on the embedded engine
+(2 ranks, sync and async) and on real SGLang (1 rank, sync: one server start, where two side by side took
+most of the case's time on 2 cores; turns of one trajectory routed over two engines are the embedded cases').
 
 The env (tests/envs/test_chat.py `ScriptedToolEnv`) calls the multiply tool itself on each of the first
 turns, because the tiny policy writes no calls of its own; the chat template lists the tools in the system
@@ -56,7 +57,8 @@ def test_a_tool_conversation_env_trains_on_exactly_the_sampled_tokens(tool_chat_
         "env.tools=[tests.envs.test_chat:multiply]", "env.num_envs=8", "rollout.max_turns=3",
         "rollout.response_length=8", "trainer.eval_every=0", "algorithm.batch_size=16", "algorithm.group_size=4",
         "trainer.total_episodes=32", "trainer.progress=false", f"trainer.run_dir={run_dir}", f"trainer.mode={mode}",
-        "rollout.weight_check_tolerance=1e-3", "algorithm.old_logprobs=trainer", *engine_overrides], config="grpo_arithmetic.yaml"),
+        "rollout.weight_check_tolerance=1e-3", "algorithm.old_logprobs=trainer", *engine_overrides], config="grpo_arithmetic.yaml",
+        ranks=1 if engine == "sglang" else 2),
         timeout=600 if engine == "sglang" else 300)
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]

@@ -62,13 +62,20 @@ def test_sft_learns_evaluates_checkpoints_and_exports(sft_job, tmp_path):
     assert "final model saved" in output and (run_dir / "config.yaml").is_file()
 
 
+@pytest.fixture(scope="module")
+def two_ranks(sft_job, tmp_path_factory):
+    """6 padded steps on 2 ranks, a checkpoint at 3: the reference of the rank, resume and packing tests."""
+    run_dir = tmp_path_factory.mktemp("two_ranks") / "run"
+    run_sft(sft_job, run_dir, "train.max_steps=6", "trainer.save_every=3")
+    return run_dir
+
+
 @pytest.mark.timeout(900)
-def test_one_rank_and_two_ranks_train_the_same_and_a_resumed_run_continues_exactly(sft_job, tmp_path):
+def test_one_rank_and_two_ranks_train_the_same_and_a_resumed_run_continues_exactly(sft_job, two_ranks, tmp_path):
     """The loss is the mean over the global batch's trained tokens whatever the split (each rank's
     token sum / global count x dp_size), so one rank and two follow the same losses; a run stopped
     after a checkpoint and resumed logs the same losses as one that was never stopped."""
-    two = tmp_path / "two"
-    run_sft(sft_job, two, "train.max_steps=6", "trainer.save_every=3")
+    two = two_ranks
     one = tmp_path / "one"
     run_sft(sft_job, one, "train.max_steps=6", ranks=1)
     two_losses = [r["train/loss"] for r in metrics(two) if "train/loss" in r]
@@ -117,11 +124,11 @@ def test_lora_trains_only_adapters_and_exports_the_adapter_or_the_merged_model(s
 
 
 @pytest.mark.timeout(600)
-def test_packed_training_follows_the_padded_losses(sft_job, tmp_path):
-    padded, packed = tmp_path / "padded", tmp_path / "packed"
-    run_sft(sft_job, padded, "train.max_steps=4")
-    run_sft(sft_job, packed, "train.max_steps=4", "train.packing=true")
+def test_packed_training_follows_the_padded_losses(sft_job, two_ranks, tmp_path):
+    padded, packed = two_ranks, tmp_path / "packed"  # the padded run is the shared one
+    run_sft(sft_job, packed, "train.max_steps=6", "train.packing=true")
     padded_rows, packed_rows = metrics(padded)[1:], metrics(packed)[1:]
+    assert len(packed_rows) == len(padded_rows) == 6
     assert [r["train/loss"] for r in packed_rows] == pytest.approx([r["train/loss"] for r in padded_rows], rel=1e-4)
     for packed_row, padded_row in zip(packed_rows, padded_rows):
         assert packed_row["perf/padding_fraction"] <= padded_row["perf/padding_fraction"]  # rows of like length here
