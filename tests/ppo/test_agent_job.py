@@ -1,4 +1,4 @@
-"""Outside agent code trained in a real 2-rank GRPO job (torchrun), on the embedded engine and on real SGLang: the
+"""Outside agent code trained in a real GRPO job (torchrun; 2 ranks on the embedded engine, 1 on real SGLang): the
 example agent (envs/examples/calculator_agent.py, a plain `openai` client with a calculator tool) talks to the
 job's OpenAI-compatible endpoint (envs/agent.py) for two calls per trajectory.
 
@@ -36,7 +36,8 @@ def test_an_openai_client_agent_trains_on_exactly_the_sampled_tokens(tool_chat_a
         "rollout.response_length=8", "trainer.eval_every=0", "algorithm.batch_size=8", "algorithm.group_size=4",
         "trainer.total_episodes=16", "trainer.progress=false", f"trainer.run_dir={run_dir}", f"trainer.mode={mode}",
         "rollout.weight_check_tolerance=1e-3", "algorithm.old_logprobs=trainer", *engine_overrides],
-        config="grpo_arithmetic.yaml"), timeout=600 if engine == "sglang" else 300)
+        # SGLang on one rank: one server start (two side by side take twice as long); the embedded cases hold 2 ranks
+        config="grpo_arithmetic.yaml", ranks=1 if engine == "sglang" else 2), timeout=600 if engine == "sglang" else 300)
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
