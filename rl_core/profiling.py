@@ -52,8 +52,9 @@ def _profiled(path: Path, step: int, rank: int, device: torch.device) -> Iterato
     note = "" if all_threads is not None else " (this torch records the main thread only: no rollout spans)"
     # One write: every rank prints this line at once, and print's separate write of the newline could
     # land after another rank's output (unbuffered streams under torchrun).
-    sys.stdout.write(f"[rank {rank}] profile of step {step}: {path}{note}; {len(reads.reads)} device reads "
-                     f"({', '.join(reads.where) or 'none'}), {int(counts['profile/kernel_ops'])} kernel-level ops\n")
+    sys.stdout.write(f"[rank {rank}] profile of step {step}: {path}{note}\n[rank {rank}] step {step}: "
+                     f"{len(reads.reads)} device reads ({', '.join(reads.where) or 'none'}), "
+                     f"{int(counts['profile/kernel_ops'])} kernel-level ops\n")
     sys.stdout.flush()
 
 

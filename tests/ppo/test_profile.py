@@ -2,6 +2,7 @@
 HTTP calls as named ranges; a step outside the run stops at parse time with one line."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -106,3 +107,12 @@ def test_listed_steps_write_a_trace_per_rank_with_phases_and_engine_calls(small_
     for row in read_metrics(run_dir):
         phases = sum(row[f"perf/{phase}_s"] for phase in ("rollout", "inference", "train", "sync"))
         assert row["perf/step_s"] - phases < 0.05, row
+        # Only profiled steps count their device reads and kernel-level ops, as rank 0 printed them: PPO with a
+        # reward model reads the step's outputs, the reward model's scores, its metrics and the probe.
+        if row["step"] in (2, 3):
+            reads, ops = int(row["profile/device_reads"]), int(row["profile/kernel_ops"])
+            assert reads == 4 and ops > 100, row
+            assert re.search(rf"\[rank 0\] step {row['step']}: {reads} device reads \(.*\), {ops} kernel-level ops\n",
+                             output), output[-2000:]
+        else:
+            assert "profile/device_reads" not in row
