@@ -12,6 +12,7 @@ from envs.arithmetic_tools import calc
 from envs.base import Action
 from envs.chat import ChatEnvAdapter, ToolUseEnv
 from envs.tools import Toolbox, hermes_tool_calls
+from envs.turns import TurnParser
 from rl_core.rewards.math import answer_reward
 from rl_core.sft.data import encode_messages
 from rl_core.tiny.tools_arithmetic import (SMALL_SETTINGS, TOOL_PATHS, chat_tokenizer, demonstration,
@@ -78,7 +79,7 @@ def test_a_conversation_in_the_env_is_the_demonstration_token_for_token(tokenize
     a, b = 37, 48
     row = prompt_row(a, b)
     env = ChatEnvAdapter(ToolUseEnv(Toolbox.from_paths(list(TOOL_PATHS)), max_tool_turns=1), tokenizer,
-                         hermes_tool_calls)
+                         TurnParser("hermes", tokenizer=tokenizer))
 
     def act(text):
         ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
@@ -117,7 +118,7 @@ def test_a_failed_call_comes_back_short_enough_for_the_answer_to_fit(tokenizer):
     """The longest first turn (a 48-token call that fails) leaves its error short: the conversation stays
     inside 128 positions with room for the answer."""
     env = ChatEnvAdapter(ToolUseEnv(Toolbox.from_paths(list(TOOL_PATHS)), max_tool_turns=1,
-                                    max_result_chars=16), tokenizer, hermes_tool_calls)
+                                    max_result_chars=16), tokenizer, TurnParser("hermes", tokenizer=tokenizer))
     bad = '<tool_call>{"name": "calc", "arguments": {"expr": "46 * 9 3 + 1111 * 2222 - 3333"}}</tool_call>'
     ids = tokenizer.encode(bad, add_special_tokens=False)[:46] + tokenizer.encode("}</tool_call>")[-1:]
     ids = ids + [tokenizer.eos_token_id]
