@@ -14,10 +14,9 @@ import subprocess
 
 import pytest
 
-from tests.jobs import run_to_end
-from tests.ppo.test_job import read_metrics, torchrun_argv, wait_gone
+from tests.ppo.test_job import torchrun_argv
+from tests.ppo.test_tool_job import assert_trained_on_the_engines_tokens, run_chat_job
 from tests.ppo.test_tool_job import tool_chat_assets  # noqa: F401 - the fixture
-from tests.sglang_env import require_sglang_python
 
 CASES = [("embedded", "sync"), ("sglang", "sync"), ("embedded", "async")]
 
@@ -25,31 +24,17 @@ CASES = [("embedded", "sync"), ("sglang", "sync"), ("embedded", "async")]
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("engine, mode", CASES)
 def test_an_openai_client_agent_trains_on_exactly_the_sampled_tokens(tool_chat_assets, tmp_path, engine, mode):
-    arithmetic, tokenizer_dir = tool_chat_assets
-    engine_overrides = ["rollout.engine=sglang", f"rollout.sglang_python={require_sglang_python()}"] \
-        if engine == "sglang" else []
     run_dir = tmp_path / "run"
-    run_to_end(torchrun_argv([
-        f"model.tokenizer_path={tokenizer_dir}", f"data.train_path={arithmetic.train_file}", "data.eval_path=null",
+    metrics = run_chat_job(tool_chat_assets, run_dir, engine, mode, [
         "env.cls=envs.agent:AgentEnv", "env.kwargs={agent: envs.examples.calculator_agent:run}",
         "env.tool_parser=tests.envs.test_agent:scripted_calls", "env.num_envs=8", "rollout.max_turns=2",
-        "rollout.response_length=8", "trainer.eval_every=0", "algorithm.batch_size=8", "algorithm.group_size=4",
-        "trainer.total_episodes=16", "trainer.progress=false", f"trainer.run_dir={run_dir}", f"trainer.mode={mode}",
-        "rollout.weight_check_tolerance=1e-3", "algorithm.old_logprobs=trainer", *engine_overrides],
-        # SGLang on one rank: one server start (two side by side take twice as long); the embedded cases hold 2 ranks
-        config="grpo_arithmetic.yaml", ranks=1 if engine == "sglang" else 2), timeout=600 if engine == "sglang" else 300)
-    metrics = read_metrics(run_dir)
-    assert [m["step"] for m in metrics] == [1, 2]
+        "algorithm.batch_size=8", "algorithm.group_size=4", "trainer.total_episodes=16"])
     for m in metrics:
         assert m["rollout/turns_mean"] == 2 and m["rollout/sequences_per_trajectory"] == 1
         assert m["rollout/tool_calls_mean"] == 2 and m["rollout/agent/tool_calls"] == 1
         assert m["rollout/template_divergences"] == 0 and m["rollout/failed"] == 0
         assert m["weight_sync/probe_gap"] < 1e-3
-    # In sync mode the weights that sampled are the trainer's: its logprobs of the sampled tokens are the engine's.
-    if mode == "sync":
-        gaps = [m["rollout/behaviour_logprob_gap"] for m in metrics]
-        assert all(gap < 1e-4 for gap in gaps), gaps
-    assert not wait_gone(str(run_dir))
+    assert_trained_on_the_engines_tokens(metrics, mode, run_dir)
 
 
 @pytest.mark.timeout(120)
