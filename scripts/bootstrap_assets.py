@@ -5,9 +5,10 @@
     python scripts/bootstrap_assets.py --write-sums             # after a rebuild you mean to ship
 
 The repository ships `assets/` (tiny policy and tokenizer, sentiment prompts, preferences and
-reward model, the arithmetic chat policy and problems; about 13 MB), built by this project's code
+reward model, the arithmetic chat policy and problems, the tool-calling policy and problems; about 29 MB), built by
+this project's code
 (`rl_core/tiny/`), so a fresh clone trains at once. `--check` rebuilds all of it in a temporary
-directory (about 10 minutes on 2 cores) and compares every file's sha256 with
+directory (about 25 minutes on 2 cores, half of it the tool-calling policy's fine-tuning) and compares every file's sha256 with
 `assets/checksums.json`; the builds fix their seeds and thread counts, so the same torch build on
 the same kind of CPU reproduces them bit for bit (another CPU or torch may round differently,
 and the check says which files differ).

@@ -86,16 +86,18 @@ SUMS_FILE = "checksums.json"  # sha256 by relative path
 
 def build_all(root, log: Log, progress: bool = False, small: bool = False):
     """Every asset the recipes name, built (or reused) under `root`: tiny policy, prompts,
-    sentiment preferences and reward model, arithmetic policy, problems and SFT rows (`small`:
-    the tests' quick versions)."""
+    sentiment preferences and reward model, arithmetic policy, problems and SFT rows, the tool-calling
+    policy, its problems and SFT rows (`small`: the tests' quick versions)."""
     from rl_core.tiny.arithmetic import ensure_arithmetic_assets, ensure_arithmetic_sft_data
     from rl_core.tiny.assets import ensure_tiny_assets
     from rl_core.tiny.reward_model import ensure_tiny_reward_model
+    from rl_core.tiny.tools_arithmetic import ensure_tools_arithmetic_assets
 
     tiny = ensure_tiny_assets(root, small=small, log=log, progress=progress)
     ensure_tiny_reward_model(tiny, log=log, small=small, progress=progress)
     ensure_arithmetic_assets(root, small=small, log=log)
     ensure_arithmetic_sft_data(root, small=small, log=log)
+    ensure_tools_arithmetic_assets(root, small=small, log=log)  # built last: it fine-tunes the arithmetic policy
     return tiny
 
 

@@ -1,7 +1,8 @@
 """Offline assets of the tool-calling GRPO recipe: multiplications the tiny policy cannot do in its head,
 a calculator tool it can call, and a chat policy that rarely calls it.
 
-Built once and cached beside the sentiment assets (same locked, staged build as `arithmetic.py`):
+Shipped in `assets/` (scripts/bootstrap_assets.py); rebuilt, when missing or stale, beside the sentiment
+assets (same locked, staged build as `arithmetic.py`):
 
     tools-arithmetic-sft/         the SFT rows (multi-turn demonstrations), held-out rows without tools, and
                                   the tokenizer: the tiny one plus `<tool_call>` `</tool_call>` tokens and
