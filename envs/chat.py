@@ -5,9 +5,9 @@
     turn.messages                             # what comes back: tool results (role "tool"), or a user turn
     turn.reward, turn.done
 
-Tools are plain functions listed in the config (`env.tools`, see envs/tools.py); their schemas go to the
-chat template as `apply_chat_template(tools=...)` does, and the model's calls are parsed from its text by
-`env.tool_parser`. A `ChatEnv` gets the job's `Toolbox` at construction and runs the calls it accepts
+Tools are plain functions and MCP servers' tools listed in the config (`env.tools`, see envs/tools.py and
+envs/mcp_tools.py); their schemas go to the chat template as `apply_chat_template(tools=...)` does, and the
+model's calls are parsed from its text by `env.tool_parser`. A `ChatEnv` gets the job's `Toolbox` at construction and runs the calls it accepts
 with `await self.call_tools(message.tool_calls)`, which counts calls, errors by kind and time.
 
 The tokens are the framework's job (`ChatTokens`), and they are exact: the model's own ids are kept as
@@ -176,22 +176,32 @@ class ChatSetup:
     template_kwargs: dict = field(default_factory=dict)  # env.chat_template_kwargs, e.g. {"enable_thinking": False}
 
     @classmethod
-    def build(cls, tokenizer: Any, tools: list[str], parser: str = "hermes", reasoning_parser: str = "none",
+    def build(cls, tokenizer: Any, tools: list, parser: str = "hermes", reasoning_parser: str = "none",
               template_kwargs: dict | None = None, max_result_tokens: int | None = None,
               toolbox_options: dict | None = None) -> "ChatSetup":
-        """From the env config's `tools` (import paths), `tool_parser`, `reasoning_parser`, `chat_template_kwargs`,
+        """From the env config's `tools` (import paths, MCP servers), `tool_parser`, `reasoning_parser`, `chat_template_kwargs`,
         `max_result_tokens`; `toolbox_options`: `Toolbox`'s timeout_s, max_threads, max_concurrent."""
         toolbox = Toolbox.from_paths(list(tools), **(toolbox_options or {})) if tools else None
-        for function in (toolbox.functions.values() if toolbox else ()):
-            said = getattr(function, "start_check", lambda: None)()  # a tool that cannot work here stops the job now
-            if said:
-                logger.info(said)  # e.g. which limits the sandbox enforces on this host
-        if toolbox is not None and not template_renders_tools(tokenizer, toolbox.schemas):
-            logger.warning("the tokenizer's chat template ignores `tools`: the model is not shown env.tools; use a "
-                           "template that renders them, or describe them in the env's system prompt")
-        turns = TurnParser(parser, reasoning_parser, toolbox.schemas if toolbox else None, tokenizer,
-                           special_strings(tokenizer))
+        try:
+            for function in (toolbox.functions.values() if toolbox else ()):
+                said = getattr(function, "start_check", lambda: None)()  # a tool that cannot work here stops the job
+                if said:
+                    logger.info(said)  # e.g. which limits the sandbox enforces on this host
+            if toolbox is not None and not template_renders_tools(tokenizer, toolbox.schemas):
+                logger.warning("the tokenizer's chat template ignores `tools`: the model is not shown env.tools; use "
+                               "a template that renders them, or describe them in the env's system prompt")
+            turns = TurnParser(parser, reasoning_parser, toolbox.schemas if toolbox else None, tokenizer,
+                               special_strings(tokenizer))
+        except BaseException:
+            if toolbox is not None:  # its MCP servers stop with the failed start
+                toolbox.close()
+            raise
         return cls(tokenizer, toolbox, turns, max_result_tokens, dict(template_kwargs or {}))
+
+    def close(self) -> None:
+        """At the job's end: the toolbox's MCP servers stop."""
+        if self.toolbox is not None:
+            self.toolbox.close()
 
 
 def template_renders_tools(tokenizer: Any, schemas: list[dict]) -> bool:

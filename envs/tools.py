@@ -11,6 +11,10 @@ applies to a callable, so a model sees exactly what its template renders for tha
 call does stops the job: a call that does not parse, names no tool, has bad arguments, raises or runs
 past its time becomes a `tool` message with the error for the model to read, and its kind is counted
 (`ToolResult.error`).
+
+MCP servers' tools join the same toolbox (envs/mcp_tools.py): `env.tools` takes `{mcp: {command: [...]}}`
+or `{mcp: {url: ...}}` beside the import paths; their schemas are the servers' and their calls take the
+same checks, timeout and error kinds.
 """
 
 from __future__ import annotations
@@ -20,13 +24,17 @@ import inspect
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from envs.threads import EnvThreadPool
 from envs.plugins import load_by_path
 from envs.tool_parsers import PARSERS, ToolCall, hermes_tool_calls, load_parser  # noqa: F401 - re-exported
 
 ERROR_KINDS = ("unparsed", "unknown_tool", "bad_arguments", "raised", "timed_out", "over_limit")
+
+
+class ToolError(Exception):
+    """A tool's own failure, shown to the model as its message says (error kind "raised")."""
 
 
 @dataclass
@@ -48,7 +56,7 @@ class Toolbox:
     as the policy writes calls)."""
 
     def __init__(self, functions: list[Callable], timeout_s: float = 30.0, max_threads: int = 8,
-                 max_concurrent: int = 8):
+                 max_concurrent: int = 8, mcp_servers: Sequence[dict] = ()):
         from transformers.utils import get_json_schema
 
         if timeout_s <= 0:
@@ -66,16 +74,42 @@ class Toolbox:
             except Exception as err:  # transformers' own message names the missing hint or docstring entry
                 raise ValueError(f"tool {getattr(function, '__name__', function)!r} has no usable schema: {err}; give "
                                  "it type hints and a Google-style docstring with an Args: line per argument") from err
-            name = schema["function"]["name"]
-            if name in self.functions:
-                raise ValueError(f"two tools are named {name!r}; tool names must be unique")
-            self.functions[name] = function
-            self.schemas.append(schema)
+            self._add(schema, function)
+        self.mcp = None
+        if mcp_servers:
+            from envs.mcp_tools import McpServers
+
+            self.mcp = McpServers(list(mcp_servers))
+            try:
+                for schema, call in self.mcp.tools:
+                    self._add(schema, call, " (rename one with its server's mcp.prefix)")
+            except BaseException:
+                self.close()
+                raise
+
+    def _add(self, schema: dict, function: Callable, fix: str = "") -> None:
+        name = schema["function"]["name"]
+        if name in self.functions:
+            raise ValueError(f"two tools are named {name!r}; tool names must be unique{fix}")
+        self.functions[name] = function
+        self.schemas.append(schema)
 
     @classmethod
-    def from_paths(cls, paths: list[str], **options: Any) -> "Toolbox":
-        """Tools by import path ("pkg.module:function"), as a config lists them."""
-        return cls([load_by_path(path, "tool", "my_pkg.tools:search") for path in paths], **options)
+    def from_paths(cls, entries: list, **options: Any) -> "Toolbox":
+        """Tools as a config lists them: import paths ("pkg.module:function") and MCP servers ({mcp: ...})."""
+        from envs.mcp_tools import entry_problem
+
+        for index, entry in enumerate(entries):
+            problem = entry_problem(entry)
+            if problem:
+                raise ValueError(f"env.tools[{index}] {problem}")
+        functions = [load_by_path(entry, "tool", "my_pkg.tools:search") for entry in entries if isinstance(entry, str)]
+        return cls(functions, mcp_servers=[entry["mcp"] for entry in entries if isinstance(entry, dict)], **options)
+
+    def close(self) -> None:
+        """Stop the MCP servers' connections (and a stdio server itself); the functions need nothing."""
+        if self.mcp is not None:
+            self.mcp.close()
 
     async def run(self, call: ToolCall) -> ToolResult:
         """Run `call`; whatever happens, a `tool` message for the model."""
@@ -95,6 +129,8 @@ class Toolbox:
                 content = value if isinstance(value, str) else json.dumps(value, default=str)
             except asyncio.TimeoutError:
                 error, content = "timed_out", f"error: {call.name} did not answer within {self.timeout_s:g} s"
+            except ToolError as err:  # a failure the tool put in words (an MCP server's isError, a broken link)
+                error, content = "raised", f"error: {call.name} failed: {err}"
             except Exception as err:  # noqa: BLE001 - the tool's failure is the model's to read
                 error, content = "raised", f"error: {call.name} raised {type(err).__name__}: {err}"
         message = {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": content}

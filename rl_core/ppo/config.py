@@ -6,6 +6,7 @@ cross-field rules that would otherwise fail minutes into a run are in `validate`
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -141,8 +142,9 @@ class EnvConfig:
     step_timeout_s: float = 60.0  # each reset/step call's time limit; past it the trajectory fails
     max_failed_ratio: float = 0.1  # more failed trajectories than this share of a batch stop the job
     thread_pool_size: int = 4  # threads for blocking (SyncEnv) envs and tools
-    # Conversation envs (envs/chat.py): tool functions by import path ("pkg.module:function"), the parser
-    # of the model's calls (a format in envs/tool_parsers.py, "auto": the tokenizer's response template, or
+    # Conversation envs (envs/chat.py): tool functions by import path ("pkg.module:function") and MCP
+    # servers ({mcp: {command: [...]}} or {mcp: {url: ...}}, envs/mcp_tools.py), the parser of the model's
+    # calls (a format in envs/tool_parsers.py, "auto": the tokenizer's response template, or
     # "pkg.module:function"), and each call's time limit.
     tools: list = field(default_factory=list)
     tool_parser: str = "hermes"  # the model's tool calls from its text: a format, auto or "pkg.module:function"
@@ -405,7 +407,14 @@ def validate(cfg: PPOConfig) -> None:
     require(cfg.env.step_timeout_s > 0, "config key 'env.step_timeout_s' must be > 0")
     require(cfg.env.tool_timeout_s > 0, "config key 'env.tool_timeout_s' must be > 0")
     require(cfg.env.tool_concurrency >= 1, "config key 'env.tool_concurrency' must be >= 1")
+    from envs.mcp_tools import entry_problem
     from envs.tool_parsers import PARSERS, REASONING_PARSERS
+
+    for index, entry in enumerate(cfg.env.tools):
+        problem = entry_problem(entry)
+        require(problem is None, f"config key 'env.tools[{index}]' {problem}")
+    require(not any(isinstance(entry, dict) for entry in cfg.env.tools) or importlib.util.find_spec("mcp"),
+            "env.tools lists an MCP server but the mcp package is not installed; pip install -e '.[mcp]'")
 
     parsers = [*PARSERS, "auto"]
     require(cfg.env.tool_parser in parsers or ":" in cfg.env.tool_parser,

@@ -49,6 +49,7 @@ class JobRuntime(JobLifecycle):
         # Sync mode: release engine memory while training (the memory plan's decision under rollout.release_memory).
         self.release_each_step = True
         self.service = None
+        self.chat = None  # the envs' tools: MCP servers' connections are closed at exit
         self.env_executor = None
         self.reward_executor = None
         self.node_watch = None
@@ -84,6 +85,8 @@ class JobRuntime(JobLifecycle):
             if self.engine is not None:
                 self._loop.run_until_complete(self.engine.close())
         finally:
+            if self.chat is not None:  # after the envs (no call is running): its MCP servers stop
+                self.chat.close()
             reason = "the job finished" if exc_type is None else f"the job is stopping ({exc_type.__name__})"
             self.procs.stop_all(reason)
             self._loop.close()
@@ -224,7 +227,7 @@ class JobRuntime(JobLifecycle):
             else:
                 self.reward_executor = make_executor(cfg.env.thread_pool_size)
             reward_fns = RewardFunctions.from_config(cfg.reward.fns, cfg.reward.fn_timeout_s, self.reward_executor)
-        chat = ChatSetup.build(tokenizer, list(cfg.env.tools), cfg.env.tool_parser, cfg.env.reasoning_parser,
+        self.chat = chat = ChatSetup.build(tokenizer, list(cfg.env.tools), cfg.env.tool_parser, cfg.env.reasoning_parser,
                                dict(cfg.env.chat_template_kwargs), cfg.env.max_result_tokens,
                                {"timeout_s": cfg.env.tool_timeout_s, "max_threads": cfg.env.thread_pool_size,
                                 "max_concurrent": cfg.env.tool_concurrency})
