@@ -209,3 +209,24 @@ def test_bad_entries_are_one_line_at_config_validation():
                                 "endpoint, e.g. http://127.0.0.1:8931/mcp")
     with pytest.raises(ValueError, match=r"^env.tools\[1\] needs exactly one of mcp.command"):
         Toolbox.from_paths(["tests.envs.test_mcp_tools:add", {"mcp": {}}])
+
+
+def test_the_recipe_calculator_served_over_mcp_renders_the_recipe_prompt_token_for_token():
+    """envs/examples/calc_mcp_server.py serves the tool recipe's `calc`: the shipped policy must read the
+    same prompt ids whichever way the tool is listed, and a bad expression must come back with its reason."""
+    from rl_core.tiny.assets import default_assets_root
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_assets_root() / "tools-arithmetic-sft" / "tokenizer")
+    served = Toolbox.from_paths([{"mcp": {"command": [sys.executable, "-m", "envs.examples.calc_mcp_server"]}}])
+    try:
+        imported = Toolbox.from_paths(["envs.arithmetic_tools:calc"])
+        question = [{"role": "user", "content": "What is 37 * 48?"}]
+        prompts = [tokenizer.apply_chat_template(question, tools=box.schemas, add_generation_prompt=True)
+                   for box in (served, imported)]
+        assert prompts[0] == prompts[1] and "Tools: calc(expr)" in tokenizer.decode(prompts[0])
+        good, bad = run(served, ToolCall("c0", "calc", {"expr": "37 * 48"}), ToolCall("c1", "calc", {"expr": "open(1)"}))
+        assert good.message["content"] == "1776" and bad.error == "raised"
+        assert bad.message["content"].endswith("unsupported syntax Call: only numbers and + - * / // % ** are allowed")
+    finally:
+        served.close()
