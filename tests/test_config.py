@@ -7,7 +7,7 @@ import pytest
 
 from rl_core.config import ConfigError, TrainerConfig, load_config, save_config
 from rl_core.ppo.config import PPOConfig
-from rl_core.ppo.config import validate as validate_ppo
+from rl_core.ppo.validation import validate as validate_ppo
 from rl_core.reward_model.config import RMConfig
 from rl_core.reward_model.config import validate as validate_rm
 
@@ -199,7 +199,7 @@ def test_sequences_longer_than_the_models_context_stop_at_parse_time(tmp_path, m
 
 
 def test_a_mistral_window_sglang_would_ignore_is_refused_at_parse_time(tmp_path):
-    from rl_core.ppo.config import check_models
+    from rl_core.ppo.validation import check_models
     from rl_core.tiny.arithmetic import ensure_arithmetic_assets
     from rl_core.tiny.families import save_family_model
 
@@ -215,7 +215,7 @@ def test_a_mistral_window_sglang_would_ignore_is_refused_at_parse_time(tmp_path)
 
 
 def test_the_context_check_leaves_the_engines_reserve_for_the_policy_not_the_reward_model():
-    from rl_core.ppo.config import check_context_length
+    from rl_core.ppo.validation import check_context_length
 
     grpo = lambda *keys: load_config("grpo_arithmetic.yaml", list(keys), PPOConfig, validate_ppo)  # noqa: E731
     cfg = grpo()  # 64 prompt tokens + 20 response tokens

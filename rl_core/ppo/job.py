@@ -23,7 +23,8 @@ from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank
 from rl_core.errors import JobError
 from rl_core.logger import MetricsLogger, StepTimer, open_run_logger, print_step
 from rl_core.ppo.collect import AsyncCollector, SyncCollector, make_collector
-from rl_core.ppo.config import PPOConfig, check_models, old_logprobs_max_gap, release_mode, rollout_settings, validate
+from rl_core.ppo.config import PPOConfig, old_logprobs_max_gap, release_mode, rollout_settings
+from rl_core.ppo.validation import check_models, validate
 from rl_core.ppo.memory import decide, plan_job_memory, report_plan
 from rl_core.ppo.evaluation import evaluate, print_eval
 from rl_core.ppo import algorithms as alg

@@ -190,7 +190,8 @@ def test_a_job_killed_outright_takes_its_stdio_server_with_it(tmp_path):
 
 def test_bad_entries_are_one_line_at_config_validation():
     from rl_core.config import load_config
-    from rl_core.ppo.config import PPOConfig, validate
+    from rl_core.ppo.config import PPOConfig
+    from rl_core.ppo.validation import validate
 
     assert entry_problem("my_pkg.tools:search") is None and entry_problem(CALC) is None
     assert entry_problem({"mcp": {"url": "http://127.0.0.1:8931/mcp", "prefix": "web_", "include": ["a"]}}) is None

@@ -127,7 +127,8 @@ def test_auto_reads_calls_with_the_tokenizers_response_template(chat_tokenizer_d
 
 def test_the_config_names_a_bad_parser_and_the_accepted_ones():
     from rl_core.config import ConfigError, load_config
-    from rl_core.ppo.config import PPOConfig, validate
+    from rl_core.ppo.config import PPOConfig
+    from rl_core.ppo.validation import validate
 
     with pytest.raises(ConfigError, match=r"'env.tool_parser' is 'qwen'; use one of \['hermes', 'qwen3_coder'.*'auto'\]"):
         load_config("grpo_arithmetic.yaml", ["env.tool_parser=qwen"], PPOConfig, validate)

@@ -3,7 +3,8 @@
 import pytest
 
 from rl_core.config import ConfigError, load_config
-from rl_core.ppo.config import PPOConfig, engine_dtype, validate
+from rl_core.ppo.config import PPOConfig, engine_dtype
+from rl_core.ppo.validation import validate
 
 
 def ppo(*overrides):

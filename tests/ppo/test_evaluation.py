@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from rl_core.config import load_config
-from rl_core.ppo.config import PPOConfig, validate
+from rl_core.ppo.config import PPOConfig
+from rl_core.ppo.validation import validate
 from rl_core.ppo.evaluation import eval_metrics, eval_rows, eval_sampling_params, pass_at_k
 from rl_core.rollout.trajectory import TokenSequence, Trajectory
 

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from rl_core.config import ConfigError, load_config
-from rl_core.ppo.config import PPOConfig, validate
+from rl_core.ppo.config import PPOConfig
+from rl_core.ppo.validation import validate
 from tests.ppo.test_job import read_metrics, run_job, small_job  # noqa: F401 (the module's fixture)
 
 

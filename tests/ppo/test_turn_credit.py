@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from rl_core.config import ConfigError, load_config
-from rl_core.ppo.config import AlgorithmConfig, KLConfig, PPOConfig, RewardConfig, validate
+from rl_core.ppo.config import AlgorithmConfig, KLConfig, PPOConfig, RewardConfig
+from rl_core.ppo.validation import validate
 from rl_core.ppo.step import Experience, Scoring, compute_advantages, task_scores
 from rl_core.rollout.trajectory import TokenSequence, Trajectory
 
