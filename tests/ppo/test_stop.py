@@ -31,6 +31,9 @@ ARITHMETIC = {"overrides": [
     "trainer.progress=false", "trainer.save_every=1", "trainer.eval_every=2",
     "env.cls=tests.ppo.slow_env:SlowSingleTurnEnv", "env.kwargs.delay_s=1.0"]}
 RUN_STEPS = "trainer.total_episodes=48"  # 3 steps
+# A run whose signal lands by a hold, and the last run, need no slow env: without it their rollouts and
+# evaluations take no waiting (2 s each at 1 s a step: 16 episodes or 12 prompts over 8 envs).
+FAST_ENV = "env.kwargs.delay_s=0.0"
 
 
 def stop(job: Job, sig: signal.Signals, at: float) -> tuple[float, float]:
@@ -79,6 +82,7 @@ def test_a_stop_signal_in_any_phase_of_a_step_ends_every_process_within_seconds_
         env, extra = {}, [RUN_STEPS] + ([] if number == 0 else ["trainer.resume=auto"])
         if how.startswith("hold"):
             env[TEST_HOLD_ENV] = f"{how.split()[1]}:2:{phase}:120"
+            extra.append(FAST_ENV)
         elif phase != "rollout":
             env[TEST_HOLD_ENV] = f"0:2:{phase}:0"  # says when it starts, holds for no time
         job = Job(ARITHMETIC, run_dir, *extra, config="grpo_arithmetic.yaml", env=env)
@@ -102,7 +106,7 @@ def test_a_stop_signal_in_any_phase_of_a_step_ends_every_process_within_seconds_
         assert exited < STOP_WITHIN_S and gone < STOP_WITHIN_S, report[-1] + "\n" + job.output[-4000:]
         assert not list((run_dir / "checkpoints").glob("*.tmp")), "a half-written checkpoint was left"
 
-    resumed = Job(ARITHMETIC, run_dir, RUN_STEPS, "trainer.resume=auto", config="grpo_arithmetic.yaml")
+    resumed = Job(ARITHMETIC, run_dir, RUN_STEPS, "trainer.resume=auto", FAST_ENV, config="grpo_arithmetic.yaml")
     try:
         assert resumed.wait(400) == 0, resumed.output[-4000:]
     finally:
