@@ -1,4 +1,5 @@
-"""A small MCP server over stdio for tests/envs/test_mcp_tools.py: `python mcp_calc_server.py`.
+"""A small MCP server for tests/envs/test_mcp_tools.py: `python mcp_calc_server.py` (stdio), or
+`python mcp_calc_server.py --http PORT` (streamable HTTP at http://127.0.0.1:PORT/mcp).
 
 Tools: `multiply` answers, `divide` fails on a zero divisor (a tool error: `isError`), `nap` sleeps as long
 as asked (past a toolbox's timeout), `pid` says which process serves (to kill it mid-run), `picture`
@@ -6,6 +7,7 @@ answers with an image block beside its text.
 """
 
 import os
+import sys
 import time
 
 from mcp.server.mcpserver import MCPServer
@@ -49,4 +51,7 @@ def picture() -> list:
 
 
 if __name__ == "__main__":
-    server.run()
+    if sys.argv[1:2] == ["--http"]:
+        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))  # loopback only
+    else:
+        server.run()

@@ -5,6 +5,7 @@ and no server process left behind: after `close`, after a failed start, or after
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -186,6 +187,45 @@ def test_a_job_killed_outright_takes_its_stdio_server_with_it(tmp_path):
         job.kill()
         job.wait()
     assert gone(server)
+
+
+def test_a_server_at_a_url_is_listed_and_called_over_streamable_http_and_a_dead_one_is_a_message():
+    from workers.procs import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/mcp"
+    with pytest.raises(RuntimeError, match=rf"^MCP server {url} did not start: "):  # nothing listens yet
+        Toolbox.from_paths([{"mcp": {"url": url}}])
+    server = subprocess.Popen([sys.executable, SERVER, "--http", str(port)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # listening once a connection is accepted
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, "the HTTP server did not start"
+                time.sleep(0.2)
+        toolbox = Toolbox.from_paths([{"mcp": {"url": url, "prefix": "web_", "include": ["multiply", "divide"]}}],
+                                     timeout_s=20)
+        try:
+            assert [s["function"]["name"] for s in toolbox.schemas] == ["web_multiply", "web_divide"]
+            product, by_zero = run(toolbox, ToolCall("c0", "web_multiply", {"a": 12, "b": 34}),
+                                   ToolCall("c1", "web_divide", {"a": 1, "b": 0}))
+            assert product.message["content"] == "408" and product.error is None
+            assert by_zero.error == "raised" and by_zero.message["content"].endswith("cannot divide by zero")
+            server.kill()
+            server.wait()
+            started = time.perf_counter()
+            gone_server = run(toolbox, ToolCall("c2", "web_multiply", {"a": 2, "b": 3}))[0]
+            assert gone_server.error == "raised" and time.perf_counter() - started < 15
+            assert gone_server.message["content"].startswith("error: web_multiply failed: ")
+        finally:
+            toolbox.close()
+    finally:
+        server.kill()
+        server.wait()
 
 
 def test_bad_entries_are_one_line_at_config_validation():
