@@ -323,16 +323,19 @@ class PromptEncoder:
     `on_long="skip"` returns None for a prompt over `max_length` tokens (the loader skips and
     counts it), `"error"` refuses it; `"truncate"` is OpenAI's fixed-length query mode, left to
     `QueryProcessor` for plain text. Returns the prompt's token ids, as `QueryProcessor` does, so the
-    loader treats both alike.
+    loader treats both alike. `template_kwargs` (`env.chat_template_kwargs`, e.g. `enable_thinking: false`)
+    go to the chat template, as in every other rendering of the job's conversations.
     """
 
     def __init__(self, tokenizer, max_length: int, on_long: str = "skip", chat_template: bool | None = None,
-                 system_prompt: str | None = None, query_processor: QueryProcessor | None = None):
+                 system_prompt: str | None = None, query_processor: QueryProcessor | None = None,
+                 template_kwargs: dict | None = None):
         if on_long not in LONG_PROMPT_POLICIES:
             raise ValueError(f"on_long={on_long!r} is not one of {LONG_PROMPT_POLICIES}")
         self.tokenizer, self.max_length, self.on_long = tokenizer, max_length, on_long
         self.chat_template, self.system_prompt = chat_template, system_prompt
         self.query_processor = query_processor
+        self.template_kwargs = dict(template_kwargs or {})
         self.too_long = 0  # prompts skipped for length by this encoder
 
     def messages(self, prompt: str | list) -> list[dict] | None:
@@ -359,7 +362,8 @@ class PromptEncoder:
             raise PromptDataError(f"the tokenizer ({getattr(self.tokenizer, 'name_or_path', '?')}) has no chat template "
                                   "but the prompts are chats; use a chat model's tokenizer (model.tokenizer_path) "
                                   "or set data.apply_chat_template=false with plain-text prompts")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                  **self.template_kwargs)
 
     def __call__(self, prompt: str | list) -> list[int] | None:
         messages = self.messages(prompt)

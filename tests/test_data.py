@@ -293,6 +293,27 @@ def test_a_byte_that_is_not_utf8_names_file_line_and_fix(tmp_path, suffix):
     assert "save the file as UTF-8" in message and "\n" not in message
 
 
+def test_chat_template_kwargs_reach_the_dataset_prompts_as_they_reach_the_envs_turns(tmp_path, chat_tokenizer):
+    """env.chat_template_kwargs (a non-thinking Qwen3's enable_thinking: false) render the training and held-out
+    prompts too: a first turn sampled from a prompt rendered without them would differ from every later one."""
+    import copy
+
+    from rl_core.ppo.config import DataConfig
+    from rl_core.rollout.prompts import eval_samples, prompt_samples
+
+    tok = copy.deepcopy(chat_tokenizer)
+    tok.chat_template = CHAT_TEMPLATE.replace("<assistant>{% endif %}",
+                                              "<assistant>{% if not (enable_thinking | default(true)) %}<think></think>"
+                                              "{% endif %}{% endif %}")
+    path = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "she smiled"}]}] * 2)
+    data = DataConfig(max_prompt_length=64)
+    for kwargs, ending in (({}, "<assistant>"), ({"enable_thinking": False}, "<assistant><think></think>")):
+        train = next(prompt_samples(data, str(path), tok, batch_size=2, group_size=1, seed=0, template_kwargs=kwargs))
+        held_out, _ = eval_samples(data, str(path), tok, n=1, max_prompts=None, template_kwargs=kwargs)
+        for sample in train + held_out:
+            assert tok.decode(sample["prompt_ids"]).endswith(ending)
+
+
 def test_on_long_prompt_error_is_checked_when_the_data_is_read_and_names_the_row(tmp_path, chat_tokenizer):
     # The PPO job reads its prompts before any engine starts: a long prompt must stop it there, not at
     # the step that first draws it (after the engines are up).

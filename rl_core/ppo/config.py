@@ -146,7 +146,7 @@ class EnvConfig:
     tools: list = field(default_factory=list)
     tool_parser: str = "hermes"  # the model's tool calls from its text: a format, auto or "pkg.module:function"
     reasoning_parser: str = "none"  # none | think (<think>...</think>) | gpt_oss: calls in reasoning never run
-    chat_template_kwargs: dict = field(default_factory=dict)  # to every rendering, e.g. {enable_thinking: false}
+    chat_template_kwargs: dict = field(default_factory=dict)  # to every rendering (dataset prompts too), e.g. {enable_thinking: false}
     tool_timeout_s: float = 30.0  # each tool call's time limit; keep it below env.step_timeout_s
     tool_concurrency: int = 8  # tool calls running at once in the whole job (each python call is a sandbox)
     max_result_tokens: Optional[int] = None  # each tool message cut to this many tokens (null: whole)

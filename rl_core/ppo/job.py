@@ -194,12 +194,14 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
     seed_everything(rank_seed(cfg.trainer.seed, rt.rank))
     algo, run_dir = cfg.algorithm, Path(cfg.trainer.run_dir)
     total_steps = cfg.trainer.total_episodes // algo.batch_size
+    template_kwargs = dict(cfg.env.chat_template_kwargs)  # the dataset's chat prompts render as the envs' turns do
     prompts = on_rank0(lambda: prompt_samples(cfg.data, cfg.data.train_path, tokenizer, algo.batch_size,
-                                              algo.group_size, cfg.trainer.seed, cfg.rollout.samples_seeded))
+                                              algo.group_size, cfg.trainer.seed, cfg.rollout.samples_seeded,
+                                              template_kwargs))
     held_out = None
     if cfg.data.eval_path is not None:
         held_out = on_rank0(lambda: eval_samples(cfg.data, cfg.data.eval_path, tokenizer, cfg.eval.n,
-                                                 cfg.eval.max_prompts))
+                                                 cfg.eval.max_prompts, template_kwargs))
     collector = make_collector(cfg, prompts)
     # The memory plan sizes the engines' KV pool and decides whether they release memory each step.
     plan = broadcast_object(on_rank0(lambda: plan_job_memory(cfg, detect_device(rt.device, rt.local_world_size),

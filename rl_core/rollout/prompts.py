@@ -61,35 +61,36 @@ class PromptSamples:
         self.prompts_served = state.get("prompts_served", 0)
 
 
-def prompt_encoder(data_cfg, tokenizer) -> PromptEncoder:
-    """The `data` section's prompt rule: chat template, length limit, OpenAI query mode."""
+def prompt_encoder(data_cfg, tokenizer, template_kwargs: dict | None = None) -> PromptEncoder:
+    """The `data` section's prompt rule: chat template (given `template_kwargs`), length limit, OpenAI query mode."""
     openai_queries = None
     if data_cfg.on_long_prompt == "truncate":
         openai_queries = QueryProcessor(tokenizer, data_cfg.max_prompt_length, data_cfg.start_text, data_cfg.end_text)
     return PromptEncoder(tokenizer, data_cfg.max_prompt_length, data_cfg.on_long_prompt,
-                         data_cfg.apply_chat_template, data_cfg.system_prompt, openai_queries)
+                         data_cfg.apply_chat_template, data_cfg.system_prompt, openai_queries, template_kwargs)
 
 
 def prompt_samples(data_cfg, prompts_path: str, tokenizer, batch_size: int, group_size: int, seed: int,
-                   seeded: bool = True) -> PromptSamples:
-    """The PPO job's prompt stream from its `data` config section."""
+                   seeded: bool = True, template_kwargs: dict | None = None) -> PromptSamples:
+    """The PPO job's prompt stream from its `data` config section (`template_kwargs`: env.chat_template_kwargs)."""
     dataset = load_prompt_dataset(prompts_path, split=data_cfg.train_split, text_key=data_cfg.prompt_key,
                                   on_malformed=data_cfg.on_malformed, hub_config=data_cfg.hub_config)
     if dataset.skipped:
         print(f"skipped {dataset.skipped} malformed prompt rows in {dataset.source}")
-    encode = prompt_encoder(data_cfg, tokenizer)
+    encode = prompt_encoder(data_cfg, tokenizer, template_kwargs)
     refuse_long_prompts(dataset, encode)
     loader = PromptLoader(dataset, batch_size // group_size, seed=seed, processor=encode)
     return PromptSamples(loader, group_size, seed, seeded)
 
 
-def eval_samples(data_cfg, eval_path: str, tokenizer, n: int, max_prompts: int | None) -> tuple[list[dict], int]:
+def eval_samples(data_cfg, eval_path: str, tokenizer, n: int, max_prompts: int | None,
+                 template_kwargs: dict | None = None) -> tuple[list[dict], int]:
     """The held-out prompts in file order (`n` samples each, one group per prompt) and how many were
     skipped for length; the same list at every evaluation, so the numbers are comparable."""
     dataset = load_prompt_dataset(eval_path, split=data_cfg.eval_split, text_key=data_cfg.prompt_key,
                                   on_malformed=data_cfg.on_malformed, hub_config=data_cfg.hub_config,
                                   keys=ConfigKeys(path="data.eval_path"))
-    encode = prompt_encoder(data_cfg, tokenizer)
+    encode = prompt_encoder(data_cfg, tokenizer, template_kwargs)
     samples, skipped = [], 0
     for index in range(len(dataset)):
         if max_prompts is not None and len(samples) >= max_prompts * n:

@@ -32,6 +32,7 @@ class SFTDataConfig:
     max_length: int = 512  # tokens per row
     on_long: str = choice("drop", ("drop", "truncate"))  # a longer row is left out, or cut at max_length
     eval_max_rows: Optional[int] = None  # held-out rows evaluated; null = all
+    chat_template_kwargs: dict = field(default_factory=dict)  # to every rendering, e.g. {enable_thinking: false}
 
 
 @dataclass

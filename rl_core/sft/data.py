@@ -69,11 +69,12 @@ def _tokens(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+def _render(tokenizer, messages: list[dict], generation_prompt: bool, template_kwargs: dict | None) -> str:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
+                                         **(template_kwargs or {}))
 
 
-def encode_messages(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+def encode_messages(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
     """Ids and loss mask of a conversation: each assistant turn as the template renders it after the
     generation prompt (its end-of-turn tokens included) is trained; everything else is context."""
     if not getattr(tokenizer, "chat_template", None):
@@ -86,11 +87,11 @@ def encode_messages(tokenizer, messages: list[dict]) -> tuple[list[int], list[in
     rendered = ""
     for k, message in enumerate(messages):
         if message.get("role") == "assistant":
-            prompt = _render(tokenizer, messages[:k], generation_prompt=True)
-            full = _render(tokenizer, messages[:k + 1], generation_prompt=False)
+            prompt = _render(tokenizer, messages[:k], generation_prompt=True, template_kwargs=template_kwargs)
+            full = _render(tokenizer, messages[:k + 1], generation_prompt=False, template_kwargs=template_kwargs)
             pieces = [(rendered, prompt, 0), (prompt, full, 1)]
         else:
-            full = _render(tokenizer, messages[:k + 1], generation_prompt=False)
+            full = _render(tokenizer, messages[:k + 1], generation_prompt=False, template_kwargs=template_kwargs)
             pieces = [(rendered, full, 0)]
         for before, after, trained in pieces:
             if not after.startswith(before):
@@ -103,10 +104,11 @@ def encode_messages(tokenizer, messages: list[dict]) -> tuple[list[int], list[in
     return ids, mask
 
 
-def encode_prompt_response(tokenizer, prompt: Any, response: str) -> tuple[list[int], list[int]]:
+def encode_prompt_response(tokenizer, prompt: Any, response: str,
+                           template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
     """A prompt (text, or messages rendered with the generation prompt) and a response that ends with EOS."""
     if isinstance(prompt, list):
-        prompt = _render(tokenizer, prompt, generation_prompt=True)
+        prompt = _render(tokenizer, prompt, generation_prompt=True, template_kwargs=template_kwargs)
     prompt_ids, response_ids = _tokens(tokenizer, prompt), _tokens(tokenizer, response)
     if not response_ids or response_ids[-1] != tokenizer.eos_token_id:
         response_ids.append(tokenizer.eos_token_id)
@@ -122,9 +124,10 @@ def encode_rows(rows: list[dict], tokenizer, cfg, source: str) -> tuple[list[SFT
     for number, row in enumerate(rows, start=1):
         try:
             if kind == "messages":
-                ids, mask = encode_messages(tokenizer, row[cfg.messages_key])
+                ids, mask = encode_messages(tokenizer, row[cfg.messages_key], cfg.chat_template_kwargs)
             else:
-                ids, mask = encode_prompt_response(tokenizer, row[cfg.prompt_key], row[cfg.response_key])
+                ids, mask = encode_prompt_response(tokenizer, row[cfg.prompt_key], row[cfg.response_key],
+                                                   cfg.chat_template_kwargs)
         except (KeyError, TypeError, AttributeError) as err:
             raise SFTDataError(f"{source} row {number} is not a {kind} row ({type(err).__name__}: {err}); "
                                f"columns: {sorted(row)}") from err

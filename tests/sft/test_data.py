@@ -18,7 +18,7 @@ def chat_tokenizer(tiny_model_dir):
 
 def data_cfg(**overrides):
     cfg = dict(format="auto", messages_key="messages", prompt_key="prompt", response_key="response",
-               max_length=512, on_long="drop")
+               max_length=512, on_long="drop", chat_template_kwargs={})
     return SimpleNamespace(**{**cfg, **overrides})
 
 
@@ -80,6 +80,26 @@ def test_long_rows_are_dropped_or_cut_and_counted(chat_tokenizer):
     assert too_long == 1 and len(cut) == 2 and len(cut[0].input_ids) == length - 3
     with pytest.raises(SFTDataError, match="no row fits data.max_length=2"):
         encode_rows(rows[:1], chat_tokenizer, data_cfg(max_length=2), "rows.jsonl")
+
+
+def test_chat_template_kwargs_reach_every_rendering_of_a_row(chat_tokenizer):
+    """data.chat_template_kwargs (e.g. a non-thinking Qwen3's enable_thinking: false) in the prompt before each
+    trained turn and in the turn itself, for both row formats."""
+    import copy
+
+    tok = copy.deepcopy(chat_tokenizer)
+    quiet = "{{ 'Assistant:' ~ (' [quiet]' if quiet else '') }}"  # the kwarg shows where each assistant turn starts
+    tok.chat_template = CHAT_TEMPLATE.replace("{{ 'Assistant: ' }}", quiet + "{{ ' ' }}").replace("{{ 'Assistant:' }}", quiet)
+    assert tok.chat_template.count("[quiet]") == 2
+    chat = [{"role": "user", "content": "one plus one?"}, {"role": "assistant", "content": "two"}]
+    rows = [{"messages": chat}, {"prompt": chat[:1], "response": " two"}]
+    for kwargs, shown in (({}, False), ({"quiet": True}, True)):
+        (messages_row,), _ = encode_rows(rows[:1], tok, data_cfg(chat_template_kwargs=kwargs), "rows.jsonl")
+        (prompt_row,), _ = encode_rows(rows[1:], tok, data_cfg(chat_template_kwargs=kwargs), "rows.jsonl")
+        for example in (messages_row, prompt_row):
+            prompt = tok.decode(example.input_ids[:example.loss_mask.index(1)])
+            assert ("[quiet]" in prompt) == shown and prompt.endswith(" [quiet]" if shown else "Assistant:")
+        assert tok.decode(messages_row.input_ids) == tok.apply_chat_template(chat, tokenize=False, **kwargs)
 
 
 @pytest.mark.parametrize("layout", ["rows", "one_row"])
