@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rl_core.config import ModelRunConfig, TrainerConfig, choice, require
+from rl_core.config import ModelRunConfig, TrainerConfig, choice, require, validate_checkpoint_keys
 from rl_core.optim import OPTIMIZER_NAMES
 from rl_core.preferences import FORMATS
 
@@ -74,6 +74,11 @@ class LabelerConfig:
 class RMTrainerConfig(TrainerConfig):
     run_dir: str = "runs/rm_sentiment"
     output_dir: Optional[str] = None  # null = <run_dir>/reward_model
+    save_every: int = 0  # training steps between checkpoints (<run_dir>/checkpoints); 0 = none
+    keep_last: int = 2  # newest complete checkpoints kept on disk; 0 keeps all
+    resume: str = "never"  # never | auto | <checkpoint dir>: continue the epoch from a checkpoint
+    # A checkpoint that cannot be written (disk full, permissions): stop the job, or say so and train on.
+    on_checkpoint_error: str = choice("stop", ("stop", "continue"))
     # Here only to be refused by name (validate): the PPO, SFT and DPO jobs take it, this job traces no steps.
     profile_steps: list = field(default_factory=list)
 
@@ -92,6 +97,7 @@ def validate(cfg: RMConfig) -> None:
     """Cross-field rules of the reward-model job; raises ConfigError naming the key and the fix."""
     tr, norm, data = cfg.train, cfg.normalize, cfg.data
     cfg.trainer.validate()
+    validate_checkpoint_keys(cfg.trainer.save_every, cfg.trainer.keep_last)
     require(not cfg.trainer.profile_steps,
             "trainer.profile_steps is a key of the PPO, SFT and DPO jobs; the reward-model job traces no steps: "
             "drop the key")

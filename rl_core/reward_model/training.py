@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from rl_core.checkpoint import Checkpointer
 from rl_core.distributed import DataParallel, rank_seed
 from rl_core.logger import progress_bar
 from rl_core.optim import build_optimizer, linear_anneal_schedule
@@ -109,17 +110,25 @@ def heldout_metrics(model, worker: BatchWorker, examples: list, pad_id: int) -> 
 
 
 def train_one_epoch(trainable, worker: BatchWorker, examples: list, cfg: RMTrainConfig, pad_id: int,
-                    seed: int, log: Log, progress: bool = False) -> dict[str, float]:
-    """One shuffled pass; the last incomplete minibatch is dropped (every step has batch_size examples)."""
+                    seed: int, log: Log, progress: bool = False, resumed: dict | None = None,
+                    save: Callable[[int, dict], None] | None = None, save_every: int = 0) -> dict[str, float]:
+    """One shuffled pass; the last incomplete minibatch is dropped (every step has batch_size examples).
+
+    Every `save_every` steps before the last, `save(step, totals)` checkpoints the epoch (`totals`: the loss
+    and hits summed over ranks so far); `resumed` (such totals and their step) continues it from there: the
+    same seeded order, the step's remaining minibatches, the same sums at the end."""
     steps = len(examples) // cfg.batch_size
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
-    loss_sum = correct = 0.0
+    start = resumed["step"] if resumed else 0
+    # The end's sums are over ranks: each rank carries an equal share of the totals a checkpoint holds.
+    loss_sum = resumed["loss_sum"] / worker.dp_size if resumed else 0.0
+    correct = resumed["correct"] / worker.dp_size if resumed else 0.0
 
     def loss_fn(model, micro_batch):
         loss, (losses, hits) = loss_and_sums(model, micro_batch)
         return loss, {"loss_sum": losses, "correct": hits}
 
-    for step in progress_bar(range(steps), desc="[train_rm] training the reward model", unit="step",
+    for step in progress_bar(range(start, steps), desc="[train_rm] training the reward model", unit="step",
                              enabled=progress):
         minibatch = [examples[i] for i in order[step * cfg.batch_size:(step + 1) * cfg.batch_size]]
         batch, units = collate(minibatch, pad_id)
@@ -133,6 +142,9 @@ def train_one_epoch(trainable, worker: BatchWorker, examples: list, cfg: RMTrain
             seen = (step + 1) * cfg.batch_size / worker.dp_size  # this data-parallel group's share
             log(f"[train_rm] step {step + 1}/{steps} lr {lr:.2e} grad_norm {grad_norm:.3f} "
                 f"loss {loss_sum / seen:.4f} acc {correct / seen:.3f} (rank {worker.rank} running means)")
+        if save is not None and save_every and (step + 1) % save_every == 0 and step + 1 < steps:
+            loss_total, correct_total = worker.sum_over_ranks([loss_sum, correct])
+            save(step + 1, {"step": step + 1, "loss_sum": loss_total, "correct": correct_total})
     loss_sum, correct = worker.sum_over_ranks([loss_sum, correct])
     seen = steps * cfg.batch_size
     return {"train_loss": loss_sum / seen, "train_accuracy": correct / seen, "train_steps": steps}
@@ -214,16 +226,32 @@ def fit_reward_model(model, policy, tokenizer, train_examples: list, test_exampl
     # Bars (with ETAs) on rank 0: on a CPU each sampling or training phase can take minutes.
     show = cfg.trainer.progress and dp.rank == 0
     bar = (lambda what: f"[train_rm] {what}") if show else (lambda what: None)
-    # OpenAI: normalise before training too, so the loss sees rewards at unit scale from step one.
-    gain_before, _ = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed, dp,
-                                      bar("sampling to normalise before training"))
     worker = BatchWorker(dp.rank, dp.size, dp.device, cfg.train.max_tokens_per_device,
                          packing_layout(cfg.train.packing, cfg.model.attn_implementation),
                          settings=ForwardSettings.for_job(cfg.model, dp.size, dp.device))
-    before = heldout_metrics(model, worker, test_examples, pad_id)
+    tr = cfg.trainer
+    checkpointer = Checkpointer(Path(tr.run_dir) / "checkpoints", dp.rank, keep_last=tr.keep_last,
+                                on_error=tr.on_checkpoint_error)
+    # A checkpoint holds the weights, optimizer, schedule and RNG mid-epoch, and what came before training
+    # (the first normalisation, the held-out baseline): a resumed run goes on from its step as if never stopped.
+    start, saved = checkpointer.maybe_resume(tr.resume, {"reward_model": trainable})
+    if start:
+        gain_before, bias_before, before = saved["gain_before"], saved["bias_before"], saved["before"]
+        set_reward_gain_bias(model, gain_before, bias_before)
+    else:
+        # OpenAI: normalise before training too, so the loss sees rewards at unit scale from step one.
+        gain_before, bias_before = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, tr.seed, dp,
+                                                    bar("sampling to normalise before training"))
+        before = heldout_metrics(model, worker, test_examples, pad_id)
     log(f"[train_rm] {len(train_examples)} train / {len(test_examples)} held-out comparisons, {steps} steps "
         f"on {dp.size} rank(s); held-out accuracy before training {before['accuracy']:.3f}")
-    stats = train_one_epoch(trainable, worker, train_examples, cfg.train, pad_id, cfg.trainer.seed, log, show)
+
+    def save(step: int, epoch: dict) -> None:
+        checkpointer.save(step, {"reward_model": trainable}, {"gain_before": gain_before, "bias_before": bias_before,
+                                                             "before": before, **epoch})
+
+    stats = train_one_epoch(trainable, worker, train_examples, cfg.train, pad_id, tr.seed, log, show,
+                            resumed={"step": start, **saved} if start else None, save=save, save_every=tr.save_every)
     after = heldout_metrics(model, worker, test_examples, pad_id)
     gain, bias = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed + 1, dp,
                                   bar("sampling to normalise after training"))

@@ -46,9 +46,21 @@ def _env() -> dict:
     return env
 
 
+def run_rm(overrides: list[str], cwd: Path) -> tuple[dict, str]:
+    """A 2-process torchrun of the job; its result line (the last printed) and stdout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "rl_core.train_rm", "--config", "rm_sentiment.yaml", *overrides]
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=150,
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = [line for line in proc.stdout.splitlines() if line.strip()][-1]
+    return json.loads(last), proc.stdout
+
+
 @pytest.fixture(scope="module")
 def rm_run(tiny_model_dir, tmp_path_factory):
-    """One 2-process torchrun of the job on tiny data; returns (metrics, stdout, tmp dir)."""
+    """One 2-process torchrun of the job on tiny data, a checkpoint every 2 of its 6 steps; returns (metrics,
+    stdout, tmp dir, overrides)."""
     tmp = tmp_path_factory.mktemp("rm_job")
     _write_pairs(tmp / "train.jsonl", _pairs(0, 96))
     _write_pairs(tmp / "test.jsonl", _pairs(1, 32))
@@ -58,20 +70,16 @@ def rm_run(tiny_model_dir, tmp_path_factory):
         f"data.test_path={tmp / 'test.jsonl'}", "data.max_length=48", f"normalize.prompts_path={tmp / 'prompts.jsonl'}",
         "normalize.query_length=12", "normalize.response_length=8", "normalize.num_samples=256",
         "normalize.truncate_token=null",
-        "train.batch_size=16", "train.lr=3e-3", "train.max_tokens_per_device=256", f"trainer.run_dir={tmp / 'run'}",
+        "train.batch_size=16", "train.lr=3e-3", "train.max_tokens_per_device=256", "trainer.save_every=2",
+        "trainer.keep_last=0",
     ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "rl_core.train_rm", "--config", "rm_sentiment.yaml", *overrides]
-    proc = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=150,
-                          start_new_session=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    last = [line for line in proc.stdout.splitlines() if line.strip()][-1]
-    return json.loads(last), proc.stdout, tmp
+    metrics, stdout = run_rm(overrides + [f"trainer.run_dir={tmp / 'run'}"], tmp)
+    return metrics, stdout, tmp, overrides
 
 
 @pytest.mark.timeout(200)
 def test_two_rank_job_reports_and_learns(rm_run):
-    metrics, stdout, _ = rm_run
+    metrics, stdout, _, _ = rm_run
     for key in ("heldout_accuracy", "spearman", "gain", "bias", "normalized_mean", "normalized_std", "output_dir"):
         assert key in metrics, key
     assert 0.0 <= metrics["heldout_accuracy"] <= 1.0
@@ -84,6 +92,24 @@ def test_two_rank_job_reports_and_learns(rm_run):
 
 
 @pytest.mark.timeout(200)
+def test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_one(rm_run):
+    """trainer.resume=auto from the step-2 checkpoint alone (as a run stopped at step 3 leaves it): the same
+    remaining minibatches, optimizer, schedule and pre-training normalisation, so the same results."""
+    import shutil
+
+    metrics, _, tmp, overrides = rm_run
+    saved = sorted(path.name for path in (tmp / "run" / "checkpoints").iterdir())
+    assert saved == ["step_00000002", "step_00000004"], saved  # none at the last step: the export is the product
+    resumed_dir = tmp / "resumed"
+    shutil.copytree(tmp / "run" / "checkpoints" / "step_00000002", resumed_dir / "checkpoints" / "step_00000002")
+    resumed, resumed_stdout = run_rm(overrides + [f"trainer.run_dir={resumed_dir}", "trainer.resume=auto"], tmp)
+    assert f"resumed from {resumed_dir / 'checkpoints' / 'step_00000002'} at step 2" in resumed_stdout
+    for key in ("train_loss", "train_accuracy", "heldout_accuracy", "heldout_loss", "heldout_accuracy_before",
+                "gain_before", "gain", "bias", "normalized_mean", "normalized_std", "spearman"):
+        assert resumed[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.timeout(200)
 def test_checkpoint_loads_and_is_normalised_on_fresh_samples(rm_run, tiny_model_dir):
     from transformers import AutoModelForSequenceClassification
 
@@ -91,7 +117,7 @@ def test_checkpoint_loads_and_is_normalised_on_fresh_samples(rm_run, tiny_model_
     from rl_core.reward_model.training import score_sequences
     from workers.loading import load_causal_lm, load_reward_model, load_tokenizer
 
-    metrics, _, tmp = rm_run
+    metrics, _, tmp, _ = rm_run
     out = Path(metrics["output_dir"])
     assert AutoModelForSequenceClassification.from_pretrained(out).config.num_labels == 1
     tokenizer = load_tokenizer(str(out))
