@@ -29,7 +29,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from envs.tools import ToolError
+from envs.tool_parsers import ToolError
 
 logger = logging.getLogger(__name__)
 

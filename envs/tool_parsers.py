@@ -37,6 +37,11 @@ from typing import Any, Callable
 from envs.plugins import load_by_path
 
 
+class ToolError(Exception):
+    """A tool's own failure, shown to the model as its message says (error kind "raised"); here beside
+    `ToolCall` so the toolbox and the MCP client (envs/mcp_tools.py) share it without importing each other."""
+
+
 @dataclass
 class ToolCall:
     """One call the model wrote: `arguments` parsed, or `problem` saying why they could not be."""

@@ -28,13 +28,9 @@ from typing import Any, Callable, Sequence
 
 from envs.threads import EnvThreadPool
 from envs.plugins import load_by_path
-from envs.tool_parsers import PARSERS, ToolCall, hermes_tool_calls, load_parser  # noqa: F401 - re-exported
+from envs.tool_parsers import PARSERS, ToolCall, ToolError, hermes_tool_calls, load_parser  # noqa: F401 - re-exported
 
 ERROR_KINDS = ("unparsed", "unknown_tool", "bad_arguments", "raised", "timed_out", "over_limit")
-
-
-class ToolError(Exception):
-    """A tool's own failure, shown to the model as its message says (error kind "raised")."""
 
 
 @dataclass
