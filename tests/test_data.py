@@ -5,7 +5,9 @@ import json
 
 import pytest
 
-from rl_core.data import (PromptDataError, PromptLoader, QueryProcessor, load_prompt_dataset)
+from rl_core.data import PromptDataError, load_prompt_dataset
+from rl_core.prompt_encoding import QueryProcessor
+from rl_core.prompt_loader import PromptLoader
 
 TEXTS = ["The old man walked to the market.", "She smiled at the sun.", "It was a sad day."]
 
@@ -218,7 +220,7 @@ def chat_tokenizer(tokenizer):
 
 
 def test_chat_messages_are_rendered_with_the_tokenizers_template(tmp_path, chat_tokenizer):
-    from rl_core.data import PromptEncoder
+    from rl_core.prompt_encoding import PromptEncoder
 
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "she smiled"}]
     path = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages, "answer": "7"}])
@@ -258,7 +260,7 @@ def test_prompt_column_is_found_and_malformed_messages_are_named(tmp_path):
 
 
 def test_long_prompts_are_skipped_and_counted_or_refused_never_cut(chat_tokenizer):
-    from rl_core.data import PromptEncoder
+    from rl_core.prompt_encoding import PromptEncoder
 
     short, long = "she smiled.", "the old man walked to the market and felt happy. " * 4
     limit = len(_ids(chat_tokenizer, short)) + 2

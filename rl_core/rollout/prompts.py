@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from rl_core.data import (ConfigKeys, PromptEncoder, PromptLoader, QueryProcessor, encode_row, load_prompt_dataset,
-                          refuse_long_prompts)
+from rl_core.data import ConfigKeys, load_prompt_dataset
+from rl_core.prompt_encoding import PromptEncoder, QueryProcessor, encode_row, refuse_long_prompts
+from rl_core.prompt_loader import PromptLoader
 
 
 class PromptSamples:
