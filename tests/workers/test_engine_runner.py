@@ -7,7 +7,8 @@ import queue
 import pytest
 import torch
 
-from workers.engines.embedded.runner import GenRequest, ModelRunner, SamplingParams
+from workers.engines.embedded.batch import GenRequest, SamplingParams
+from workers.engines.embedded.runner import ModelRunner
 from workers.engines.embedded.sampling import RowSampling, sample
 
 from tests.workers.small_models import save_small_gpt2

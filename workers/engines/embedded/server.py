@@ -40,7 +40,8 @@ from typing import Any
 
 from aiohttp import web
 
-from workers.engines.embedded.runner import GenRequest, ModelRunner
+from workers.engines.embedded.batch import GenRequest
+from workers.engines.embedded.runner import ModelRunner
 from workers.engines.embedded.validation import (MAX_BODY_BYTES, BadRequest, GenerateBody, fit_to_context,
                                                  longest_token_chars, parse_generate)
 from workers.engines.weights import deserialize_for_engine, unflatten_bucket

@@ -18,7 +18,7 @@ import math
 from typing import Any
 
 from workers.engines.client import INPUT_RESERVE, max_input_length, max_output_length
-from workers.engines.embedded.runner import SamplingParams
+from workers.engines.embedded.batch import SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when the field is absent
 MAX_N = 256  # samples per prompt
