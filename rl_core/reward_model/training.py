@@ -6,6 +6,7 @@ after training."""
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -109,16 +110,23 @@ def heldout_metrics(model, worker: BatchWorker, examples: list, pad_id: int) -> 
 # ----------------------------------------------------------------------------- training
 
 
-def train_one_epoch(trainable, worker: BatchWorker, examples: list, cfg: RMTrainConfig, pad_id: int,
-                    seed: int, log: Log, progress: bool = False, resumed: dict | None = None,
-                    save: Callable[[int, dict], None] | None = None, save_every: int = 0) -> dict[str, float]:
-    """One shuffled pass; the last incomplete minibatch is dropped (every step has batch_size examples).
+@dataclass
+class EpochCheckpoints:
+    """Checkpoints within the epoch: every `every` steps before the last, `save(step, totals)` (`totals`: the
+    loss and hits summed over ranks so far); `resumed`, such totals and their step, continues the epoch from
+    there: the same seeded order, the remaining minibatches, the same sums at the end."""
+    save: Callable[[int, dict], None]
+    every: int = 0
+    resumed: dict | None = None
 
-    Every `save_every` steps before the last, `save(step, totals)` checkpoints the epoch (`totals`: the loss
-    and hits summed over ranks so far); `resumed` (such totals and their step) continues it from there: the
-    same seeded order, the step's remaining minibatches, the same sums at the end."""
+
+def train_one_epoch(trainable, worker: BatchWorker, examples: list, cfg: RMTrainConfig, pad_id: int,
+                    seed: int, log: Log, progress: bool = False,
+                    checkpoints: EpochCheckpoints | None = None) -> dict[str, float]:
+    """One shuffled pass; the last incomplete minibatch is dropped (every step has batch_size examples)."""
     steps = len(examples) // cfg.batch_size
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    resumed = checkpoints.resumed if checkpoints else None
     start = resumed["step"] if resumed else 0
     # The end's sums are over ranks: each rank carries an equal share of the totals a checkpoint holds.
     loss_sum = resumed["loss_sum"] / worker.dp_size if resumed else 0.0
@@ -142,9 +150,9 @@ def train_one_epoch(trainable, worker: BatchWorker, examples: list, cfg: RMTrain
             seen = (step + 1) * cfg.batch_size / worker.dp_size  # this data-parallel group's share
             log(f"[train_rm] step {step + 1}/{steps} lr {lr:.2e} grad_norm {grad_norm:.3f} "
                 f"loss {loss_sum / seen:.4f} acc {correct / seen:.3f} (rank {worker.rank} running means)")
-        if save is not None and save_every and (step + 1) % save_every == 0 and step + 1 < steps:
+        if checkpoints and checkpoints.every and (step + 1) % checkpoints.every == 0 and step + 1 < steps:
             loss_total, correct_total = worker.sum_over_ranks([loss_sum, correct])
-            save(step + 1, {"step": step + 1, "loss_sum": loss_total, "correct": correct_total})
+            checkpoints.save(step + 1, {"step": step + 1, "loss_sum": loss_total, "correct": correct_total})
     loss_sum, correct = worker.sum_over_ranks([loss_sum, correct])
     seen = steps * cfg.batch_size
     return {"train_loss": loss_sum / seen, "train_accuracy": correct / seen, "train_steps": steps}
@@ -250,8 +258,8 @@ def fit_reward_model(model, policy, tokenizer, train_examples: list, test_exampl
         checkpointer.save(step, {"reward_model": trainable}, {"gain_before": gain_before, "bias_before": bias_before,
                                                              "before": before, **epoch})
 
-    stats = train_one_epoch(trainable, worker, train_examples, cfg.train, pad_id, tr.seed, log, show,
-                            resumed={"step": start, **saved} if start else None, save=save, save_every=tr.save_every)
+    checkpoints = EpochCheckpoints(save, tr.save_every, {"step": start, **saved} if start else None)
+    stats = train_one_epoch(trainable, worker, train_examples, cfg.train, pad_id, tr.seed, log, show, checkpoints)
     after = heldout_metrics(model, worker, test_examples, pad_id)
     gain, bias = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed + 1, dp,
                                   bar("sampling to normalise after training"))
