@@ -81,16 +81,28 @@ def server_label(spec: dict) -> str:
     return spec["url"] if command is None else command if isinstance(command, str) else shlex.join(command)
 
 
+class _Connection:
+    """One server's live connection; replaced when the server is reconnected."""
+
+    def __init__(self, spec: dict, client, task: asyncio.Task, stop: asyncio.Event):
+        self.spec, self.client, self.task, self.stop = spec, client, task, stop
+        self.broken = False  # a call on it failed below the tool (the link, the session)
+        self.reconnecting = asyncio.Lock()  # the calls that find it broken wait for one reconnect
+
+
 class McpServers:
     """The connections to one toolbox's MCP servers, on their own loop and thread (module docstring).
 
     `tools`: (schema, async function) per tool taken; the function runs the call on the server and returns
-    its text, or raises `ToolError` with the server's error (or the broken connection's)."""
+    its text, or raises `ToolError` with the server's error (or the broken connection's). A connection that
+    ended (the server died or dropped it) is opened again by the next call: the call that was running when
+    it broke fails (a tool may have acted, so it is not sent twice), later ones reach the restarted server."""
 
     def __init__(self, specs: list[dict], connect_timeout_s: float = CONNECT_TIMEOUT_S):
         self.tools: list[tuple[dict, Callable]] = []
         self.closed = False
-        self._held: list[tuple[asyncio.Event, asyncio.Task]] = []  # (stop, the task holding it open) a server
+        self.connect_timeout_s = connect_timeout_s
+        self._connections: list[_Connection] = []
         self._calls: set[asyncio.Task] = set()  # calls running on the MCP loop
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="mcp-client", daemon=True)
@@ -105,7 +117,8 @@ class McpServers:
     def _submit(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    async def _connect(self, spec: dict, timeout_s: float) -> list[tuple[dict, Callable]]:
+    async def _open(self, spec: dict, timeout_s: float) -> tuple[_Connection, list]:
+        """Start (stdio) or reach (URL) the server and list its tools; a one-line error when it cannot."""
         from mcp import Client
 
         label = server_label(spec)
@@ -122,7 +135,12 @@ class McpServers:
             if isinstance(err, Exception):
                 raise RuntimeError(f"MCP server {label} did not start: {_describe(err)}") from None
             raise
-        self._held.append((stop, task))
+        return _Connection(spec, client, task, stop), listed
+
+    async def _connect(self, spec: dict, timeout_s: float) -> list[tuple[dict, Callable]]:
+        label = server_label(spec)
+        connection, listed = await self._open(spec, timeout_s)
+        self._connections.append(connection)
         include, prefix = spec.get("include"), spec.get("prefix", "")
         missing = sorted(set(include or ()) - {tool.name for tool in listed})
         if missing:
@@ -130,7 +148,7 @@ class McpServers:
                              f"{sorted(tool.name for tool in listed)}")
         return [({"type": "function", "function": {"name": prefix + tool.name, "description": tool.description or "",
                                                    "parameters": tool.input_schema}},
-                 self._caller(client, tool.name, label))
+                 self._caller(connection, tool.name, label))
                 for tool in listed if include is None or tool.name in include]
 
     @staticmethod
@@ -149,12 +167,12 @@ class McpServers:
             if isinstance(err, asyncio.CancelledError):
                 raise
 
-    def _caller(self, client, name: str, label: str) -> Callable:
+    def _caller(self, connection: _Connection, name: str, label: str) -> Callable:
         async def call(**arguments: Any) -> str:
             if self.closed:
                 raise ToolError(f"the MCP server {label} is closed")
             # Cancelling this await (the toolbox's timeout) cancels the call on the MCP loop too.
-            return await asyncio.wrap_future(self._submit(self._call(client, name, arguments, label)))
+            return await asyncio.wrap_future(self._submit(self._call(connection, name, arguments, label)))
 
         call.__name__ = name
         return call
@@ -174,11 +192,13 @@ class McpServers:
         if not self.thread.is_alive():
             self.loop.close()
 
-    async def _call(self, client, name: str, arguments: dict, label: str) -> str:
+    async def _call(self, connection: _Connection, name: str, arguments: dict, label: str) -> str:
         self._calls.add(asyncio.current_task())
         try:
-            result = await client.call_tool(name, arguments)
+            await self._reconnect_if_ended(connection, label)
+            result = await connection.client.call_tool(name, arguments)
         except Exception as err:  # noqa: BLE001 - the connection broke, the server died or answered nonsense
+            connection.broken = True
             raise ToolError(f"{_describe(err)} (MCP server {label})") from None
         finally:
             self._calls.discard(asyncio.current_task())
@@ -187,13 +207,27 @@ class McpServers:
             raise ToolError(text or "the tool reported an error")
         return text
 
+    async def _reconnect_if_ended(self, connection: _Connection, label: str) -> None:
+        """A connection whose holding task ended (the server died, or dropped it) is opened again, once for
+        all the calls that find it so; a server that does not come back fails this call and is tried again
+        by the next."""
+        async with connection.reconnecting:
+            if not (connection.task.done() or connection.broken) or self.closed:
+                return
+            logger.warning("MCP server %s: reconnecting", label)
+            connection.stop.set()  # what is left of the old connection (a stdio server still running is stopped)
+            await asyncio.gather(connection.task, return_exceptions=True)
+            fresh, _ = await self._open(connection.spec, self.connect_timeout_s)
+            connection.client, connection.task, connection.stop = fresh.client, fresh.task, fresh.stop
+            connection.broken = False
+
     async def _shutdown(self) -> None:
         for task in list(self._calls):  # calls still running: their callers have gone
             task.cancel()
         await asyncio.gather(*self._calls, return_exceptions=True)
-        for stop, _ in self._held:
-            stop.set()
-        await asyncio.gather(*(task for _, task in self._held), return_exceptions=True)
+        for connection in self._connections:
+            connection.stop.set()
+        await asyncio.gather(*(connection.task for connection in self._connections), return_exceptions=True)
 
 
 def _transport(spec: dict):
