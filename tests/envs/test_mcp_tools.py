@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 
 from envs.base import Action
-from envs.chat import ChatEnvAdapter, ChatSetup, ToolUseEnv
+from envs.chat import ChatEnvAdapter, ToolUseEnv
 from envs.chat_tokens import special_strings
 from envs.mcp_tools import entry_problem
 from envs.tools import Toolbox, ToolCall
 from envs.turns import TurnParser
 from rl_core.config import ConfigError
 from tests.envs.test_chat import chat_tokenizer_dir, tokenizer_with  # noqa: F401 - a fixture
+from tests.envs.test_sandbox import children_of
 
 SERVER = str(Path(__file__).with_name("mcp_calc_server.py"))
 CALC = {"mcp": {"command": [sys.executable, SERVER]}}
@@ -38,17 +39,8 @@ def add(a: int, b: int) -> int:
 
 
 def children() -> set[int]:
-    """This process's live children (from /proc)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        try:
-            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split() if stat else []
-        if fields and int(fields[1]) == os.getpid() and fields[0] != "Z":
-            found.add(int(entry.name))
-    return found
+    """This process's live children."""
+    return set(children_of(os.getpid()))
 
 
 def gone(pid: int, within_s: float = 10.0) -> bool:
