@@ -248,19 +248,33 @@ def run_main(main: Callable[[list[str] | None, JobProgress], None], argv: list[s
     handler = OneLineErrorHandler()
     stop = _StopRequest(rank, handler, progress, stop_hint, children, stop_grace_s)
     stop.install()
+    code = 0
     try:
         _run(main, argv, rank, stop, handler, progress)
+    except SystemExit as end:
+        if stop_grace_s is None:
+            raise
+        code = _exit_code(end)
     finally:
         # The outcome is decided: a SIGTERM torchrun sends while this rank shuts down must not turn
         # the exit into a death by signal (Python restores default handlers as it finalizes).
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         stop.uninstall()
+    # Cleaned up (engines and router stopped, run directory free, logs closed) and, on a failure, the
+    # line said. A failed rank's process group is still open (JobLifecycle.close): this exit closes it
+    # only now, so peers learn of the failure after its cause was printed. Python's own exit would
+    # also tear down torch's and the models' objects one by one: seconds per rank on a busy CPU.
     if stop_grace_s is not None:
-        # The job finished and cleaned up (engines and router stopped, process group left, run
-        # directory free, logs closed). Python's own exit would now tear down torch's and the models'
-        # objects one by one: seconds of garbage collection per rank on a busy CPU, for nothing.
-        exit_now(0)
+        exit_now(code)
+
+
+def _exit_code(end: SystemExit) -> int:
+    """The status Python's own exit would give `end` (a text is said, then 1)."""
+    if end.code is None or isinstance(end.code, int):
+        return end.code or 0
+    _say(str(end.code))
+    return 1
 
 
 

@@ -45,22 +45,24 @@ class JobLifecycle:
             # One live job per run directory; every rank stops at once if another job holds it.
             self.run_dir_lock = on_rank0(lambda: RunDirLock(self.run_dir).acquire())
         except BaseException:
-            self.close()
+            self.close()  # every rank raises here together (on_rank0): nothing is in flight
             raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.close(stopping=exc_type is not None and issubclass(exc_type, SystemExit))
+        self.close(leave_group=exc_type is None)
 
-    def close(self, stopping: bool = False) -> None:
+    def close(self, leave_group: bool = True) -> None:
         """Leave the process group, then free the run directory; a second call does nothing.
 
-        `stopping`: a stop signal ends the job (run_main turns SIGINT/SIGTERM into SystemExit, then ends
-        the process with os._exit). The group is left as it is: destroying it waits for collectives in
-        flight, which a peer interrupted in another collective never completes (seen: a rank hung in
-        the clean-up after a SIGTERM mid-checkpoint); the process's exit closes its connections, so
-        peers blocked on this rank fail at once."""
-        if not stopping:
+        `leave_group=False` (the job failed or a stop signal ends it; run_main then says the one line
+        and ends the process with os._exit): the group is left to the process's exit, which closes its
+        connections, so peers blocked on this rank fail at once. Destroying it here would be too early
+        twice over: it waits for collectives in flight, which a peer interrupted in another collective
+        never completes (seen: a rank hung in the clean-up after a SIGTERM mid-checkpoint), and a peer
+        blocked on this rank would fail, exit and have torchrun SIGTERM this rank before it said its
+        error (seen in CI: the root cause never printed)."""
+        if leave_group:
             close_distributed()
         if self.run_dir_lock is not None:
             self.run_dir_lock.release()

@@ -130,7 +130,10 @@ class Job:
         return "\n".join(line for _, line in self.lines)
 
     def first_line_with(self, text: str) -> tuple[float, str]:
-        return next((at, line) for at, line in self.lines if text in line)
+        found = next(((at, line) for at, line in self.lines if text in line), None)
+        if found is None:
+            pytest.fail(f"no line {text!r} in the job's output (exit {self.proc.poll()}):\n{self.output[-6000:]}")
+        return found
 
     def wait_for_line(self, text: str, timeout: float) -> float:
         """When the first line with `text` arrived (fails the test if the job ends or time runs out first)."""
