@@ -115,8 +115,9 @@ class RewardModelEval:
     def __call__(self, policy) -> dict[str, float]:
         policy.eval()
         generator = torch.Generator().manual_seed(self.seed)
-        responses = decode.decode(policy, self.padded, self.cfg.response_length, None, self.tokenizer.pad_token_id,
-                                  self.dp.device, temperature=self.cfg.temperature, generator=generator)
+        fixed_length = decode.DecodeSettings(self.cfg.response_length, None, temperature=self.cfg.temperature)
+        responses = decode.decode(policy, self.padded, fixed_length, self.tokenizer.pad_token_id, self.dp.device,
+                                  generator=generator)
         rows = [{"input_ids": q + r, "action_mask": [0] * len(q) + [1] * len(r)}
                 for q, r in zip(self.mine, responses)]
         total = 0.0
