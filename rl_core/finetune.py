@@ -142,22 +142,33 @@ def step_rows(rows: list, step: int, batch_size: int, seed: int) -> list:
     return [rows[i] for i in order[offset * batch_size:(offset + 1) * batch_size]]
 
 
-def run_steps(start_step: int, total_steps: int, steps_per_epoch: int, one_step: Callable[[int], dict],
-              evaluate: Callable[[], dict] | None, save: Callable[[int], Path | None], logger: MetricsLogger | None,
-              shown: tuple[str, ...], tr: FinetuneTrainConfig, trainer: FinetuneTrainerConfig, eval_every: int,
-              dp: DataParallel, progress: JobProgress) -> None:
-    """The step loop both jobs share: `one_step(step)`'s metrics with the step time, an evaluation
-    every `eval_every` steps and at the end (when `evaluate` is given), the log line, the checkpoint
-    (`save(step)` gives None for one that could not be written, with `trainer.on_checkpoint_error=continue`:
-    `checkpoint/failed` counts them in every later row); the steps of `trainer.profile_steps` traced on
-    each rank."""
+@dataclass(frozen=True)
+class JobSteps:
+    """What a job gives the shared step loop: `one_step(step)` trains one step and returns its metrics;
+    `evaluate()` the held-out metrics (None: the job has no held-out data); `save(step)` writes a
+    checkpoint (None back: it could not be written, with `trainer.on_checkpoint_error=continue`);
+    `shown`: the metrics of the console line."""
+
+    one_step: Callable[[int], dict]
+    evaluate: Callable[[], dict] | None
+    save: Callable[[int], Path | None]
+    shown: tuple[str, ...]
+
+
+def run_steps(job: JobSteps, start_step: int, total_steps: int, steps_per_epoch: int, cfg,
+              dp: DataParallel, logger: MetricsLogger | None, progress: JobProgress) -> None:
+    """The step loop both jobs share: `job.one_step(step)`'s metrics with the step time, an evaluation
+    every `cfg.eval.every` steps and at the end (when the job has one), the log line (`cfg.train.log_every`),
+    the checkpoint every `cfg.trainer.save_every` steps (`checkpoint/failed` counts the ones not written
+    in every later row); the steps of `cfg.trainer.profile_steps` traced on each rank."""
+    trainer, evaluate, eval_every = cfg.trainer, job.evaluate, cfg.eval.every
     failed_saves = 0
     for step in range(start_step, total_steps):
         progress.at(step + 1, "update")
         with profile_step(trainer.profile_steps, step + 1, trainer.run_dir, dp.rank, dp.device) as profiled:
             started = time.perf_counter()  # inside: the profiler's start and the trace's export are not the step's
             with span("train step"):
-                metrics = one_step(step)
+                metrics = job.one_step(step)
             metrics["perf/step_s"] = time.perf_counter() - started
         metrics.update(profiled)  # a profiled step's device reads and kernel-level ops
         metrics["epoch"] = step / steps_per_epoch
@@ -166,10 +177,10 @@ def run_steps(start_step: int, total_steps: int, steps_per_epoch: int, one_step:
         if evaluate is not None and (step + 1 == total_steps or (eval_every and (step + 1) % eval_every == 0)):
             progress.at(step + 1, "evaluation")
             metrics.update(evaluate())
-        log_step(logger, step + 1, total_steps, metrics, shown, every=tr.log_every)
+        log_step(logger, step + 1, total_steps, metrics, job.shown, every=cfg.train.log_every)
         if trainer.save_every and (step + 1) % trainer.save_every == 0:
             progress.at(step + 1, "checkpoint")
-            failed_saves += save(step + 1) is None
+            failed_saves += job.save(step + 1) is None
     progress.at(total_steps, "export")
 
 

@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workers.engines.client import EngineClient  # noqa: E402
 from workers.engines.rank_engine import EngineSpec, start_engine  # noqa: E402
 from workers.procs import ManagedProcesses  # noqa: E402
-from workers.router import launch_router  # noqa: E402
+from workers.router import RouterSettings, launch_router  # noqa: E402
 
 from bench_train import SGLANG_ARGS  # noqa: E402  (this script's folder is on sys.path)
 
@@ -234,7 +234,7 @@ def router_vs_static(name: str, capacities: list[int], concurrency: int, args, m
                           core=cores[i % len(cores)] if args.pin_engines else None)
             for i, capacity in enumerate(capacities)]
     routers = {label: launch_router("127.0.0.1", None, urls, workdir / f"{name}_{label}_router.log",
-                                    policy="cache_aware", processes=procs, balance=balance)
+                                    RouterSettings(policy="cache_aware", balance=balance), processes=procs)
                for label, balance in balances.items()}
     workload = make_workload(args.requests, args.max_tokens, args.seed, log_median)
 

@@ -15,7 +15,7 @@ import asyncio
 import json
 import time
 
-from envs.sandbox import Sandbox
+from envs.sandbox import Sandbox, SandboxLimits
 
 PROGRAM = "print(sum(range(1000)))"
 
@@ -50,7 +50,7 @@ async def timed(calls) -> tuple[float, float, list[str]]:
 
 
 async def main(args) -> dict:
-    sandbox = Sandbox(args.concurrency, timeout_s=30.0)
+    sandbox = Sandbox(args.concurrency, SandboxLimits(timeout_s=30.0))
     print(sandbox.enforced, flush=True)
     expected = f"{sum(range(1000))}\n"
     sides: dict[str, list[tuple[float, float]]] = {"sandbox": [], "bare": []}

@@ -3,20 +3,29 @@ reward model's normalisation samples (the PPO job generates through its engines 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from workers.layout import exclusive_cumsum
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+    """What `decode` generates: how many tokens, where a completion ends, greedy or sampled."""
+    max_new_tokens: int
+    eos_token_id: int | None  # tokens after it are dropped; None keeps them all (fixed length)
+    temperature: float = 0.0  # 0: greedy
+
+
 @torch.no_grad()
-def decode(model, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None, pad_token_id: int,
-           device: torch.device, temperature: float = 0.0, generator: torch.Generator | None = None,
-           batch_size: int = 64) -> list[list[int]]:
-    """Greedy (`temperature` 0) or sampled continuations, with a KV cache and exactly
-    `max_new_tokens` forwards per batch (no early stop), so a sharded model on every rank runs the
-    same collectives; tokens after `eos_token_id` are dropped (None keeps them all: fixed length).
-    Prompts are left-padded with position ids counted from the first real token (GPT-2's absolute
-    positions, OpenAI's detail)."""
+def decode(model, prompts: list[list[int]], settings: DecodeSettings, pad_token_id: int, device: torch.device,
+           generator: torch.Generator | None = None, batch_size: int = 64) -> list[list[int]]:
+    """Greedy (`settings.temperature` 0) or sampled continuations, with a KV cache and exactly
+    `settings.max_new_tokens` forwards per batch (no early stop), so a sharded model on every rank
+    runs the same collectives; tokens after `settings.eos_token_id` are dropped (None keeps them
+    all: fixed length). Prompts are left-padded with position ids counted from the first real token
+    (GPT-2's absolute positions, OpenAI's detail)."""
     completions = []
     for start in range(0, len(prompts), batch_size):
         rows = prompts[start:start + batch_size]
@@ -27,10 +36,10 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, eos_token_id: i
         out = model(input_ids=input_ids.masked_fill(attention == 0, 0), attention_mask=attention,
                     position_ids=positions, use_cache=True)
         generated = []
-        for _ in range(max_new_tokens):
+        for _ in range(settings.max_new_tokens):
             logits = out.logits[:, -1].float()
-            if temperature > 0:
-                probs = torch.softmax(logits / temperature, dim=-1)
+            if settings.temperature > 0:
+                probs = torch.softmax(logits / settings.temperature, dim=-1)
                 next_ids = torch.multinomial(probs.cpu(), 1, generator=generator).to(device)
             else:
                 next_ids = logits.argmax(-1, keepdim=True)
@@ -40,6 +49,6 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, eos_token_id: i
             out = model(input_ids=next_ids, attention_mask=attention, position_ids=positions,
                         past_key_values=out.past_key_values, use_cache=True)
         for row in torch.cat(generated, dim=1).tolist():
-            completions.append(row[:row.index(eos_token_id)] if eos_token_id in row else row)
+            completions.append(row[:row.index(settings.eos_token_id)] if settings.eos_token_id in row else row)
     return completions
 

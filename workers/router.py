@@ -10,6 +10,7 @@ router on the host panic.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -24,29 +25,38 @@ from workers.procs import ManagedProcesses, ProcessStartError, free_port, log_ta
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
 
-def build_router_argv(host: str, port: int, prometheus_port: int, policy: str = "cache_aware",
-                      request_timeout_s: int = 1800, log_level: str = "warn", worker_urls: Sequence[str] = (),
-                      python: str = sys.executable, balance: tuple[int, float] | None = None) -> list[str]:
-    """Command line for `python -m sglang_router.launch_router`.
+@dataclasses.dataclass(frozen=True)
+class RouterSettings:
+    """How sglang-router picks an engine for each request, how long a request may take, and how much it logs."""
+    policy: str = "cache_aware"  # one of POLICIES
+    request_timeout_s: int = 1800
+    # cache_aware only: (abs, rel); the router sends a request to the engine with the fewest requests in
+    # flight once `max - min > abs` and `max > min * rel` (None: the router's defaults, 64, 1.5);
+    # (0, 1.0) always picks the least loaded engine.
+    balance: tuple[int, float] | None = None
+    log_level: str = "warn"
+
+
+def build_router_argv(host: str, port: int, prometheus_port: int, settings: RouterSettings = RouterSettings(),
+                      worker_urls: Sequence[str] = (), python: str = sys.executable) -> list[str]:
+    """Command line for `python -m sglang_router.launch_router` with `settings`.
 
     `worker_urls` known at launch go on the command line (power_of_two refuses to start with
-    fewer than 2). `balance`
-    (cache_aware only) is (abs, rel): the router sends a request to the engine with the fewest
-    requests in flight once `max - min > abs` and `max > min * rel` (router defaults: 64, 1.5);
-    (0, 1.0) always picks the least loaded engine.
+    fewer than 2).
     """
-    if policy not in POLICIES:
-        raise ValueError(f"router policy {policy!r} is not one of {POLICIES}")
+    if settings.policy not in POLICIES:
+        raise ValueError(f"router policy {settings.policy!r} is not one of {POLICIES}")
+    balance = settings.balance
     thresholds = (["--balance-abs-threshold", str(int(balance[0])), "--balance-rel-threshold", str(float(balance[1]))]
                   if balance is not None else [])
     return [
         python, "-m", "sglang_router.launch_router",
         "--host", host, "--port", str(port),
         "--prometheus-host", host, "--prometheus-port", str(prometheus_port),
-        "--policy", policy,
+        "--policy", settings.policy,
         "--disable-health-check", "--disable-circuit-breaker", "--disable-retries",
-        "--request-timeout-secs", str(int(request_timeout_s)),
-        "--log-level", log_level,
+        "--request-timeout-secs", str(int(settings.request_timeout_s)),
+        "--log-level", settings.log_level,
     ] + thresholds + (["--worker-urls", *worker_urls] if worker_urls else [])
 
 
@@ -69,16 +79,14 @@ class RouterProcess:
     """One sglang-router process; `url` is where clients send /generate."""
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, log_path: str | Path = "router.log",
-                 policy: str = "cache_aware", request_timeout_s: int = 1800,
-                 processes: ManagedProcesses | None = None, worker_urls: Sequence[str] = (),
-                 balance: tuple[int, float] | None = None):
+                 settings: RouterSettings = RouterSettings(), processes: ManagedProcesses | None = None,
+                 worker_urls: Sequence[str] = ()):
         self.host = host
         self.port = port or free_port(host)
         self.prometheus_port = free_port(host)
         self.log_path = Path(log_path)
         self.initial_workers = list(worker_urls)
-        self.argv = build_router_argv(host, self.port, self.prometheus_port, policy, request_timeout_s,
-                                      worker_urls=self.initial_workers, balance=balance)
+        self.argv = build_router_argv(host, self.port, self.prometheus_port, settings, self.initial_workers)
         self.processes = processes
         self.proc = None
 
@@ -131,11 +139,11 @@ class RouterProcess:
         self.stop()
 
 
-def launch_router(host: str, port: int | None, worker_urls: Sequence[str], log_path: str | Path, policy: str = "cache_aware", request_timeout_s: int = 1800,
-                  processes: ManagedProcesses | None = None, deadline_s: float = 60.0,
-                  balance: tuple[int, float] | None = None) -> RouterProcess:
-    """Start a router, register `worker_urls`, wait until they are healthy; stop it on any failure."""
-    router = RouterProcess(host, port, log_path, policy, request_timeout_s, processes, worker_urls, balance)
+def launch_router(host: str, port: int | None, worker_urls: Sequence[str], log_path: str | Path,
+                  settings: RouterSettings = RouterSettings(), processes: ManagedProcesses | None = None,
+                  deadline_s: float = 60.0) -> RouterProcess:
+    """Start a router with `settings`, register `worker_urls`, wait until they are healthy; stop it on any failure."""
+    router = RouterProcess(host, port, log_path, settings, processes, worker_urls)
     router.start(deadline_s)
     try:
         router.wait_workers_healthy(worker_urls, deadline_s)

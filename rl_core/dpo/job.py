@@ -81,13 +81,13 @@ def train(cfg: DPOConfig, dp: DataParallel, progress: JobProgress | None = None)
     if start_step == 0 and test_pairs:
         progress.at(0, "evaluation")
         finetune.log_step(logger, 0, total_steps, evaluate(), SHOWN)
-    finetune.run_steps(
-        start_step, total_steps, steps_per_epoch,
-        lambda step: train_step(trainable, reference, worker,
-                                finetune.step_rows(train_pairs, step, tr.batch_size, cfg.trainer.seed),
-                                tokenizer.pad_token_id, beta, smoothing),
-        evaluate if test_pairs else None, lambda step: checkpointer.save(step, {"policy": trainable}, {}),
-        logger, SHOWN, tr, cfg.trainer, cfg.eval.every, dp, progress)
+    steps = finetune.JobSteps(
+        one_step=lambda step: train_step(trainable, reference, worker,
+                                         finetune.step_rows(train_pairs, step, tr.batch_size, cfg.trainer.seed),
+                                         tokenizer.pad_token_id, beta, smoothing),
+        evaluate=evaluate if test_pairs else None, save=lambda step: checkpointer.save(step, {"policy": trainable}, {}),
+        shown=SHOWN)
+    finetune.run_steps(steps, start_step, total_steps, steps_per_epoch, cfg, dp, logger, progress)
     finetune.finish(cfg, policy, tokenizer, dp.rank, logger)
 
 
@@ -115,8 +115,9 @@ class RewardModelEval:
     def __call__(self, policy) -> dict[str, float]:
         policy.eval()
         generator = torch.Generator().manual_seed(self.seed)
-        responses = decode.decode(policy, self.padded, self.cfg.response_length, None, self.tokenizer.pad_token_id,
-                                  self.dp.device, temperature=self.cfg.temperature, generator=generator)
+        fixed_length = decode.DecodeSettings(self.cfg.response_length, None, temperature=self.cfg.temperature)
+        responses = decode.decode(policy, self.padded, fixed_length, self.tokenizer.pad_token_id, self.dp.device,
+                                  generator=generator)
         rows = [{"input_ids": q + r, "action_mask": [0] * len(q) + [1] * len(r)}
                 for q, r in zip(self.mine, responses)]
         total = 0.0

@@ -154,11 +154,11 @@ class JobRuntime(JobLifecycle):
         if self.nnodes > 1:  # rollout traffic crosses the network: every engine must answer node 0 first
             on_rank0(lambda: check_reachable(gathered))
         if self.rank == 0:
-            from workers.router import launch_router
+            from workers.router import RouterSettings, launch_router
 
             # Only this rank talks to the router, so it stays on loopback; it reaches out to the engines.
             router = launch_router("127.0.0.1", None, self.engine_urls, log_path=self.log_dir / "router.log",
-                                   policy=ro.router_policy, processes=self.procs)
+                                   settings=RouterSettings(policy=ro.router_policy), processes=self.procs)
             self.router_url = router.url
             # What the router actually registered, and where each engine runs, for whoever debugs a launch.
             where = {url: {"rank": rank, **node, "log": log} for rank, (url, log, node) in enumerate(gathered)}

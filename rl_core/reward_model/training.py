@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -17,7 +17,7 @@ from rl_core.distributed import DataParallel, rank_seed
 from rl_core.logger import progress_bar
 from rl_core.optim import build_optimizer, linear_anneal_schedule
 from rl_core.rewards.lm_human_preferences import reward_gain_bias
-from rl_core.reward_model.config import NormalizeConfig, RMConfig, RMTrainConfig
+from rl_core.reward_model.config import NormalizeConfig, RMConfig, RMTrainConfig, RMTrainerConfig
 from rl_core.reward_model.losses import preference_correct, preference_loss, spearman
 from rl_core.reward_model.sampling import pick_queries, sample_truncated
 from workers.fsdp import TrainableModel, full_state_dict, read_back, shard_model
@@ -120,12 +120,12 @@ class EpochCheckpoints:
     resumed: dict | None = None
 
 
-def train_one_epoch(trainable, worker: BatchWorker, examples: list, cfg: RMTrainConfig, pad_id: int,
-                    seed: int, log: Log, progress: bool = False,
-                    checkpoints: EpochCheckpoints | None = None) -> dict[str, float]:
-    """One shuffled pass; the last incomplete minibatch is dropped (every step has batch_size examples)."""
+def train_one_epoch(trainable, worker: BatchWorker, examples: list, cfg: RMTrainConfig, trainer: RMTrainerConfig,
+                    pad_id: int, log: Log, checkpoints: EpochCheckpoints | None = None) -> dict[str, float]:
+    """One pass in `trainer.seed`'s order; the last incomplete minibatch is dropped (every step has batch_size
+    examples). Rank 0 shows a progress bar when `trainer.progress`."""
     steps = len(examples) // cfg.batch_size
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(trainer.seed)).tolist()
     resumed = checkpoints.resumed if checkpoints else None
     start = resumed["step"] if resumed else 0
     # The end's sums are over ranks: each rank carries an equal share of the totals a checkpoint holds.
@@ -137,7 +137,7 @@ def train_one_epoch(trainable, worker: BatchWorker, examples: list, cfg: RMTrain
         return loss, {"loss_sum": losses, "correct": hits}
 
     for step in progress_bar(range(start, steps), desc="[train_rm] training the reward model", unit="step",
-                             enabled=progress):
+                             enabled=trainer.progress and worker.rank == 0):
         minibatch = [examples[i] for i in order[step * cfg.batch_size:(step + 1) * cfg.batch_size]]
         batch, units = collate(minibatch, pad_id)
         metrics, _ = worker.forward_backward(trainable, batch, loss_fn, len(minibatch), units)
@@ -172,48 +172,63 @@ def _valid_only(scores: torch.Tensor, cfg: NormalizeConfig) -> torch.Tensor:
     return scores
 
 
-def normalize_reward(model, policy, tokenizer, queries: list[list[int]], cfg: NormalizeConfig,
-                     seed: int, dp: DataParallel, desc: str | None = None) -> tuple[float, float]:
+@dataclass(frozen=True)
+class ReferenceSamples:
+    """What the reward's normalisation and its fresh-sample check score: the reference `policy`'s
+    continuations of `queries` (token ids of `tokenizer`), sampled and truncated as `cfg` says, each
+    rank its share of `dp`."""
+
+    policy: Any
+    tokenizer: Any
+    queries: list[list[int]]
+    cfg: NormalizeConfig
+    dp: DataParallel
+
+    def scored(self, model, seed: int, desc: str | None, normalized: bool = False) -> tuple[list, torch.Tensor]:
+        """This rank's responses, and every rank's scores of them (NaN where a sample is not scored)."""
+        cfg, dp = self.cfg, self.dp
+        mine = pick_queries(self.queries, cfg.num_samples, seed, dp.rank, dp.size)
+        responses, valid = sample_truncated(self.policy, self.tokenizer, mine, cfg, rank_seed(seed, dp.rank), desc)
+        sequences = [q + r for q, r in zip(mine, responses)]
+        scores = score_sequences(model, sequences, self.tokenizer.pad_token_id, dp.device, cfg.batch_size,
+                                 normalized=normalized)
+        return responses, dp.gather(_mark_invalid(scores, valid))
+
+
+def normalize_reward(model, reference: ReferenceSamples, seed: int, desc: str | None = None) -> tuple[float, float]:
     """Set gain/bias so rewards of reference-policy samples have mean 0, std 1 (OpenAI detail)."""
-    mine = pick_queries(queries, cfg.num_samples, seed, dp.rank, dp.size)
-    responses, valid = sample_truncated(policy, tokenizer, mine, cfg, rank_seed(seed, dp.rank), desc)
-    sequences = [q + r for q, r in zip(mine, responses)]
-    raw = score_sequences(model, sequences, tokenizer.pad_token_id, dp.device, cfg.batch_size)
-    raw = _valid_only(dp.gather(_mark_invalid(raw, valid)), cfg)
-    gain, bias = reward_gain_bias(raw)
+    _, raw = reference.scored(model, seed, desc)
+    gain, bias = reward_gain_bias(_valid_only(raw, reference.cfg))
     set_reward_gain_bias(model, gain, bias)
     return gain, bias
 
 
-def fresh_sample_check(model, policy, tokenizer, queries: list[list[int]], cfg: NormalizeConfig,
-                       seed: int, dp: DataParallel, labeler=None, desc: str | None = None) -> dict[str, float | None]:
+def fresh_sample_check(model, reference: ReferenceSamples, seed: int, labeler=None,
+                       desc: str | None = None) -> dict[str, float | None]:
     """Normalised reward statistics on a new sample, and Spearman with the labeler's score."""
-    mine = pick_queries(queries, cfg.num_samples, seed, dp.rank, dp.size)
-    responses, valid = sample_truncated(policy, tokenizer, mine, cfg, rank_seed(seed, dp.rank), desc)
-    sequences = [q + r for q, r in zip(mine, responses)]
-    scores = score_sequences(model, sequences, tokenizer.pad_token_id, dp.device, cfg.batch_size, normalized=True)
-    scores = dp.gather(_mark_invalid(scores, valid))
+    responses, scores = reference.scored(model, seed, desc, normalized=True)
     kept = ~scores.isnan()
-    scores = _valid_only(scores, cfg)
+    scores = _valid_only(scores, reference.cfg)
     result: dict[str, float | None] = {"normalized_mean": scores.mean().item(),
                                        "normalized_std": scores.std(unbiased=False).item(),
                                        "fresh_samples": int(kept.sum()), "spearman": None}
     if labeler is not None:
         # The rater judges the (truncated) continuation only, as when labelling (the query is shared).
-        texts = tokenizer.batch_decode(responses, skip_special_tokens=False)
-        judged = dp.gather(torch.tensor(labeler.score(texts), dtype=torch.float32))
+        texts = reference.tokenizer.batch_decode(responses, skip_special_tokens=False)
+        judged = reference.dp.gather(torch.tensor(labeler.score(texts), dtype=torch.float32))
         result["spearman"] = spearman(scores, judged[kept])
     return result
 
 
-def fit_reward_model(model, policy, tokenizer, train_examples: list, test_examples: list,
-                     queries: list[list[int]], cfg: RMConfig, dp: DataParallel, labeler=None,
-                     log: Log = print) -> dict:
-    """Normalise, train one epoch, normalise again, check on a fresh sample. Returns metrics.
+def fit_reward_model(model, reference: ReferenceSamples, train_examples: list, test_examples: list,
+                     cfg: RMConfig, labeler=None, log: Log = print) -> dict:
+    """Normalise on `reference`'s samples, train one epoch, normalise again, check on a fresh sample.
+    Returns metrics.
 
-    ``dp.sharded``: the model is sharded with FSDP2 over the default process group here;
+    ``reference.dp.sharded``: the model is sharded with FSDP2 over the default process group here;
     otherwise it trains as a plain module in this process.
     """
+    tokenizer, dp = reference.tokenizer, reference.dp
     steps = len(train_examples) // cfg.train.batch_size
     if steps < 1:
         raise ValueError(f"the train set has {len(train_examples)} comparisons, fewer than one minibatch "
@@ -248,7 +263,7 @@ def fit_reward_model(model, policy, tokenizer, train_examples: list, test_exampl
         set_reward_gain_bias(model, gain_before, bias_before)
     else:
         # OpenAI: normalise before training too, so the loss sees rewards at unit scale from step one.
-        gain_before, bias_before = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, tr.seed, dp,
+        gain_before, bias_before = normalize_reward(model, reference, tr.seed,
                                                     bar("sampling to normalise before training"))
         before = heldout_metrics(model, worker, test_examples, pad_id)
     log(f"[train_rm] {len(train_examples)} train / {len(test_examples)} held-out comparisons, {steps} steps "
@@ -259,12 +274,10 @@ def fit_reward_model(model, policy, tokenizer, train_examples: list, test_exampl
                                                              "before": before, **epoch})
 
     checkpoints = EpochCheckpoints(save, tr.save_every, {"step": start, **saved} if start else None)
-    stats = train_one_epoch(trainable, worker, train_examples, cfg.train, pad_id, tr.seed, log, show, checkpoints)
+    stats = train_one_epoch(trainable, worker, train_examples, cfg.train, cfg.trainer, pad_id, log, checkpoints)
     after = heldout_metrics(model, worker, test_examples, pad_id)
-    gain, bias = normalize_reward(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed + 1, dp,
-                                  bar("sampling to normalise after training"))
-    check = fresh_sample_check(model, policy, tokenizer, queries, cfg.normalize, cfg.trainer.seed + 2, dp, labeler,
-                               bar("sampling to check on fresh samples"))
+    gain, bias = normalize_reward(model, reference, tr.seed + 1, bar("sampling to normalise after training"))
+    check = fresh_sample_check(model, reference, tr.seed + 2, labeler, bar("sampling to check on fresh samples"))
     return {"heldout_accuracy": after["accuracy"], "heldout_loss": after["loss"],
             "heldout_accuracy_before": before["accuracy"], **stats, "gain_before": gain_before,
             "gain": gain, "bias": bias, **check}

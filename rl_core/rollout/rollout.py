@@ -72,6 +72,29 @@ class RolloutSettings:
         return replace(self, sampling_params=sampling_params)
 
 
+@dataclass(frozen=True)
+class RolloutParts:
+    """What a rollout talks to: the engines' `client` (the router's), the `env_pool`, the `tokenizer`,
+    and the `reward_fns` that score finished trajectories (None: the envs' rewards alone)."""
+
+    client: Any
+    env_pool: EnvPool
+    tokenizer: Any
+    reward_fns: RewardFunctions | None = None
+
+
+@dataclass(frozen=True)
+class GroupRule:
+    """How `rollout_until` forms and filters groups: `size` trajectories of one sample; `keep(group)`
+    decides whether a finished group is kept (None: all); at most `max_groups` launched (None: 10 per
+    wanted group), after which it raises, or with `fill_with_dropped` tops the batch up with dropped groups."""
+
+    size: int = 1
+    keep: KeepFn | None = None
+    max_groups: int | None = None
+    fill_with_dropped: bool = False
+
+
 @dataclass
 class RolloutResult:
     trajectories: list[Trajectory]  # successful ones, in sample order (grouped for rollout_until)
@@ -93,18 +116,17 @@ def first_observation(sample: dict) -> Observation:
 class _Rollout:
     """State of one rollout call: clients, limits, the progress bar and the sample printout."""
 
-    def __init__(self, settings: RolloutSettings, *, client: Any, env_pool: EnvPool, tokenizer: Any,
-                 policy_version: int | Callable[[], int], reward_fns: RewardFunctions | None = None):
-        self.client = client
-        self.env_pool = env_pool
-        self.tokenizer = tokenizer
+    def __init__(self, settings: RolloutSettings, parts: RolloutParts, policy_version: int | Callable[[], int]):
+        self.client = parts.client
+        self.env_pool = parts.env_pool
+        self.tokenizer = tokenizer = parts.tokenizer
         self.sampling_params = dict(settings.sampling_params)
         self.max_turns = settings.max_turns
         # The version the engines serve now: a number, or a callable when pushes land mid-rollout (async).
         self.current_version = policy_version if callable(policy_version) else (lambda: policy_version)
         self.max_total_tokens = settings.max_total_tokens
         self.max_abort_retries = settings.max_abort_retries
-        self.reward_fns = reward_fns
+        self.reward_fns = parts.reward_fns
         # Tokens that end a response (none under ignore_eos: OpenAI's fixed-length responses).
         self.stop_ids = set() if self.sampling_params.get("ignore_eos") else (
             set(self.sampling_params.get("stop_token_ids") or ()) | {getattr(tokenizer, "eos_token_id", None)})
@@ -286,15 +308,14 @@ async def _gather_all(coroutines: Iterable[Awaitable]) -> list:
         raise
 
 
-async def rollout(samples: list[dict], settings: RolloutSettings, *, client: Any, env_pool: EnvPool, tokenizer: Any,
-                  policy_version: int | Callable[[], int], reward_fns: RewardFunctions | None = None) -> RolloutResult:
+async def rollout(samples: list[dict], settings: RolloutSettings, parts: RolloutParts,
+                  policy_version: int | Callable[[], int]) -> RolloutResult:
     """Run one trajectory per sample, all concurrently (envs and `concurrency` permitting).
 
     Raises `envs.pool.TooManyEnvFailures` when this rollout's env (and reward function) failure
     ratio exceeds the pool's `max_failed_ratio`.
     """
-    run = _Rollout(settings, client=client, env_pool=env_pool, tokenizer=tokenizer, policy_version=policy_version,
-                   reward_fns=reward_fns)
+    run, env_pool = _Rollout(settings, parts, policy_version), parts.env_pool
     before = env_pool.counts()
     start = time.perf_counter()
     with tqdm(total=len(samples), desc=f"rollout v{run.current_version()}", unit="traj", disable=not settings.progress,
@@ -317,25 +338,24 @@ async def rollout(samples: list[dict], settings: RolloutSettings, *, client: Any
 
 
 async def rollout_until(n_wanted: int, sample_iter: Iterable[dict | list[dict]], settings: RolloutSettings,
-                        keep_fn: KeepFn | None = None, *, group_size: int = 1, client: Any, env_pool: EnvPool,
-                        tokenizer: Any, policy_version: int | Callable[[], int], reward_fns: RewardFunctions | None = None,
-                        max_groups: int | None = None, fill_with_dropped: bool = False) -> RolloutResult:
+                        parts: RolloutParts, policy_version: int | Callable[[], int],
+                        rule: GroupRule = GroupRule()) -> RolloutResult:
     """Keep launching groups until `n_wanted` GROUPS are kept; returns their trajectories, group by group.
 
-    A group is `group_size` trajectories of the same sample (or, when `sample_iter` yields lists,
+    A group is `rule.size` trajectories of the same sample (or, when `sample_iter` yields lists,
     one trajectory per sample of the list), generated together (for group baselines).
-    `keep_fn(group)` decides whether a finished group is kept (e.g. drop groups whose rewards have
+    `rule.keep(group)` decides whether a finished group is kept (e.g. drop groups whose rewards have
     zero variance); a group with any failed trajectory is dropped. New groups are launched only
     to replace dropped ones, so nothing is generated and then wasted. Stops with a warning if
-    `sample_iter` runs out. When `max_groups` (default 10 * n_wanted) are launched without
-    enough kept, it raises, or with `fill_with_dropped` tops the batch up with groups `keep_fn`
+    `sample_iter` runs out. When `rule.max_groups` (default 10 * n_wanted) are launched without
+    enough kept, it raises, or with `rule.fill_with_dropped` tops the batch up with groups `keep`
     dropped (counted in `rollout/groups_filled`), so a step always trains on a full batch.
     """
-    if n_wanted < 1 or group_size < 1:
-        raise ValueError(f"rollout_until needs n_wanted >= 1 and group_size >= 1, got {n_wanted} and {group_size}")
-    max_groups = max_groups if max_groups is not None else 10 * n_wanted
-    run = _Rollout(settings, client=client, env_pool=env_pool, tokenizer=tokenizer, policy_version=policy_version,
-                   reward_fns=reward_fns)
+    if n_wanted < 1 or rule.size < 1:
+        raise ValueError(f"rollout_until needs n_wanted >= 1 and a group size >= 1, got {n_wanted} and {rule.size}")
+    group_size, keep_fn = rule.size, rule.keep
+    max_groups = rule.max_groups if rule.max_groups is not None else 10 * n_wanted
+    run, env_pool = _Rollout(settings, parts, policy_version), parts.env_pool
     samples: Iterator[dict] = iter(sample_iter)
     before = env_pool.counts()
     start = time.perf_counter()
@@ -390,7 +410,7 @@ async def rollout_until(n_wanted: int, sample_iter: Iterable[dict | list[dict]],
     env_pool.check_failure_ratio(since=before)
     check_reward_failures([t for g in kept + rejected for t in g] + failed, env_pool.max_failed_ratio)
     filled = 0
-    if len(kept) < n_wanted and not exhausted and fill_with_dropped:
+    if len(kept) < n_wanted and not exhausted and rule.fill_with_dropped:
         filled = min(n_wanted - len(kept), len(rejected))
         kept += rejected[:filled]
     if len(kept) < n_wanted and not exhausted:

@@ -15,7 +15,8 @@ from typing import Callable, Protocol
 
 from envs.pool import EnvPool
 from rl_core.rewards import RewardFunctions
-from rl_core.rollout.rollout import KeepFn, RolloutResult, RolloutSettings, rollout, rollout_until
+from rl_core.rollout.rollout import (GroupRule, KeepFn, RolloutParts, RolloutResult, RolloutSettings, rollout,
+                                     rollout_until)
 from workers.engines.client import EngineClient
 
 
@@ -70,8 +71,6 @@ class RolloutService:
 
     def __init__(self, router_url: str, tokenizer, env_factory, env, settings: RolloutSettings,
                  engine_timeout_s: float, reward_fns: RewardFunctions | None = None):
-        self.tokenizer = tokenizer
-        self.reward_fns = reward_fns
         self.settings = settings
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True)
@@ -82,6 +81,7 @@ class RolloutService:
         self.env_pool = self._call(self._make(EnvPool, env_factory, num_envs=env.num_envs,
                                               step_timeout_s=env.step_timeout_s,
                                               max_failed_ratio=env.max_failed_ratio))
+        self.parts = RolloutParts(self.client, self.env_pool, tokenizer, reward_fns)
         self.batches: queue.Queue = queue.Queue()
         self.producer: asyncio.Future | None = None
         self.stop_producing = threading.Event()
@@ -99,12 +99,9 @@ class RolloutService:
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def _common(self) -> dict:
-        return dict(client=self.client, env_pool=self.env_pool, tokenizer=self.tokenizer, reward_fns=self.reward_fns)
-
     async def _rollout(self, samples: list[dict], version: int | Callable[[], int],
                        settings: RolloutSettings | None = None) -> RolloutResult:
-        return await rollout(samples, settings or self.settings, policy_version=version, **self._common())
+        return await rollout(samples, settings or self.settings, self.parts, version)
 
     def collect(self, samples: list[dict], version: int) -> RolloutResult:
         """Sync mode: generate one batch with the current policy and wait for it."""
@@ -113,8 +110,8 @@ class RolloutService:
     def collect_groups(self, groups, n_groups: int, keep_fn: KeepFn, max_groups: int, version: int) -> RolloutResult:
         """Sync mode, dynamic sampling: draw prompt groups until `n_groups` pass `keep_fn` (at most
         `max_groups` launched; then the batch is topped up with dropped groups)."""
-        return self._call(rollout_until(n_groups, groups, self.settings, keep_fn, policy_version=version,
-                                        max_groups=max_groups, fill_with_dropped=True, **self._common()))
+        rule = GroupRule(keep=keep_fn, max_groups=max_groups, fill_with_dropped=True)
+        return self._call(rollout_until(n_groups, groups, self.settings, self.parts, version, rule))
 
     def evaluate(self, samples: list[dict], sampling_params: dict, version: int) -> RolloutResult:
         """Held-out prompts with the eval sampling settings (greedy by default)."""

@@ -84,12 +84,12 @@ def train(cfg: SFTConfig, dp: DataParallel, progress: JobProgress | None = None)
     if eval_rows and start_step == 0:
         progress.at(0, "evaluation")
         finetune.log_step(logger, 0, total_steps, evaluate(), SHOWN)
-    finetune.run_steps(
-        start_step, total_steps, steps_per_epoch,
-        lambda step: train_step(trainable, worker, finetune.step_rows(train_rows, step, tr.batch_size, cfg.trainer.seed),
-                                tokenizer.pad_token_id),
-        evaluate if eval_rows else None, lambda step: checkpointer.save(step, {"model": trainable}, {}),
-        logger, SHOWN, tr, cfg.trainer, cfg.eval.every, dp, progress)
+    steps = finetune.JobSteps(
+        one_step=lambda step: train_step(trainable, worker, finetune.step_rows(train_rows, step, tr.batch_size,
+                                                                              cfg.trainer.seed), tokenizer.pad_token_id),
+        evaluate=evaluate if eval_rows else None, save=lambda step: checkpointer.save(step, {"model": trainable}, {}),
+        shown=SHOWN)
+    finetune.run_steps(steps, start_step, total_steps, steps_per_epoch, cfg, dp, logger, progress)
     finetune.finish(cfg, model, tokenizer, dp.rank, logger)
 
 

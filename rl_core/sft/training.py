@@ -12,7 +12,7 @@ import torch
 
 from rl_core.distributed import DataParallel
 from rl_core.sft.data import SFTExample
-from workers.decode import decode
+from workers.decode import DecodeSettings, decode
 from workers.fsdp import read_back
 from workers.forward import host_view, token_logprobs_and_hits
 from workers.layout import grid_tokens, make_micro_batch
@@ -70,7 +70,8 @@ def generation_accuracy(model, examples: list[SFTExample], reward_fn: Callable, 
     padded = share + [examples[0]] * (per_rank - len(share))  # same batches on every rank; not counted
     prompts = [e.input_ids[:e.prompt_length] for e in padded]
     model.eval()
-    completions = decode(model, prompts, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, dp.device)
+    completions = decode(model, prompts, DecodeSettings(max_new_tokens, tokenizer.eos_token_id), tokenizer.pad_token_id,
+                         dp.device)
     correct = total = 0.0
     for example, ids in zip(share, completions):
         score = reward_fn(tokenizer.decode(ids, skip_special_tokens=True), example.row)

@@ -186,16 +186,20 @@ def _learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def pretrain_tiny_gpt2(model, tokenizer, texts: list[str], steps: int, batch_size: int,
-                       seq_len: int, lr: float, seed: int, num_threads: int = 2,
+def pretrain_tiny_gpt2(model, tokenizer, texts: list[str], settings: TinyAssetSettings, num_threads: int = 2,
                        log_every: int = 0, log: Callable[[str], None] = print, progress: bool = False) -> list[float]:
     """Plain PyTorch language-model pretraining on packed text; returns the loss of every step.
 
-    `progress`: a bar with the loss and an ETA (the real build pretrains for about two minutes).
+    `settings`: the schedule is read from its `steps`, `batch_size`, `seq_len`, `lr` and `seed` (the model's
+    shape is already in `model`). `progress`: a bar with the loss and an ETA (the real build pretrains for
+    about two minutes).
     """
     import torch
 
     from rl_core.logger import progress_bar
+
+    steps, batch_size, seq_len, lr, seed = (settings.steps, settings.batch_size, settings.seq_len, settings.lr,
+                                            settings.seed)
 
     if seq_len > model.config.n_positions:
         raise ValueError(f"seq_len={seq_len} exceeds the model's n_positions="
@@ -303,9 +307,7 @@ def _build_policy(paths: AssetPaths, settings: TinyAssetSettings, progress: bool
         if parameters > MAX_PARAMETERS:
             raise ValueError(f"tiny policy has {parameters:,} parameters (> {MAX_PARAMETERS:,}); "
                              "shrink n_layer/n_embd/vocab_size")
-        losses = pretrain_tiny_gpt2(model, tokenizer, texts, steps=settings.steps,
-                                    batch_size=settings.batch_size, seq_len=settings.seq_len,
-                                    lr=settings.lr, seed=settings.seed, progress=progress,
+        losses = pretrain_tiny_gpt2(model, tokenizer, texts, settings, progress=progress,
                                     log_every=max(1, settings.steps // 10),  # what a waiting rank shows
                                     log=lambda line: log(f"[rl_core.tiny] pretraining the tiny policy: {line}"))
         with _quiet_transformers_progress():

@@ -56,7 +56,7 @@ def not_async(base_url, sample):
 @pytest.mark.timeout(180)
 def test_an_openai_client_agent_trains_on_exactly_the_sampled_tokens(chat_tokenizer_dir, tmp_path):
     from envs.pool import EnvPool
-    from rl_core.rollout.rollout import RolloutSettings, rollout
+    from rl_core.rollout.rollout import RolloutParts, RolloutSettings, rollout
     from workers.engines.client import EngineClient
     from workers.engines.rank_engine import EngineSpec, start_engine
     from workers.procs import ManagedProcesses
@@ -83,10 +83,8 @@ def test_an_openai_client_agent_trains_on_exactly_the_sampled_tokens(chat_tokeni
             settings = RolloutSettings({"max_new_tokens": 8, "temperature": 1.0}, max_turns=4, max_total_tokens=128,
                                        progress=False)
             try:
-                result = await rollout(samples, settings, client=recorder, env_pool=pool, tokenizer=tokenizer,
-                                       policy_version=3)
-                broken = await rollout(samples[:1], settings, client=recorder, env_pool=failing,
-                                       tokenizer=tokenizer, policy_version=3)
+                result = await rollout(samples, settings, RolloutParts(recorder, pool, tokenizer), 3)
+                broken = await rollout(samples[:1], settings, RolloutParts(recorder, failing, tokenizer), 3)
                 # After the trajectory: its session is over (410); a made-up one is unknown (404).
                 base_url = seen[0][0]
                 async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0) as late:

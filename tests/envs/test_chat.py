@@ -300,7 +300,7 @@ def tool_results_read(completion, sample, messages):
 def test_a_multi_turn_tool_conversation_through_a_real_engine_keeps_every_sampled_id(chat_tokenizer_dir, tmp_path):
     from envs.pool import EnvPool
     from rl_core.rewards import RewardFunctions
-    from rl_core.rollout.rollout import RolloutSettings, rollout
+    from rl_core.rollout.rollout import RolloutParts, RolloutSettings, rollout
     from workers.engines.client import EngineClient
     from workers.engines.rank_engine import EngineSpec, start_engine
     from workers.procs import ManagedProcesses
@@ -325,8 +325,7 @@ def test_a_multi_turn_tool_conversation_through_a_real_engine_keeps_every_sample
             try:
                 return await rollout(samples, RolloutSettings({"max_new_tokens": 6, "temperature": 1.0}, max_turns=3,
                                                               max_total_tokens=128, progress=False),
-                                     client=client_view, env_pool=pool, tokenizer=tokenizer, policy_version=0,
-                                     reward_fns=reward_fns)
+                                     RolloutParts(client_view, pool, tokenizer, reward_fns), 0)
             finally:
                 await pool.close()
 

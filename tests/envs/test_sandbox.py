@@ -19,7 +19,7 @@ import tracemalloc
 import pytest
 
 import envs.sandbox as sandbox_module
-from envs.sandbox import Sandbox, SandboxError, run_python
+from envs.sandbox import Sandbox, SandboxError, SandboxLimits, run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 IS_ROOT = os.geteuid() == 0
@@ -76,8 +76,9 @@ def wait_until(condition, timeout_s: float) -> bool:
     return condition()
 
 
-def run(code: str, **limits):
-    return asyncio.run(run_python(textwrap.dedent(code), **limits))
+def run(code: str, *, python: str | None = None, **limits):
+    """`limits`: fields of `SandboxLimits`."""
+    return asyncio.run(run_python(textwrap.dedent(code), SandboxLimits(**limits), python=python))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -290,7 +291,7 @@ def test_no_network_even_to_a_port_open_on_this_host():
 
 
 def test_64_concurrent_calls_keep_the_event_loop_responsive():
-    sandbox = Sandbox(max_concurrency=8, timeout_s=20.0)
+    sandbox = Sandbox(max_concurrency=8, limits=SandboxLimits(timeout_s=20.0))
     period = 0.02
 
     async def main():
@@ -323,7 +324,8 @@ def test_64_concurrent_calls_keep_the_event_loop_responsive():
 
 def test_cancelling_the_caller_kills_the_code_and_removes_its_directory(sandbox_tmp):
     async def main():
-        task = asyncio.create_task(run_python("import time; print('up', flush=True); time.sleep(60)", timeout_s=60))
+        task = asyncio.create_task(run_python("import time; print('up', flush=True); time.sleep(60)",
+                                              SandboxLimits(timeout_s=60)))
         while len(processes_in(sandbox_tmp)) < 3:  # bwrap, the runner, the code
             await asyncio.sleep(0.02)
         task.cancel()
@@ -356,7 +358,7 @@ def test_a_stuck_runner_is_killed_by_the_parent(sandbox_tmp, monkeypatch):
                     return pid
 
     async def main():
-        task = asyncio.create_task(run_python("import time; time.sleep(60)", timeout_s=1.0))
+        task = asyncio.create_task(run_python("import time; time.sleep(60)", SandboxLimits(timeout_s=1.0)))
         while len(processes_in(sandbox_tmp)) < 3:
             await asyncio.sleep(0.02)
         os.kill(runner(), signal.SIGSTOP)  # it can no longer enforce the wall clock
@@ -369,8 +371,9 @@ def test_a_stuck_runner_is_killed_by_the_parent(sandbox_tmp, monkeypatch):
 def test_code_dies_with_its_parent(sandbox_tmp):
     """A parent killed with SIGKILL cannot clean up; its sandboxes still end at once."""
     parent = subprocess.Popen(
-        [sys.executable, "-c", "import asyncio; from envs.sandbox import run_python; "
-         "asyncio.run(run_python('import os, time; os.system(\"sleep 60 &\"); time.sleep(60)', timeout_s=60))"],
+        [sys.executable, "-c", "import asyncio; from envs.sandbox import SandboxLimits, run_python; "
+         "asyncio.run(run_python('import os, time; os.system(\"sleep 60 &\"); time.sleep(60)', "
+         "SandboxLimits(timeout_s=60)))"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": sandbox_tmp})
     try:
         assert wait_until(lambda: len(processes_in(sandbox_tmp)) >= 4, 20)  # bwrap, runner, code, sleep
@@ -392,8 +395,8 @@ def test_a_python_that_cannot_start_raises_one_clear_line():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_concurrency": 0}, "max_concurrency must be > 0"),
-    ({"timeout_s": -1}, "timeout_s must be > 0"),
-    ({"cpu_s": 0}, "cpu_s must be a whole number of seconds"),
+    ({"limits": SandboxLimits(timeout_s=-1)}, "timeout_s must be > 0"),
+    ({"limits": SandboxLimits(cpu_s=0)}, "cpu_s must be a whole number of seconds"),
     ({"user": "no-such-user-here"}, "does not exist" if IS_ROOT else None),
     ({"user": "root"}, "is root" if IS_ROOT else None),
 ])
@@ -476,7 +479,7 @@ def test_nothing_a_call_writes_to_a_temp_dir_reaches_another_call_or_the_host():
 
 
 def test_two_concurrent_calls_cannot_hand_each_other_a_file():
-    sandbox = Sandbox(max_concurrency=2, timeout_s=20.0)
+    sandbox = Sandbox(max_concurrency=2, limits=SandboxLimits(timeout_s=20.0))
 
     async def main():
         writer = sandbox.run_python("import time\nfor d in ('/tmp', '/var/tmp', '/dev/shm'):\n"
@@ -635,7 +638,7 @@ def test_busy_children_are_held_to_cpus_of_time_together(sandbox_tmp):
         return None
 
     async def main():
-        sandbox = Sandbox(1, timeout_s=20, cpus=0.5)
+        sandbox = Sandbox(1, SandboxLimits(timeout_s=20, cpus=0.5))
         task = asyncio.create_task(sandbox.run_python(textwrap.dedent("""
             import os, time
             for _ in range(3):

@@ -13,7 +13,7 @@ from envs.calculator import CalculatorEnv
 from envs.pool import EnvPool, TooManyEnvFailures
 from envs.sentiment import SentimentEnv
 from rl_core.rewards import batched
-from rl_core.rollout.rollout import RolloutSettings, rollout, rollout_until
+from rl_core.rollout.rollout import GroupRule, RolloutParts, RolloutSettings, rollout, rollout_until
 from workers.engines.client import EngineClient
 from workers.engines.rank_engine import EngineSpec, start_engine
 from workers.engines.weights import WeightPusher
@@ -90,9 +90,8 @@ def run_rollout(router_url, samples, env_factory, tokenizer, *, num_envs=4, max_
         async with EngineClient(router_url, timeout_s=60) as client:
             recorder = RecordingClient(client)
             try:
-                result = await rollout(samples, RolloutSettings(progress=False, **settings), client=recorder,
-                                       env_pool=pool, tokenizer=tokenizer, policy_version=policy_version,
-                                       reward_fns=reward_fns)
+                result = await rollout(samples, RolloutSettings(progress=False, **settings),
+                                       RolloutParts(recorder, pool, tokenizer, reward_fns), policy_version)
             finally:
                 await pool.close()
             return result, recorder.calls
@@ -336,8 +335,8 @@ def test_rollout_until_replaces_dropped_groups(router_url, tokenizer):
     async def main(keep_fn, max_groups=None):
         async with EngineClient(router_url, timeout_s=60) as client:
             settings = RolloutSettings({"max_new_tokens": 4}, max_total_tokens=CONTEXT, progress=False)
-            return await rollout_until(2, samples, settings, keep_fn, group_size=3, client=client, env_pool=pool,
-                                       tokenizer=tokenizer, policy_version=0, max_groups=max_groups)
+            return await rollout_until(2, samples, settings, RolloutParts(client, pool, tokenizer), 0,
+                                       GroupRule(size=3, keep=keep_fn, max_groups=max_groups))
 
     result = asyncio.run(main(lambda group: group[0].info["group"] % 2 == 1))  # drop every other group
     groups = [result.trajectories[i:i + 3] for i in range(0, len(result.trajectories), 3)]
@@ -479,9 +478,8 @@ def test_a_batched_reward_function_is_called_once_per_rollout_and_once_per_group
     async def until():
         async with EngineClient(router_url, timeout_s=60) as client:
             settings = RolloutSettings({"max_new_tokens": 4}, max_total_tokens=CONTEXT, progress=False)
-            return await rollout_until(2, ({"text": f"we found {i}"} for i in range(10)), settings, group_size=3,
-                                       client=client, env_pool=pool, tokenizer=tokenizer, policy_version=0,
-                                       reward_fns=fns)
+            return await rollout_until(2, ({"text": f"we found {i}"} for i in range(10)), settings,
+                                       RolloutParts(client, pool, tokenizer, fns), 0, GroupRule(size=3))
     assert len(asyncio.run(until()).trajectories) == 6 and BATCHES == [3, 3]  # each group as it finishes
 
 

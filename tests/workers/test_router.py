@@ -12,7 +12,7 @@ import pytest
 from workers.engines.client import EngineClient, EngineError
 from workers.engines.rank_engine import EngineSpec, start_engine
 from workers.procs import ManagedProcesses, ProcessStartError, start_process, stop_process, wait_http_ok
-from workers.router import build_router_argv, launch_router
+from workers.router import RouterSettings, build_router_argv, launch_router
 
 
 def is_alive(pid: int) -> bool:
@@ -55,7 +55,7 @@ def stack(tiny_model_dir, tmp_path_factory):
         for engine in engines:  # both load at once
             engine.wait_ready(120)
         router = launch_router("127.0.0.1", None, [e.url for e in engines], logs / "router.log",
-                               policy="round_robin", processes=procs)
+                               RouterSettings(policy="round_robin"), processes=procs)
         yield {"procs": procs, "engines": engines, "router": router}
 
 
@@ -67,12 +67,12 @@ def run(coro_factory, url, timeout_s=30.0):
 
 
 def test_router_argv_turns_off_health_checks_retries_and_uses_own_ports():
-    argv = build_router_argv("127.0.0.1", 31000, 31001, policy="round_robin")
+    argv = build_router_argv("127.0.0.1", 31000, 31001, RouterSettings(policy="round_robin"))
     for flag in ("--disable-health-check", "--disable-circuit-breaker", "--disable-retries"):
         assert flag in argv
     assert argv[argv.index("--port") + 1] == "31000" and argv[argv.index("--prometheus-port") + 1] == "31001"
     with pytest.raises(ValueError, match="policy"):
-        build_router_argv("127.0.0.1", 1, 2, policy="fastest")
+        build_router_argv("127.0.0.1", 1, 2, RouterSettings(policy="fastest"))
 
 
 @pytest.mark.timeout(180)

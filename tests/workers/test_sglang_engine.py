@@ -22,9 +22,11 @@ def flags(argv):
 
 
 def test_server_argv_maps_kwargs_and_extra_server_args_to_flags():
-    kwargs = server_kwargs("/models/gpt2", port=31234, tp_size=2, mem_fraction_static=0.5, dtype="bfloat16",
-                           extra={"attention_backend": "triton", "cuda-graph-backend-decode": "disabled",
-                                  "disable_radix_cache": True, "enable_memory_saver": True})
+    spec = EngineSpec(kind="sglang", model_path="/models/gpt2", dtype="bfloat16", device="cuda", tp_size=2,
+                      mem_fraction_static=0.5)
+    kwargs = server_kwargs(spec, port=31234, extra={"attention_backend": "triton",
+                                                    "cuda-graph-backend-decode": "disabled",
+                                                    "disable_radix_cache": True, "enable_memory_saver": True})
     argv = build_server_argv(kwargs, python="py")
     assert argv[:3] == ["py", "-m", "sglang.launch_server"]
     pairs = flags(argv)
@@ -33,9 +35,10 @@ def test_server_argv_maps_kwargs_and_extra_server_args_to_flags():
     assert pairs["--base-gpu-id"] == "0" and pairs["--dtype"] == "bfloat16" and pairs["--host"] == "127.0.0.1"
     assert pairs["--attention-backend"] == "triton" and pairs["--cuda-graph-backend-decode"] == "disabled"
     assert "--enable-memory-saver" in argv and "--disable-radix-cache" in argv
-    assert "--enable-memory-saver" not in build_server_argv(server_kwargs("m", extra={"enable_memory_saver": False}))
+    plain = EngineSpec(kind="sglang", model_path="m", dtype="auto", device="cuda")
+    assert "--enable-memory-saver" not in build_server_argv(server_kwargs(plain, extra={"enable_memory_saver": False}))
     with pytest.raises(ValueError, match="mem_fraction_static"):
-        server_kwargs("m", mem_fraction_static=1.5)
+        server_kwargs(dataclasses.replace(plain, mem_fraction_static=1.5))
 
 
 def test_server_env_drops_torchrun_variables_and_pins_the_rank_gpus():

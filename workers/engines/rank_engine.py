@@ -61,16 +61,13 @@ def engine_argv(spec: EngineSpec, port: int) -> tuple[list[str], dict[str, str] 
     if spec.kind == "embedded":
         from workers.engines.embedded import build_engine_argv
 
-        argv = build_engine_argv(spec.model_path, port, spec.host, device=spec.device, dtype=spec.dtype,
-                                 max_batch_size=spec.max_batch_size, num_threads=spec.num_threads, seed=spec.seed)
-        return argv, None
+        return build_engine_argv(spec, port), None
     from workers.engines.sglang_engine import build_server_argv, server_env, server_kwargs, server_python
 
     # (None would drop the CPU default pool: only a planned size replaces it.)
     pool = {} if spec.kv_tokens is None else {"max_total_tokens": int(spec.kv_tokens)}
-    kwargs = server_kwargs(spec.model_path, spec.host, port, spec.tp_size, spec.mem_fraction_static, spec.dtype,
-                           extra={"random_seed": spec.seed, "context_length": spec.context_length, **pool,
-                                  **spec.sglang_args}, device=spec.device)
+    kwargs = server_kwargs(spec, port, extra={"random_seed": spec.seed, "context_length": spec.context_length,
+                                              **pool, **spec.sglang_args})
     return build_server_argv(kwargs, server_python(spec.sglang_python)), server_env(spec.gpu_ids, device=spec.device)
 
 

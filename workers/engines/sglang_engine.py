@@ -13,10 +13,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from workers.engines import ENGINE_KEEPALIVE_S
 from workers.procs import ProcessStartError
+
+if TYPE_CHECKING:  # for the annotation only: rank_engine imports torch, which a command line does not need
+    from workers.engines.rank_engine import EngineSpec
 
 # Variables torchrun sets for its workers. A server that inherits them takes part in torchrun's
 # rendezvous: with TORCHELASTIC_USE_AGENT_STORE=True its own `init_process_group` becomes a store
@@ -35,25 +38,26 @@ CPU_DEFAULTS = {"device": "cpu", "enable_memory_saver": False, "attention_backen
                 "disable_cuda_graph": True, "sleep_on_idle": True, "max_total_tokens": 16384}
 
 
-def server_kwargs(model_path: str, host: str = "127.0.0.1", port: int = 30000, tp_size: int = 1,
-                  mem_fraction_static: float = 0.6, dtype: str = "auto", log_level: str = "info",
-                  extra: Mapping[str, Any] | None = None, device: str = "cuda") -> dict[str, Any]:
-    """ServerArgs fields for a colocated engine; `extra` (rollout.sglang_args) adds or overrides any.
+def server_kwargs(spec: EngineSpec, port: int = 30000, log_level: str = "info",
+                  extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """ServerArgs fields for a colocated engine serving `spec` (its model_path, host, tp_size,
+    mem_fraction_static, dtype and device) on `port`; `extra` (rollout.sglang_args and the
+    job's own settings) adds or overrides any.
 
     On GPUs the memory saver is on so `/release_memory_occupation` really frees the GPU for
-    training, and `mem_fraction_static` is the engine's share of the GPU next to the trainer.
+    training, and `spec.mem_fraction_static` is the engine's share of the GPU next to the trainer.
     On CPUs the server gets `CPU_DEFAULTS`.
     """
-    if not 0 < mem_fraction_static < 1:
-        raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
-    if tp_size < 1:
-        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    kwargs = {"model_path": str(model_path), "host": host, "port": int(port), "tp_size": tp_size,
-              "dtype": dtype, "log_level": log_level}
-    if device.startswith("cpu"):
+    if not 0 < spec.mem_fraction_static < 1:
+        raise ValueError(f"mem_fraction_static must be in (0, 1), got {spec.mem_fraction_static}")
+    if spec.tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {spec.tp_size}")
+    kwargs = {"model_path": str(spec.model_path), "host": spec.host, "port": int(port), "tp_size": spec.tp_size,
+              "dtype": spec.dtype, "log_level": log_level}
+    if spec.device.startswith("cpu"):
         kwargs.update(CPU_DEFAULTS)
     else:
-        kwargs.update(mem_fraction_static=mem_fraction_static, enable_memory_saver=True, base_gpu_id=0)
+        kwargs.update(mem_fraction_static=spec.mem_fraction_static, enable_memory_saver=True, base_gpu_id=0)
     for key, value in (extra or {}).items():
         kwargs[str(key).replace("-", "_")] = value
     return kwargs

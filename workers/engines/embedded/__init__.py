@@ -11,12 +11,16 @@ continuous batching; `workers.engines.rank_engine.start_engine` launches it as a
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for the annotation only: rank_engine imports torch, which a command line does not need
+    from workers.engines.rank_engine import EngineSpec
 
 
-def build_engine_argv(model_path: str, port: int, host: str = "127.0.0.1", device: str = "cpu",
-                      dtype: str = "float32", max_batch_size: int = 64, num_threads: int = 0,
-                      seed: int = 0, python: str = sys.executable) -> list[str]:
-    """Command line for `python -m workers.engines.embedded`."""
-    return [python, "-m", "workers.engines.embedded", "--model-path", str(model_path), "--host", host,
-            "--port", str(port), "--device", device, "--dtype", dtype, "--max-batch-size", str(max_batch_size),
-            "--num-threads", str(num_threads), "--seed", str(seed)]
+def build_engine_argv(spec: EngineSpec, port: int, python: str = sys.executable) -> list[str]:
+    """Command line for `python -m workers.engines.embedded` serving `spec` (its model, host, device,
+    dtype, max_batch_size, num_threads and seed) on `port`."""
+    return [python, "-m", "workers.engines.embedded", "--model-path", str(spec.model_path), "--host", spec.host,
+            "--port", str(port), "--device", spec.device, "--dtype", spec.dtype,
+            "--max-batch-size", str(spec.max_batch_size), "--num-threads", str(spec.num_threads),
+            "--seed", str(spec.seed)]
