@@ -35,6 +35,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # then the watchdog kills its children and exits, so torchrun (which escalates to SIGKILL only
 # after 30 s, and without the line) sees every rank gone within seconds.
 STOP_GRACE_S = 5.0
+# A rank that fails because another one did waits this long at most for the failed rank to exit first
+# (`_wait_for_the_failed_rank`).
+FOLLOWER_WAIT_S = 30.0
 # Test-only: "RANK:STEP:PHASE:SECONDS" makes that rank say when it reaches that phase of that step
 # and sleep there, so a test can land a stop signal in any phase (the other ranks go on into it).
 TEST_HOLD_ENV = "RL_CORE_TEST_HOLD"
@@ -291,6 +294,7 @@ def _run(main, argv, rank: int, stop: _StopRequest, handler: OneLineErrorHandler
             _stopped(stop)
         if isinstance(err, PeerFailed):  # the failing rank prints the cause; one line is enough
             handler.record_line(f"[rank {rank}] stopped: {err}", secondary=True)
+            _wait_for_the_failed_rank(stop)
             raise SystemExit(1) from None
         failed = getattr(err, "failures", None)  # torch.distributed.checkpoint's CheckpointException
         if isinstance(failed, dict) and failed and rank not in failed:  # another rank died mid-save
@@ -300,6 +304,7 @@ def _run(main, argv, rank: int, stop: _StopRequest, handler: OneLineErrorHandler
                     + f" failed while the checkpoint was written ({type(cause).__name__}: {cause}); see its log")
             handler.record_line(line, secondary=True)
             _say(line)
+            _wait_for_the_failed_rank(stop)
             raise SystemExit(1) from None
         if _lost_peer(err):
             peer = re.search(r"by peer \[?([0-9a-fA-F.:]+?)\]?:\d+", str(err))
@@ -311,6 +316,8 @@ def _run(main, argv, rank: int, stop: _StopRequest, handler: OneLineErrorHandler
                         "its error above (or in torchrun's summary) is the cause")
             handler.record_line(line, secondary=True)
             _say(line)
+            if not peer or peer.group(1).startswith("127."):  # (a rank on another host prints in its own log)
+                _wait_for_the_failed_rank(stop)
             raise SystemExit(1) from None
         if not _is_user_error(err):
             traceback.print_exception(err)
@@ -318,6 +325,23 @@ def _run(main, argv, rank: int, stop: _StopRequest, handler: OneLineErrorHandler
         handler.record_line(line)
         _say(line)
         raise SystemExit(1) from None
+
+
+def _wait_for_the_failed_rank(stop: _StopRequest, limit_s: float = FOLLOWER_WAIT_S) -> None:
+    """A rank that only followed a failed one down waits for torchrun's SIGTERM (sent once the failed
+    rank exits) before it exits itself: exiting first would have torchrun SIGTERM the failed rank,
+    maybe before it said why (its line comes after its clean-up). At most `limit_s`, in case the failed
+    rank's clean-up hangs. The signal's handler (`_StopRequest.handle`) ends the wait; the exit stays
+    this rank's own (status 1, its one line). Only in a job of several ranks with the stop watchdog (not
+    in a test's own process)."""
+    if stop.grace_s is None or int(os.environ.get("WORLD_SIZE", 1)) < 2:
+        return
+    deadline = time.monotonic() + limit_s
+    try:
+        while time.monotonic() < deadline:
+            time.sleep(0.1)  # short: whichever thread the signal reaches, its handler runs here soon
+    except SystemExit:
+        pass
 
 
 def _say(line: str) -> None:

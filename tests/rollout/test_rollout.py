@@ -387,8 +387,8 @@ def test_aborted_generation_continues_on_new_weights_with_per_token_versions(ser
         async with EngineClient(router, timeout_s=60) as client, EngineClient(engine_url) as engine:
             await pusher.push(engine, same_weights, "4")
             generating = asyncio.create_task(rollout(
-                samples, RolloutSettings(params, max_total_tokens=CONTEXT, progress=False), client=client,
-                env_pool=pool, tokenizer=tokenizer, policy_version=lambda: version["now"]))
+                samples, RolloutSettings(params, max_total_tokens=CONTEXT, progress=False),
+                RolloutParts(client, pool, tokenizer), lambda: version["now"]))
             try:
                 await push_midway(engine, generating)
                 return await generating
@@ -508,7 +508,7 @@ def test_a_response_whose_last_token_is_eos_at_the_limit_is_not_counted_as_trunc
         eos_token_id = 0
 
     def run(**params):
-        return _Rollout(RolloutSettings(params), client=None, env_pool=None, tokenizer=Tok(), policy_version=0)
+        return _Rollout(RolloutSettings(params), RolloutParts(None, None, Tok()), 0)
 
     # SGLang reports "length" when EOS arrives as the last allowed token; the response did end
     assert run(max_new_tokens=3)._ends_with_stop([5, 6, 0])
