@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-LOADERS_BY_SUFFIX = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+from rl_core.data_files import DataSource, read_table
+
 MALFORMED_POLICIES = ("error", "skip")
 LONG_PROMPT_POLICIES = ("skip", "error", "truncate")
 PROMPT_KEYS = ("messages", "prompt", "text")  # looked for in this order when no key is given
@@ -74,16 +75,15 @@ def load_prompt_dataset(path_or_name: str | Path, split: str = "train", text_key
     keys = keys or ConfigKeys()
     if on_malformed not in MALFORMED_POLICIES:
         raise PromptDataError(f"on_malformed={on_malformed!r} is not one of {MALFORMED_POLICIES}")
-    path = Path(path_or_name).expanduser()
-    if path.is_file():
-        rows, skipped = _load_local(path, text_key, on_malformed, keys)
-        source = str(path)
-    elif _looks_like_a_path(str(path_or_name)):
-        raise PromptDataError(f"prompt file {path} does not exist (resolved to {path.resolve()}); "
-                              f"check {keys.path}, or set it to 'tiny' for the offline prompts")
-    else:
-        rows, skipped, source = _load_from_hub(str(path_or_name), split, hub_config, keys), 0, str(path_or_name)
-        source = f"{source} (hub, split {split})"
+    skipped = 0
+
+    def read_json_by_hand(path: Path, error: Exception):  # names the bad line, or skips it
+        nonlocal skipped
+        rows, skipped = _load_json_by_hand(path, text_key, on_malformed, error, keys)
+        return rows
+
+    rows, source = read_table(DataSource(str(path_or_name), keys.path, "prompt file", "'tiny' for the offline prompts",
+                                         split, hub_config, PromptDataError), on_parse_error=read_json_by_hand)
     if text_key is None:
         text_key = _resolve_key(rows.column_names, source, keys)
     dataset, dropped = _validate_rows(rows, source, text_key, on_malformed, keys)
@@ -100,51 +100,6 @@ def _resolve_key(columns: Sequence[str], source: str, keys: "ConfigKeys") -> str
             return key
     raise PromptDataError(f"{source} has none of the prompt fields {list(PROMPT_KEYS)} (fields: {list(columns)}); "
                           f"set {keys.text_key} to the field that holds the prompt")
-
-
-def _looks_like_a_path(name: str) -> bool:
-    return Path(name).suffix.lower() in LOADERS_BY_SUFFIX or name.startswith((".", "/", "~"))
-
-
-def _load_local(path: Path, text_key: str, on_malformed: str, keys: "ConfigKeys"):
-    """(datasets.Dataset, rows skipped while parsing) for one local file."""
-    import datasets
-
-    loader = LOADERS_BY_SUFFIX.get(path.suffix.lower())
-    if loader is None:
-        raise PromptDataError(f"{path}: unsupported extension '{path.suffix}'; "
-                              f"use one of {sorted(LOADERS_BY_SUFFIX)}")
-    if loader != "parquet" and (problem := utf8_problem(path)) is not None:
-        raise PromptDataError(problem)
-    if loader != "parquet" and not path.read_text(encoding="utf-8").strip():
-        raise PromptDataError(f"{path} is empty; add prompt rows with a '{text_key or 'prompt'}' field")
-    try:
-        return datasets.load_dataset(loader, data_files=str(path), split="train"), 0
-    except Exception as error:  # noqa: BLE001 - re-raised below with the file and line
-        if loader == "json":
-            return _load_json_by_hand(path, text_key, on_malformed, error, keys)
-        if loader == "csv" and _count_nonblank_lines(path) <= 1:
-            raise PromptDataError(f"{path} has a header but no rows; add prompt rows") from error
-        raise PromptDataError(f"could not read {path} as {loader}: {error}") from error
-
-
-def utf8_problem(path: Path) -> str | None:
-    """Where a text data file stops being UTF-8, as "<file>, line N: ...; fix", or None when it is UTF-8.
-
-    Checked before a parser reads the file: parsers name a bad byte by its offset alone, or not at all."""
-    data = path.read_bytes()
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as bad:
-        line = data.count(b"\n", 0, bad.start) + 1
-        column = bad.start - data.rfind(b"\n", 0, bad.start)
-        return (f"{path}, line {line}: byte 0x{data[bad.start]:02x} at column {column} is not UTF-8 ({bad.reason}); "
-                "save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)")
-    return None
-
-
-def _count_nonblank_lines(path: Path) -> int:
-    return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
 
 
 def _load_json_by_hand(path: Path, text_key: str, on_malformed: str, error: Exception, keys: "ConfigKeys"):
@@ -188,18 +143,6 @@ def _load_json_by_hand(path: Path, text_key: str, on_malformed: str, error: Exce
         return datasets.Dataset.from_list(good), skipped
     except Exception:  # noqa: BLE001 - other fields of mixed types: keep the prompt text only
         return datasets.Dataset.from_list([{text_key: row[text_key]} for row in good]), skipped
-
-
-def _load_from_hub(name: str, split: str, hub_config: str | None, keys: "ConfigKeys"):
-    import datasets
-
-    try:
-        return datasets.load_dataset(name, hub_config, split=split)
-    except Exception as error:  # noqa: BLE001 - offline, unknown name, unknown split
-        raise PromptDataError(
-            f"'{name}' is not an existing local file, and loading it from the Hugging Face hub "
-            f"failed ({type(error).__name__}: {error}); the hub may be unreachable (offline); "
-            f"set {keys.path} to a local .jsonl/.json/.csv/.parquet path instead") from error
 
 
 def _row_problem(value: Any, text_key: str) -> str | None:

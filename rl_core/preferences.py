@@ -1,6 +1,6 @@
 """Preference data for reward-model and DPO training: three file formats, one normalised example.
 
-Formats (columns), read from local jsonl / json / csv / parquet files through `datasets`:
+Formats (columns), read from local jsonl / json / csv / parquet files or hub datasets (`rl_core/data_files.py`):
 
 - ``pairwise``: ``prompt``, ``chosen``, ``rejected``.
 - ``llama2``: ``prompt``, ``response_1``, ``response_2``, ``chosen_response`` (1 or 2), and
@@ -15,7 +15,6 @@ Every format becomes a `PreferenceExample` whose ``best`` indexes ``responses``.
 
 from __future__ import annotations
 
-import csv
 import logging
 import math
 import re
@@ -24,13 +23,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
-from rl_core.data import utf8_problem
+from rl_core.data_files import DataSource, read_table
 from rl_core.errors import PreferenceDataError
 
 logger = logging.getLogger(__name__)
 
 FORMATS = ("pairwise", "llama2", "openai")
-SUPPORTED_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 PAIRWISE_COLUMNS = ("prompt", "chosen", "rejected")
 LLAMA2_REQUIRED = ("prompt", "response_1", "response_2", "chosen_response")
@@ -249,31 +247,6 @@ def _openai_parser(sample_columns: list[str]):
 
 # ----------------------------------------------------------------------------- file reading
 
-def _csv_header(path: Path) -> list[str]:
-    with open(path, newline="", encoding="utf-8") as handle:
-        return next(csv.reader(handle), [])
-
-
-def _read_rows(path: Path) -> list[dict[str, Any]]:
-    """All rows of a local file, through `datasets`. CSV cells stay strings ('NA' is text)."""
-    import datasets
-
-    builder = SUPPORTED_SUFFIXES[path.suffix.lower()]
-    if builder != "parquet" and (problem := utf8_problem(path)) is not None:
-        raise PreferenceDataError(problem)
-    kwargs: dict[str, Any] = {}
-    if builder == "csv":
-        header = _csv_header(path)
-        kwargs = {"features": datasets.Features({c: datasets.Value("string") for c in header}),
-                  "na_filter": False}
-    try:
-        table = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
-    except Exception as exc:  # datasets wraps parser errors in several types
-        raise PreferenceDataError(f"{path}: could not be read as {builder}: {exc}. Check that "
-                                  f"the file is valid {builder} with one record per row.") from exc
-    return table.to_list()
-
-
 def _row_labels(path: Path, n_rows: int) -> list[str]:
     """Human row references: jsonl rows also give their line (blank lines are skipped)."""
     if path.suffix.lower() != ".jsonl":
@@ -303,13 +276,15 @@ def load_preference_dataset(
     format: str = "auto",
     margin_map: Mapping[str, float] | None = None,
     on_malformed: str = "error",
+    key: str = "data.train_path",
 ) -> tuple[list[PreferenceExample], int]:
-    """Load and validate a preference file; return ``(examples, n_skipped)``.
+    """Load and validate a preference file (or hub dataset); return ``(examples, n_skipped)``.
 
     ``format``: "auto" (from the columns), "pairwise", "llama2" or "openai".
     ``margin_map``: prefer_degree -> margin; None keeps margins at 0 (e.g. pass
     `DEFAULT_MARGIN_MAP` to enable LLaMA-2 margins). ``on_malformed``: "error" raises one
     error listing each bad row with its file and 1-based row; "skip" drops them and counts.
+    ``key``: the config key that named the file, in the lines about the file itself.
     """
     path = Path(path)
     if format != "auto" and format not in FORMATS:
@@ -317,15 +292,11 @@ def load_preference_dataset(
     if on_malformed not in ("error", "skip"):
         raise PreferenceDataError(
             f"on_malformed={on_malformed!r} is unknown; use 'error' or 'skip'")
-    if not path.is_file():
-        raise PreferenceDataError(f"preference file {path} does not exist; check data.train_path / data.test_path "
-                                  "('tiny' builds the offline preferences)")
-    if path.suffix.lower() not in SUPPORTED_SUFFIXES:
-        raise PreferenceDataError(f"{path}: unsupported file type '{path.suffix}'; use one of "
-                                  f"{sorted(SUPPORTED_SUFFIXES)}")
     margins = _check_margin_map(margin_map)
-
-    rows = _read_rows(path)
+    # CSV cells stay strings: 'NA' is text, and a degree or choice is read by the parsers below.
+    table, _ = read_table(DataSource(str(path), key, "preference file", "'tiny' for the offline preferences",
+                                     error=PreferenceDataError), csv_as_text=True)
+    rows = table.to_list()
     if not rows:
         raise PreferenceDataError(f"{path} has no rows; give at least one comparison")
     columns = list(rows[0].keys())
@@ -402,15 +373,15 @@ def load_preference_splits(cfg, train_path: str, test_path: str | None, tokenize
     """Tokenized train and held-out comparisons; without a test file, a seeded split of train.
 
     `cfg`: a job's data section (`format`, `margin_map`, `on_malformed`, `max_length`, `heldout_fraction`)."""
-    def load(path: str) -> list:
-        examples, _ = load_preference_dataset(path, cfg.format, cfg.margin_map, cfg.on_malformed)
+    def load(path: str, key: str) -> list:
+        examples, _ = load_preference_dataset(path, cfg.format, cfg.margin_map, cfg.on_malformed, key)
         return tokenize_preferences(examples, tokenizer, cfg.max_length)
 
     import torch
 
-    train = load(train_path)
+    train = load(train_path, "data.train_path")
     if test_path is not None:
-        return train, load(test_path)
+        return train, load(test_path, "data.test_path")
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
     n_test = max(1, round(len(train) * cfg.heldout_fraction))
     if n_test >= len(train):

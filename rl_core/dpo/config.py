@@ -22,7 +22,7 @@ class DPOModelConfig(ModelRunConfig):
 class DPODataConfig:
     # The preference formats the reward-model job reads: pairwise, llama2, openai (best-of-N becomes
     # N-1 pairs of the best against each other response).
-    train_path: str = "tiny"
+    train_path: str = "tiny"  # "tiny" = the offline pairs; otherwise a local .jsonl/.json/.csv/.parquet file or hub dataset
     test_path: Optional[str] = "tiny"  # null = hold out data.heldout_fraction of train
     heldout_fraction: float = 0.05  # with test_path null: the share of train pairs held out
     format: str = choice("auto", ("auto", *FORMATS))  # auto = found from the columns

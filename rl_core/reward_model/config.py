@@ -22,7 +22,8 @@ class RMModelConfig(ModelRunConfig):
 
 @dataclass
 class RMDataConfig:
-    # "tiny" = offline labels (policy samples judged by the labeler), built if missing.
+    # "tiny" = offline labels (policy samples judged by the labeler), built if missing; otherwise a
+    # local .jsonl/.json/.csv/.parquet file or a hub dataset.
     train_path: str = "tiny"
     # "tiny" goes with a tiny train set; null = hold out heldout_fraction of the train file.
     test_path: Optional[str] = "tiny"

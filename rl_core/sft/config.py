@@ -20,7 +20,7 @@ class SFTModelConfig(ModelRunConfig):
 
 @dataclass
 class SFTDataConfig:
-    # A local .jsonl/.json/.parquet file or a hub dataset. Rows are either chat `messages`
+    # A local .jsonl/.json/.csv/.parquet file or a hub dataset. Rows are either chat `messages`
     # ([{role, content}, ...]; the loss on assistant turns) or a prompt and a response (the loss on
     # the response; a prompt that is a list of messages is rendered with the chat template).
     train_path: str = "tiny-arithmetic-sft"

@@ -8,10 +8,9 @@ the engine's response, so what SFT trains is exactly what a later RL run samples
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from rl_core.data import utf8_problem
+from rl_core.data_files import DataSource, read_table
 from rl_core.errors import JobError
 
 
@@ -31,26 +30,12 @@ class SFTExample:
         return self.loss_mask.index(1)
 
 
-def load_rows(path_or_name: str) -> list[dict]:
-    """Rows of a local .jsonl/.json/.parquet file, or of a hub dataset's train split (datasets)."""
-    import datasets
-
-    path = Path(path_or_name)
-    kinds = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-    try:
-        if path.suffix in kinds:
-            if not path.is_file():
-                raise SFTDataError(f"data file {path} does not exist; check data.train_path / data.eval_path")
-            if path.suffix != ".parquet" and (problem := utf8_problem(path)) is not None:
-                raise SFTDataError(problem)
-            dataset = datasets.load_dataset(kinds[path.suffix], data_files=str(path), split="train")
-        else:
-            dataset = datasets.load_dataset(path_or_name, split="train")
-    except SFTDataError:
-        raise
-    except Exception as err:  # noqa: BLE001 - datasets raises many kinds; one line names the source
-        raise SFTDataError(f"cannot read SFT rows from {path_or_name!r}: {type(err).__name__}: {err}") from err
-    return [dict(row) for row in dataset]
+def load_rows(path_or_name: str, key: str) -> list[dict]:
+    """Rows of a local .jsonl/.json/.csv/.parquet file, or of a hub dataset's train split; `key`, the config
+    key that named it, is in every error line."""
+    # CSV cells stay strings: a response "2" is text to train on, not a number.
+    table, _ = read_table(DataSource(path_or_name, key, "SFT data file", error=SFTDataError), csv_as_text=True)
+    return [dict(row) for row in table]
 
 
 def detect_format(row: dict, cfg) -> str:

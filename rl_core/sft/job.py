@@ -95,10 +95,12 @@ def train(cfg: SFTConfig, dp: DataParallel, progress: JobProgress | None = None)
 
 def load_data(cfg: SFTConfig, tokenizer, rank: int):
     """Every rank tokenizes the rows (each step needs the whole batch's lengths); rank 0 reports."""
-    train_rows, too_long = encode_rows(load_rows(cfg.data.train_path), tokenizer, cfg.data, cfg.data.train_path)
+    train_rows, too_long = encode_rows(load_rows(cfg.data.train_path, "data.train_path"), tokenizer, cfg.data,
+                                       cfg.data.train_path)
     eval_rows = []
     if cfg.data.eval_path is not None:
-        eval_rows, _ = encode_rows(load_rows(cfg.data.eval_path), tokenizer, cfg.data, cfg.data.eval_path)
+        eval_rows, _ = encode_rows(load_rows(cfg.data.eval_path, "data.eval_path"), tokenizer, cfg.data,
+                                   cfg.data.eval_path)
         eval_rows = eval_rows[:cfg.data.eval_max_rows]
     if rank == 0 and too_long:
         print(f"[sft] {too_long} rows longer than data.max_length={cfg.data.max_length} were "

@@ -206,10 +206,17 @@ def test_bad_arguments_are_explained(tmp_path):
     with pytest.raises(PreferenceDataError, match="does not exist"):
         load_preference_dataset(tmp_path / "missing.jsonl")
     (tmp_path / "p.txt").write_text("x")
-    with pytest.raises(PreferenceDataError, match="unsupported file type"):
+    with pytest.raises(PreferenceDataError, match="unsupported extension"):
         load_preference_dataset(tmp_path / "p.txt")
     with pytest.raises(PreferenceDataError, match="finite number"):
         load_preference_dataset(path, margin_map={"better": float("nan")})
+
+
+def test_a_hub_dataset_name_while_offline_is_one_line_naming_the_key(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(PreferenceDataError, match=r"'nobody/no-such-preferences' is not an existing local file, "
+                                                  r"and loading it from the Hugging Face hub failed .*set data\.test_path"):
+        load_preference_dataset("nobody/no-such-preferences", key="data.test_path")
 
 
 @pytest.fixture(scope="module")

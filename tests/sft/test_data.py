@@ -1,5 +1,6 @@
 """SFT rows: which tokens are trained, and one clear line for rows the job cannot use."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -144,4 +145,25 @@ def test_a_byte_that_is_not_utf8_names_file_and_line(tmp_path):
     path = tmp_path / "sft.jsonl"
     path.write_bytes(b'{"prompt": "1+1=", "response": "2"}\n{"prompt": "caf\xe9", "response": "x"}\n')
     with pytest.raises(SFTDataError, match=rf"^{path}, line 2: byte 0xe9 .*not UTF-8.*save the file as UTF-8"):
-        load_rows(str(path))
+        load_rows(str(path), "data.train_path")
+
+
+def test_rows_are_read_from_every_file_kind_and_a_missing_file_names_its_key(tmp_path):
+    import csv
+
+    import datasets
+
+    from rl_core.sft.data import load_rows
+
+    rows = [{"prompt": "1+1=", "response": "2"}, {"prompt": "2+2=", "response": "4"}]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "sft.json").write_text(json.dumps(rows))
+    with open(tmp_path / "sft.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["prompt", "response"])
+        writer.writeheader()
+        writer.writerows(rows)
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "sft.parquet"))
+    for name in ("sft.jsonl", "sft.json", "sft.csv", "sft.parquet"):
+        assert load_rows(str(tmp_path / name), "data.train_path") == rows, name
+    with pytest.raises(SFTDataError, match=r"SFT data file .*nowhere\.jsonl does not exist .*check data\.eval_path$"):
+        load_rows(str(tmp_path / "nowhere.jsonl"), "data.eval_path")
