@@ -89,12 +89,6 @@ class _Labeler:
         """Index this labeler prefers given its own ``score`` of each response (noise applied)."""
         return _choose(scores, self.rng, self.noise, self.temperature)
 
-    def label_pair(self, query: str, responses: Sequence[str]) -> int:
-        """0 or 1: which of two continuations of ``query`` is preferred."""
-        if len(responses) != 2:
-            raise ValueError(f"label_pair takes exactly 2 responses, got {len(responses)}")
-        return self.label_group(query, responses)
-
 
 class SentimentLabeler(_Labeler):
     """Prefers the more positive continuation (VADER compound score in [-1, 1])."""

@@ -25,7 +25,7 @@ def _write_pairs(path: Path, pairs: list[tuple[str, str, str]]) -> None:
     labeler = SentimentLabeler()
     with path.open("w") as handle:
         for prompt, first, second in pairs:
-            best = labeler.label_pair(prompt, [first, second])
+            best = labeler.label_group(prompt, [first, second])
             chosen, rejected = (first, second) if best == 0 else (second, first)
             handle.write(json.dumps({"prompt": prompt, "chosen": " " + chosen, "rejected": " " + rejected}) + "\n")
 
