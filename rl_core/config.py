@@ -23,6 +23,9 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 # `async` is a Python keyword, so the PPO field is `async_`; users write `async.max_staleness`.
 _KEY_ALIASES = {"async": "async_"}
 _FIELD_TO_KEY = {v: k for k, v in _KEY_ALIASES.items()}
+# Keys that moved: an old config names the new key in one line instead of a guess. Every job's
+# evaluation cadence is `eval.every` (the PPO job had it as trainer.eval_every).
+MOVED_KEYS = {"trainer.eval_every": "eval.every"}
 
 
 class ConfigError(ValueError):
@@ -221,6 +224,8 @@ def _build(schema, values: Any, prefix: str, root):
     for key, value in values.items():
         if key not in names:
             full_key = prefix + str(key)
+            if full_key in MOVED_KEYS:
+                raise ConfigError(f"config key '{full_key}' is now '{MOVED_KEYS[full_key]}'; rename it")
             # Search the whole tree: a right key may sit under the wrong section.
             everywhere = _all_keys(root)
             same_name = [k for k in everywhere if k.rsplit(".", 1)[-1] == str(key)]

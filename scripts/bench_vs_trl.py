@@ -392,7 +392,7 @@ def gpu86m_project_config(args, assets: dict, workdir: Path) -> Path:
     cfg.env.num_envs = args.prompts * args.group_size
     cfg.algorithm.update({"batch_size": args.prompts * args.group_size, "group_size": args.group_size,
                           "nminibatches": args.minibatches, "lr": args.lr})
-    cfg.trainer.eval_every = 0
+    cfg.eval.every = 0
     path = workdir / "gpu86m.yaml"
     OmegaConf.save(cfg, path)
     return path
@@ -406,7 +406,7 @@ def project_side(args, paths: dict, workdir: Path, name: str = "project", config
     overrides = [f"model.path={paths['model']}", f"data.train_path={paths['train']}",
                  f"data.eval_path={paths['eval'] if paths['eval'] else 'null'}", f"trainer.run_dir={run_dir}",
                  f"trainer.total_episodes={args.batches * args.prompts * args.group_size}",
-                 f"trainer.eval_every={args.eval_every}", f"trainer.seed={args.seed}",
+                 f"eval.every={args.eval_every}", f"trainer.seed={args.seed}",
                  "trainer.progress=false", "trainer.export_hf=false", "trainer.log_samples_every=0",
                  # the last step profiled: its device reads and kernel-level ops (left out of the timings)
                  *([f"trainer.profile_steps=[{args.batches}]"] if args.setting == "gpu86m" else []),

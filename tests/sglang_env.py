@@ -22,7 +22,7 @@ ACCESS_LINE = re.compile(r'"(GET|POST|PUT) (/[\w/]*)\S* HTTP/1\.1" (\d{3})')
 # the launcher on their own clocks, and /generate from the rollout, so they are left out.
 CONTROL_PATHS = {"/release_memory_occupation", "/resume_memory_occupation", "/begin_weight_update",
                  "/update_weights_from_tensor", "/end_weight_update", "/pause_generation", "/continue_generation",
-                 "/abort_request", "/flush_cache"}
+                 "/flush_cache"}
 
 
 def sglang_python() -> str | None:

@@ -63,7 +63,7 @@ class DataConfig:
     train_path: str = "tiny"
     train_split: str = "train"  # hub datasets only
     hub_config: Optional[str] = None  # hub datasets only: the configuration, e.g. "main" for openai/gsm8k
-    # Held-out prompts evaluated at step 0, every trainer.eval_every steps and at the end; null = no eval.
+    # Held-out prompts evaluated at step 0, every eval.every steps and at the end; null = no eval.
     eval_path: Optional[str] = None
     eval_split: str = "test"  # hub datasets only: the split of data.eval_path
     prompt_key: Optional[str] = None  # the prompt column; null = the first of messages, prompt, text
@@ -239,6 +239,7 @@ class AlgorithmConfig:
 @dataclass
 class EvalConfig:
     """Sampling on the held-out prompts (data.eval_path): greedy once per prompt by default."""
+    every: int = 0  # steps between evaluations (besides step 0 and the end); 0 = only those two
     n: int = 1  # samples per prompt; pass@k for k = 1, 2, 4, ... <= n
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus sampling; 1.0 = off
@@ -268,7 +269,6 @@ class PPOTrainerConfig(TrainerConfig):
     # A checkpoint that cannot be written (disk full, permissions): stop the job, or say so and train on.
     on_checkpoint_error: str = choice("stop", ("stop", "continue"))
     log_samples_every: int = 10  # steps between sample tables in samples.jsonl; 0 = none
-    eval_every: int = 0  # steps between evaluations (besides step 0 and the end); 0 = only those two
     export_hf: bool = True  # <run_dir>/final in Hugging Face format
     # Steps (as logged, 1..total) traced by torch.profiler into <run_dir>/profile/step_N/rankR.pt.trace.json
     # (rl_core/profiling.py): CPU (and CUDA) activity, the phases and engine HTTP calls as named ranges.

@@ -1,7 +1,7 @@
 """Evaluation on held-out prompts: sampling settings, accuracy, pass@k and a table of samples.
 
 The job generates the eval samples through the same rollout (router, envs, reward functions)
-with the `eval` sampling settings (greedy by default) at step 0, every `trainer.eval_every`
+with the `eval` sampling settings (greedy by default) at step 0, every `eval.every`
 steps and at the end; this module turns those trajectories into `eval/*` metrics.
 """
 

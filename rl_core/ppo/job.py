@@ -168,7 +168,7 @@ class Job:
         return lambda trajectories: reward_model_scores(trajectories, self.models, self.worker, self.settings.scoring)
 
     def eval_due(self, step: int) -> bool:
-        every = self.cfg.trainer.eval_every
+        every = self.cfg.eval.every
         return self.cfg.data.eval_path is not None and (step in (0, self.total_steps) or bool(every and step % every == 0))
 
 

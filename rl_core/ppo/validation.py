@@ -208,8 +208,8 @@ def validate_eval(cfg: PPOConfig) -> None:
     require(0.0 < ev.top_p <= 1.0, f"config key 'eval.top_p' must be in (0, 1], got {ev.top_p}")
     require(ev.response_length is None or ev.response_length > 0, "config key 'eval.response_length' must be > 0")
     require(ev.max_prompts is None or ev.max_prompts > 0, "config key 'eval.max_prompts' must be > 0 or null")
-    require(cfg.trainer.eval_every >= 0, "config key 'trainer.eval_every' must be >= 0")
-    require(cfg.trainer.eval_every == 0 or cfg.data.eval_path is not None,
-            "trainer.eval_every is set but data.eval_path is null; give held-out prompts in data.eval_path")
+    require(cfg.eval.every >= 0, "config key 'eval.every' must be >= 0")
+    require(cfg.eval.every == 0 or cfg.data.eval_path is not None,
+            "eval.every is set but data.eval_path is null; give held-out prompts in data.eval_path")
     require(ev.accuracy_fn is None or ev.accuracy_fn in cfg.reward.fns,
             f"eval.accuracy_fn={ev.accuracy_fn!r} is not one of reward.fns ({', '.join(cfg.reward.fns) or 'none'})")

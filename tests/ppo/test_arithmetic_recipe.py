@@ -29,7 +29,7 @@ def arithmetic_job(tmp_path_factory):
 def test_arithmetic_recipe_logs_eval_at_step_0_and_at_the_end(arithmetic_job, tmp_path):
     run_dir = tmp_path / "arithmetic"
     # gradient checkpointing on: the key is wired through FSDP2 (the unit test below checks its gradients)
-    output = run_arithmetic_job(arithmetic_job, run_dir, "trainer.total_episodes=48", "trainer.eval_every=2",
+    output = run_arithmetic_job(arithmetic_job, run_dir, "trainer.total_episodes=48", "eval.every=2",
                      "model.gradient_checkpointing=true")
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
@@ -59,7 +59,7 @@ def test_dynamic_sampling_fills_the_batch_and_counts_what_it_dropped(arithmetic_
     # launches up to 2x the groups a batch needs, then tops the batch up with dropped groups (and says so).
     run_arithmetic_job(arithmetic_job, run_dir, "trainer.total_episodes=32", "algorithm.filter_zero_variance_groups=true",
             "algorithm.filter_max_groups_factor=2", "algorithm.cliprange_high=0.28", "algorithm.loss_agg=token-mean",
-            "algorithm.overlong_buffer=4", "data.eval_path=null", "trainer.eval_every=0")
+            "algorithm.overlong_buffer=4", "data.eval_path=null", "eval.every=0")
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:

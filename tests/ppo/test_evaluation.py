@@ -58,7 +58,9 @@ def test_eval_is_greedy_by_default_and_rules_are_checked():
     from rl_core.config import ConfigError
 
     with pytest.raises(ConfigError, match="data.eval_path"):
-        load_config("ppo_sentiment.yaml", ["trainer.eval_every=5"], PPOConfig, validate)
+        load_config("ppo_sentiment.yaml", ["eval.every=5"], PPOConfig, validate)
+    with pytest.raises(ConfigError, match=r"^config key 'trainer.eval_every' is now 'eval.every'; rename it$"):
+        load_config("ppo_sentiment.yaml", ["trainer.eval_every=5"], PPOConfig, validate)  # the key it had before
     with pytest.raises(ConfigError, match="eval.accuracy_fn"):
         config("eval.accuracy_fn=nope")
 

@@ -64,7 +64,7 @@ def test_two_grpo_steps_keep_engine_and_trainer_equal_and_export_the_family(arit
     started = time.monotonic()
     run_to_end(torchrun_argv([
         f"model.path={model_dir}", f"data.train_path={arithmetic.train_file}", "data.eval_path=null",
-        "trainer.eval_every=0", "algorithm.batch_size=16", "algorithm.group_size=4", "env.num_envs=8",
+        "eval.every=0", "algorithm.batch_size=16", "algorithm.group_size=4", "env.num_envs=8",
         "trainer.total_episodes=32", "trainer.progress=false", f"trainer.run_dir={run_dir}",
         f"rollout.weight_check_tolerance={MAX_GAP}", *engine_overrides], config="grpo_arithmetic.yaml",
         ranks=1 if engine == "sglang" else 2),

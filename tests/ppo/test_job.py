@@ -76,7 +76,7 @@ def wait_gone(marker: str, seconds: float = 20.0) -> list[int]:
 
 # SGLang's native API as the reference lists it: the only paths the job may call on an engine.
 SGLANG_PATHS = {"/generate", "/health", "/health_generate", "/get_server_info", "/server_info", "/get_model_info",
-                "/model_info", "/flush_cache", "/abort_request", "/pause_generation", "/continue_generation",
+                "/model_info", "/flush_cache", "/pause_generation", "/continue_generation",
                 "/release_memory_occupation", "/resume_memory_occupation", "/begin_weight_update",
                 "/end_weight_update", "/update_weights_from_tensor"}
 STEP = re.compile(r"R\(kv_cache,weights\) M\(weights\) B U+ E M\(kv_cache\)")

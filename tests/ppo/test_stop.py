@@ -28,7 +28,7 @@ HINT = "trainer.resume=auto continues from the last checkpoint"
 # The job: the arithmetic recipe, small batches; a checkpoint every step, an evaluation at step 2.
 ARITHMETIC = {"overrides": [
     "algorithm.batch_size=16", "algorithm.group_size=4", "env.num_envs=8", "eval.max_prompts=12",
-    "trainer.progress=false", "trainer.save_every=1", "trainer.eval_every=2",
+    "trainer.progress=false", "trainer.save_every=1", "eval.every=2",
     "env.cls=tests.ppo.slow_env:SlowSingleTurnEnv", "env.kwargs.delay_s=1.0"]}
 RUN_STEPS = "trainer.total_episodes=48"  # 3 steps
 # A run whose signal lands by a hold, and the last run, need no slow env: without it their rollouts and

@@ -48,7 +48,7 @@ def run_chat_job(assets, run_dir, engine: str, mode: str, overrides: list[str]) 
         if engine == "sglang" else []
     run_to_end(torchrun_argv([
         f"model.tokenizer_path={tokenizer_dir}", f"data.train_path={arithmetic.train_file}", "data.eval_path=null",
-        "rollout.response_length=8", "trainer.eval_every=0", "trainer.progress=false", f"trainer.run_dir={run_dir}",
+        "rollout.response_length=8", "eval.every=0", "trainer.progress=false", f"trainer.run_dir={run_dir}",
         f"trainer.mode={mode}", "rollout.weight_check_tolerance=1e-3", "algorithm.old_logprobs=trainer",
         *overrides, *engine_overrides], config="grpo_arithmetic.yaml", ranks=1 if engine == "sglang" else 2),
         timeout=600 if engine == "sglang" else 300)

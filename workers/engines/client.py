@@ -181,10 +181,6 @@ class EngineClient:
         """Re-allocate released memory; tags must have been released (SGLang raises otherwise)."""
         return await self.post("/resume_memory_occupation", {"tags": list(tags)})
 
-    async def abort(self, rid: str | None = None, abort_all: bool = False) -> Any:
-        """Abort the request with exactly this rid, or all; SGLang ignores a rid it does not know."""
-        return await self.post("/abort_request", {"rid": rid or "", "abort_all": abort_all})
-
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()

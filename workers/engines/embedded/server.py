@@ -2,7 +2,7 @@
 
 Endpoints (SGLang's names, bodies and answers; reference: SGLang 0.5.23 native API):
 `/generate`, `/health`, `/health_generate`, `/get_server_info` (`/server_info`),
-`/get_model_info` (`/model_info`), `/flush_cache`, `/abort_request`, `/pause_generation`,
+`/get_model_info` (`/model_info`), `/flush_cache`, `/pause_generation`,
 `/continue_generation`, `/release_memory_occupation`, `/resume_memory_occupation`,
 `/begin_weight_update`, `/update_weights_from_tensor`, `/end_weight_update`. Nothing else:
 anything that works against this engine must work against a real SGLang server.
@@ -109,7 +109,6 @@ class EmbeddedEngine:
             ("GET", "/get_server_info", self.server_info), ("GET", "/server_info", self.server_info),
             ("POST", "/generate", self.generate), ("PUT", "/generate", self.generate),
             ("GET", "/flush_cache", self.flush_cache), ("POST", "/flush_cache", self.flush_cache),
-            ("POST", "/abort_request", self.abort_request),
             ("POST", "/pause_generation", self.pause_generation),
             ("POST", "/continue_generation", self.continue_generation),
             ("POST", "/release_memory_occupation", self.release_memory),
@@ -262,15 +261,6 @@ class EmbeddedEngine:
         return web.Response(text="Cache flushed.")
 
     # -- control
-
-    async def abort_request(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        rid, abort_all = str(body.get("rid") or ""), bool(body.get("abort_all", False))
-        # SGLang's HTTP server aborts the request with exactly this rid (its scheduler would match a
-        # prefix, but the tokenizer manager drops a rid it does not know); anything else is a no-op.
-        count = self._abort(lambda r: abort_all or (rid != "" and r.rid == rid), "aborted by /abort_request")
-        LOG.info("call /abort_request rid=%r abort_all=%s matched=%d", rid, abort_all, count)
-        return web.json_response({"success": True, "aborted": count})
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         mode = (await self._json(request)).get("mode", "abort")
