@@ -12,30 +12,12 @@ from pathlib import Path
 import pytest
 
 from tests.jobs import run_to_end
+from tests.ppo.conftest import ASYNC_RUN, SYNC_RUN
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED_METRICS = ("step", "reward/score_mean", "reward/total_mean", "kl/mean", "kl/coef", "policy/entropy",
                     "policy/clipfrac", "value/loss", "perf/rollout_s", "perf/train_s", "perf/step_s",
                     "perf/tokens_per_s")
-
-
-@pytest.fixture(scope="module")
-def small_job(tmp_path_factory):
-    """Small offline assets and a randomly initialised reward model (the plumbing, not the learning)."""
-    from rl_core.tiny.assets import ensure_tiny_assets
-    from workers.loading import init_reward_model, load_tokenizer
-
-    root = tmp_path_factory.mktemp("train_assets")
-    paths = ensure_tiny_assets(root=root, small=True, log=lambda *_: None)
-    tokenizer = load_tokenizer(str(paths.model_dir))
-    rm_dir = root / "rm"
-    init_reward_model(str(paths.model_dir), pad_token_id=tokenizer.pad_token_id).save_pretrained(rm_dir)
-    tokenizer.save_pretrained(rm_dir)
-    return {"root": root, "overrides": [
-        f"model.path={paths.model_dir}", f"reward.model_path={rm_dir}", f"data.train_path={paths.train_prompts}",
-        "data.max_prompt_length=12", "rollout.response_length=6", "reward.truncate_after=2",
-        "algorithm.batch_size=8", "algorithm.noptepochs=2", "algorithm.lr=3e-4", "trainer.progress=false",
-        "env.num_envs=4"]}
 
 
 def torchrun_argv(overrides, config="ppo_sentiment.yaml", ranks=2):
@@ -93,22 +75,9 @@ def engine_calls(log_text: str) -> str:
     return " ".join(calls)
 
 
-# 3 sync steps, a checkpoint each; always: the GPU's release/resume control flow, which a plan that fits
-# (this machine) would skip.
-SYNC_RUN = ("trainer.total_episodes=24", "trainer.save_every=1", "rollout.release_memory=always")
-
-
-@pytest.fixture(scope="module")
-def sync_run(small_job, tmp_path_factory):
-    """One uninterrupted sync run, read by the protocol test and as the resume test's reference."""
-    run_dir = tmp_path_factory.mktemp("sync") / "run"
-    run_job(small_job, run_dir, *SYNC_RUN)
-    return run_dir
-
-
 @pytest.mark.timeout(600)
 def test_sync_steps_follow_the_gpu_engine_protocol_and_write_outputs(small_job, sync_run):
-    run_dir = sync_run
+    run_dir, _ = sync_run
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert all(m["memory/released"] == 1.0 for m in metrics)
@@ -141,10 +110,12 @@ def test_sync_steps_follow_the_gpu_engine_protocol_and_write_outputs(small_job, 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("partial", ["false", "true"])
-def test_async_mode_respects_staleness_bound(small_job, tmp_path, partial):
-    run_dir = tmp_path / "async"
-    run_job(small_job, run_dir, "trainer.total_episodes=32", "trainer.mode=async", "async.max_staleness=1",
-            f"async.partial_rollout={partial}", "async.queue_batches=2", "trainer.save_every=1", "trainer.keep_last=0")
+def test_async_mode_respects_staleness_bound(small_job, async_run, tmp_path, partial):
+    if partial == "false":
+        run_dir, _ = async_run
+    else:
+        run_dir = tmp_path / "async"
+        run_job(small_job, run_dir, *ASYNC_RUN, "async.partial_rollout=true")
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert all(m["async/staleness_max"] <= 1 for m in metrics)
@@ -158,18 +129,6 @@ def test_async_mode_respects_staleness_bound(small_job, tmp_path, partial):
         state = json.loads((run_dir / "checkpoints" / f"step_{m['step']:08d}" / "trainer_state.json").read_text())
         assert state["prompts"]["served"] == 8 * m["async/batches_taken"], (m, state)
     assert wait_gone(str(small_job["root"])) == []
-
-
-@pytest.fixture(scope="module")
-def slow_prepare_run(small_job, tmp_path_factory):
-    """2 sync steps whose preparation (20 s on rank 0) outlasts the collective timeout (5 s), with pi_old
-    recomputed by the trainer: one job for the two tests below. (run directory, its output)"""
-    run_dir = tmp_path_factory.mktemp("slow_prepare") / "run"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-            "-m", "tests.ppo.slow_prepare", "20", "--config", "ppo_sentiment.yaml", *small_job["overrides"],
-            f"trainer.run_dir={run_dir}", "trainer.total_episodes=16", "trainer.collective_timeout_s=5",
-            "algorithm.old_logprobs=trainer"]
-    return run_dir, run_to_end(argv, timeout=500, cwd=REPO)  # a timeout kills torchrun and its ranks
 
 
 @pytest.mark.timeout(600)
@@ -203,7 +162,7 @@ def test_old_logprobs_come_from_the_engine_only_when_they_are_the_trainers():
 @pytest.mark.timeout(900)
 def test_resume_after_sigterm_continues_step_count_and_reproduces_metrics(small_job, sync_run, tmp_path):
     common = list(SYNC_RUN)
-    reference = read_metrics(sync_run)  # the same run, uninterrupted
+    reference = read_metrics(sync_run[0])  # the same run, uninterrupted
 
     run_dir = tmp_path / "killed"
     overrides = small_job["overrides"] + [f"trainer.run_dir={run_dir}", *common]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ppo.test_job import read_metrics, run_job, small_job, torchrun_argv, wait_gone  # noqa: F401
+from tests.ppo.test_job import read_metrics, run_job, torchrun_argv, wait_gone
 from tests.sglang_env import CONTROL_PATHS, engine_calls, require_sglang_python
 
 # sync releases every step: SGLang's release/resume is what the comparison is for.

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tests.ppo.test_job import read_metrics, run_job, small_job  # noqa: F401  (fixture)
+from tests.ppo.test_job import read_metrics, run_job
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.target_modules=[c_attn,c_proj,c_fc]"]
 
@@ -36,7 +36,7 @@ def test_merged_weights_equal_peft_merge_and_unload(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_lora_actor_pushes_merged_weights_and_exports_its_adapter(small_job, tmp_path):  # noqa: F811
+def test_lora_actor_pushes_merged_weights_and_exports_its_adapter(small_job, tmp_path):
     run_dir = tmp_path / "lora"
     output = run_job(small_job, run_dir, *LORA, "model.lora.export=adapter", "trainer.total_episodes=24",
                      "trainer.save_every=3", "algorithm.lr=3e-3")

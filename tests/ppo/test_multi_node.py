@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ppo.test_job import REPO, read_metrics, small_job, wait_gone  # noqa: F401 - small_job is a fixture
+from tests.ppo.test_job import REPO, read_metrics, wait_gone
 
 
 def netns(*args, check=True) -> subprocess.CompletedProcess:

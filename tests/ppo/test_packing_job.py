@@ -3,14 +3,14 @@ tokens split over both ranks (model.sequence_parallel=2): the same step as padde
 
 import pytest
 
-from tests.ppo.test_job import read_metrics, run_job, small_job  # noqa: F401  (fixture)
+from tests.ppo.test_job import read_metrics, run_job
 
 SAME = ("policy/loss", "value/loss", "policy/approx_kl", "policy/clipfrac", "kl/mean", "reward/score_mean",
         "policy/entropy", "value/vf_clipfrac", "policy/grad_norm", "value/grad_norm")
 
 
 @pytest.mark.timeout(900)
-def test_packed_ppo_step_equals_the_padded_one_with_less_padding(small_job, tmp_path):  # noqa: F811
+def test_packed_ppo_step_equals_the_padded_one_with_less_padding(small_job, tmp_path):
     steps = {}
     layouts = {"padded": ["algorithm.packing=false"], "packed": ["algorithm.packing=true"],
                "shared": ["algorithm.packing=true", "algorithm.share_prompts=true"],

@@ -11,7 +11,7 @@ import pytest
 from rl_core.config import ConfigError, load_config
 from rl_core.ppo.config import PPOConfig
 from rl_core.ppo.validation import validate
-from tests.ppo.test_job import read_metrics, run_job, small_job  # noqa: F401 (the module's fixture)
+from tests.ppo.test_job import read_metrics
 
 
 def ppo(*overrides):
@@ -55,11 +55,11 @@ def within(inner: dict, outer: dict) -> bool:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_listed_steps_write_a_trace_per_rank_with_phases_and_engine_calls(small_job, tmp_path, mode):  # noqa: F811
-    run_dir = tmp_path / "profiled"
-    # always: the release and resumes appear in the sync trace (the memory plan would keep a tiny engine resident)
-    output = run_job(small_job, run_dir, "trainer.total_episodes=24", "trainer.profile_steps=[2,3]",
-                     f"trainer.mode={mode}", "rollout.release_memory=always")
+def test_listed_steps_write_a_trace_per_rank_with_phases_and_engine_calls(sync_run, async_run, mode):
+    # The shared runs (tests/ppo/conftest.py) profile steps 2 and 3. The sync one releases every step
+    # (rollout.release_memory=always), so the release and resumes appear in its trace (the memory plan would
+    # keep a tiny engine resident); the async one never releases.
+    run_dir, output = sync_run if mode == "sync" else async_run
     traces = sorted(p.relative_to(run_dir / "profile").as_posix() for p in (run_dir / "profile").rglob("*"))
     assert traces == ["step_2", "step_2/rank0.pt.trace.json", "step_2/rank1.pt.trace.json",
                       "step_3", "step_3/rank0.pt.trace.json", "step_3/rank1.pt.trace.json"]

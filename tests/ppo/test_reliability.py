@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ppo.test_job import read_metrics, small_job, torchrun_argv  # noqa: F401 - small_job is a fixture
+from tests.ppo.test_job import read_metrics, torchrun_argv
 
 
 # A traceback through the framework's own code (torchrun's own frames are torch's business).
