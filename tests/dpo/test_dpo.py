@@ -65,12 +65,20 @@ def metrics(run_dir):
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def two_ranks(dpo_job, tmp_path_factory):
+    """8 steps on 2 ranks, step 1 profiled: (run_dir, output). One launch serves the learning test and the
+    profile test (profiling leaves the numbers as they are)."""
+    run_dir = tmp_path_factory.mktemp("dpo_two_ranks") / "two"
+    output = run_dpo(dpo_job, run_dir, "train.max_steps=8", "eval.every=4", "trainer.profile_steps=[1]")
+    return run_dir, output
+
+
 @pytest.mark.timeout(900)
-def test_dpo_starts_at_log_2_learns_and_one_rank_matches_two(dpo_job, tmp_path):
+def test_dpo_starts_at_log_2_learns_and_one_rank_matches_two(dpo_job, two_ranks, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    two = tmp_path / "two"
-    output = run_dpo(dpo_job, two, "train.max_steps=8", "eval.every=4")
+    two, output = two_ranks
     rows = metrics(two)
     assert [r["step"] for r in rows] == list(range(9))
     first, last = rows[0], rows[-1]
@@ -100,9 +108,8 @@ def test_dpo_with_lora_adapters_learns_against_the_frozen_base(dpo_job, tmp_path
 
 
 @pytest.mark.timeout(600)
-def test_profile_steps_trace_the_listed_step_on_each_rank(dpo_job, tmp_path):
-    run_dir = tmp_path / "profiled"
-    output = run_dpo(dpo_job, run_dir, "train.max_steps=2", "trainer.export_hf=false", "trainer.profile_steps=[1]")
+def test_profile_steps_trace_the_listed_step_on_each_rank(two_ranks):
+    run_dir, output = two_ranks  # the shared 2-rank run profiles step 1
     for rank in (0, 1):
         path = run_dir / "profile" / "step_1" / f"rank{rank}.pt.trace.json"
         assert f"[rank {rank}] profile of step 1: {path}\n" in output

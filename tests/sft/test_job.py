@@ -64,10 +64,12 @@ def test_sft_learns_evaluates_checkpoints_and_exports(sft_job, tmp_path):
 
 @pytest.fixture(scope="module")
 def two_ranks(sft_job, tmp_path_factory):
-    """6 padded steps on 2 ranks, a checkpoint at 3: the reference of the rank, resume and packing tests."""
+    """6 padded steps on 2 ranks, checkpoints at 3 and 6, step 2 profiled: (run_dir, output). One launch
+    serves as the reference of the rank, resume and packing tests, the checkpoints the resume and
+    damaged-checkpoint tests copy, and the profile test's traces (profiling leaves the numbers as they are)."""
     run_dir = tmp_path_factory.mktemp("two_ranks") / "run"
-    run_sft(sft_job, run_dir, "train.max_steps=6", "trainer.save_every=3")
-    return run_dir
+    output = run_sft(sft_job, run_dir, "train.max_steps=6", "trainer.save_every=3", "trainer.profile_steps=[2]")
+    return run_dir, output
 
 
 @pytest.mark.timeout(900)
@@ -75,20 +77,25 @@ def test_one_rank_and_two_ranks_train_the_same_and_a_resumed_run_continues_exact
     """The loss is the mean over the global batch's trained tokens whatever the split (each rank's
     token sum / global count x dp_size), so one rank and two follow the same losses; a run stopped
     after a checkpoint and resumed logs the same losses as one that was never stopped."""
-    two = two_ranks
+    import shutil
+
+    two, _ = two_ranks
     one = tmp_path / "one"
     run_sft(sft_job, one, "train.max_steps=6", ranks=1)
     two_losses = [r["train/loss"] for r in metrics(two) if "train/loss" in r]
     one_losses = [r["train/loss"] for r in metrics(one) if "train/loss" in r]
     assert len(two_losses) == 6 and two_losses == pytest.approx(one_losses, rel=1e-4, abs=1e-5)
 
+    # A run stopped after its step-3 checkpoint, made by copying the shared run's checkpoint and rows
+    # through step 3 (manifests hold relative paths) instead of launching a 3-step run.
     resumed = tmp_path / "resumed"
-    run_sft(sft_job, resumed, "train.max_steps=3", "trainer.save_every=3")
+    shutil.copytree(two / "checkpoints" / "step_00000003", resumed / "checkpoints" / "step_00000003")
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics(two) if r["step"] <= 3))
     output = run_sft(sft_job, resumed, "train.max_steps=6", "trainer.save_every=3", "trainer.resume=auto")
-    assert "resumed from" in output
+    assert f"resumed from {resumed / 'checkpoints' / 'step_00000003'} at step 3" in output
     rows = metrics(resumed)
     assert [r["step"] for r in rows] == list(range(7))  # each step logged once
-    assert [r["train/loss"] for r in rows[1:]] == pytest.approx(two_losses, rel=1e-5, abs=1e-6)
+    assert [r["train/loss"] for r in rows[4:]] == pytest.approx(two_losses[3:], rel=1e-5, abs=1e-6)  # the resumed steps
 
 
 @pytest.mark.timeout(600)
@@ -125,7 +132,7 @@ def test_lora_trains_only_adapters_and_exports_the_adapter_or_the_merged_model(s
 
 @pytest.mark.timeout(600)
 def test_packed_training_follows_the_padded_losses(sft_job, two_ranks, tmp_path):
-    padded, packed = two_ranks, tmp_path / "packed"  # the padded run is the shared one
+    (padded, _), packed = two_ranks, tmp_path / "packed"  # the padded run is the shared one
     run_sft(sft_job, packed, "train.max_steps=6", "train.packing=true")
     padded_rows, packed_rows = metrics(padded)[1:], metrics(packed)[1:]
     assert len(packed_rows) == len(padded_rows) == 6
@@ -164,19 +171,24 @@ def test_the_arithmetic_recipe_policy_is_what_the_sft_job_exports(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_a_damaged_checkpoint_is_skipped_on_auto_and_refused_by_name_with_one_line(sft_job, tmp_path):
+def test_a_damaged_checkpoint_is_skipped_on_auto_and_refused_by_name_with_one_line(sft_job, two_ranks, tmp_path):
+    import shutil
     import subprocess
 
+    # The shared run's checkpoints (steps 3 and 6) and rows, copied rather than made by a launch of
+    # their own; the copy's newest checkpoint is the one damaged.
+    shared, _ = two_ranks
     run_dir = tmp_path / "run"
-    run_sft(sft_job, run_dir, "train.max_steps=2", "trainer.save_every=1", "eval.every=0")
-    newest = run_dir / "checkpoints" / "step_00000002"
+    shutil.copytree(shared / "checkpoints", run_dir / "checkpoints")
+    shutil.copy(shared / "metrics.jsonl", run_dir / "metrics.jsonl")
+    newest = run_dir / "checkpoints" / "step_00000006"
     shard = sorted(newest.rglob("*.distcp"))[-1]
     written = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[: written // 2])  # an interrupted copy, say
 
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
             "-m", "rl_core.train_sft", "--config", "sft_arithmetic.yaml", *sft_job, f"trainer.run_dir={run_dir}",
-            "train.max_steps=2", "eval.every=0", f"trainer.resume={newest}"]
+            "train.max_steps=6", "eval.every=0", f"trainer.resume={newest}"]
     refused = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     errors = [line for line in refused.stderr.splitlines() if line.startswith("[rank") and "error:" in line]
     assert refused.returncode != 0 and errors == [
@@ -186,19 +198,19 @@ def test_a_damaged_checkpoint_is_skipped_on_auto_and_refused_by_name_with_one_li
     # No traceback of ours: torchrun's own summary is all that follows the line.
     assert not re.search(r'File "[^"]*/(rl_core|workers|envs)/', refused.stderr), refused.stderr[-3000:]
 
-    output = run_sft(sft_job, run_dir, "train.max_steps=3", "eval.every=0", "trainer.resume=auto")
+    output = run_sft(sft_job, run_dir, "train.max_steps=6", "eval.every=0", "trainer.resume=auto")
     assert output.count("skipping checkpoint") == 1 and f"skipping checkpoint {newest}: {shard} has" in output
-    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000001'} at step 1" in output
-    assert [r["step"] for r in metrics(run_dir) if "train/loss" in r][-2:] == [2, 3]  # steps 2 and 3 trained again
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000003'} at step 3" in output
+    assert "metrics.jsonl: dropped 3 rows logged after step 3" in output
+    assert [r["step"] for r in metrics(run_dir) if "train/loss" in r] == [1, 2, 3, 4, 5, 6]  # 4 to 6 trained again
 
 
 @pytest.mark.timeout(600)
-def test_profile_steps_trace_the_listed_steps_on_each_rank_and_steps_beyond_the_data_stop(sft_job, tmp_path):
+def test_profile_steps_trace_the_listed_steps_on_each_rank_and_steps_beyond_the_data_stop(sft_job, two_ranks,
+                                                                                            tmp_path):
     import subprocess
 
-    run_dir = tmp_path / "profiled"
-    output = run_sft(sft_job, run_dir, "train.max_steps=3", "eval.every=0", "trainer.export_hf=false",
-                     "trainer.profile_steps=[2]")
+    run_dir, output = two_ranks  # the shared 2-rank run profiles step 2
     profile = run_dir / "profile"
     assert sorted(p.relative_to(profile).as_posix() for p in profile.rglob("*.json")) == [
         "step_2/rank0.pt.trace.json", "step_2/rank1.pt.trace.json"]
