@@ -249,26 +249,31 @@ def node_address(given: str | None, peer: str, peer_port: int) -> str:
     return address
 
 
+def http_problem(url: str, timeout_s: float) -> str | None:
+    """None when a GET of `url` answers HTTP 200 within `timeout_s`, else what went wrong (`HTTP 503`, the
+    connection's error): the one health probe of launches, rollout errors and node watching."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return None if response.status == 200 else f"HTTP {response.status}"
+    except urllib.error.HTTPError as err:
+        return f"HTTP {err.code}"
+    except (urllib.error.URLError, OSError) as err:
+        return str(getattr(err, "reason", err))
+
+
 def wait_http_ok(url: str, deadline_s: float, proc: subprocess.Popen | None = None,
                  log_path: str | Path | None = None, name: str | None = None) -> None:
     """Poll `url` until it answers HTTP 200; raise ProcessStartError if `proc` exits or time runs out."""
     name = name or (f"process {proc.pid}" if proc is not None else url)
     give_up_at = time.monotonic() + deadline_s
-    last_error = "no answer yet"
     while True:
         if proc is not None and proc.poll() is not None:
             raise ProcessStartError(
                 f"{name} exited with code {proc.returncode} before {url} answered; "
                 f"log {log_path}:\n{log_tail(log_path)}")
-        try:
-            with urllib.request.urlopen(url, timeout=2.0) as response:
-                if response.status == 200:
-                    return
-                last_error = f"HTTP {response.status}"
-        except urllib.error.HTTPError as err:
-            last_error = f"HTTP {err.code}"
-        except (urllib.error.URLError, OSError) as err:
-            last_error = str(err)
+        last_error = http_problem(url, timeout_s=2.0)
+        if last_error is None:
+            return
         if time.monotonic() > give_up_at:
             raise ProcessStartError(
                 f"{name} did not answer 200 on {url} within {deadline_s:.0f}s ({last_error}); "

@@ -23,7 +23,7 @@ from rl_core.ppo.config import PPOConfig, engine_dtype
 from workers.engines.client import EngineError
 from workers.engines.rank_engine import EngineSpec, RankEngine
 from workers.engines.weights import PROBE_TOLERANCE, WeightSyncError
-from workers.procs import ManagedProcesses, ProcessStartError, node_address, stop_this_process
+from workers.procs import ManagedProcesses, ProcessStartError, http_problem, node_address, stop_this_process
 from workers.trace import span
 
 ENGINE_START_TIMEOUT_S = 300.0
@@ -180,14 +180,8 @@ class JobRuntime(JobLifecycle):
 
     def dead_engines(self) -> list[str]:
         """Router and engines (with their log files) that no longer answer: the usual cause of a rollout error."""
-        import urllib.request
-
         def answers(url: str) -> bool:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                    return response.status == 200
-            except OSError:
-                return False
+            return http_problem(f"{url}/health", timeout_s=5) is None
 
         def exit_codes() -> dict[str, int]:
             return {name: code for name, code, _ in self.procs.exited()}
@@ -297,16 +291,10 @@ class JobRuntime(JobLifecycle):
 
 def check_reachable(engines: list[tuple[str, str, dict]], timeout_s: float = 10.0) -> None:
     """Every engine answers /health from here (node 0, where the router runs), or one line names it."""
-    import urllib.request
-
     for rank, (url, _, node) in enumerate(engines):
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as response:
-                if response.status == 200:
-                    continue
-                problem = f"HTTP {response.status}"
-        except OSError as err:
-            problem = str(getattr(err, "reason", err))
+        problem = http_problem(f"{url}/health", timeout_s)
+        if problem is None:
+            continue
         raise ProcessStartError(f"the engine of rank {rank} on node {node['node']} ({node['host']}) at {url} cannot "
                                 f"be reached from node 0, where the router runs ({problem}); let node 0 reach that "
                                 "node's TCP ports (engines take free ports) or set rollout.multi_node_host to an "
@@ -338,17 +326,13 @@ class NodeWatch:
         self.stopped.set()
 
     def _watch(self) -> None:
-        import urllib.request
-
         missed: dict[int, list[float]] = {n: [] for n in self.watched}
         while not self.stopped.wait(self.interval_s):
             for number, (url, host) in self.watched.items():
-                try:
-                    with urllib.request.urlopen(f"{url}/health", timeout=self.interval_s):
-                        missed[number] = []
+                if http_problem(f"{url}/health", timeout_s=self.interval_s) is None:
+                    missed[number] = []
                     continue
-                except OSError:
-                    missed[number].append(time.monotonic())
+                missed[number].append(time.monotonic())
                 times = missed[number]
                 if len(times) >= self.misses and times[-1] - times[0] >= self.timeout_s - self.interval_s \
                         and not self.stopped.is_set():

@@ -150,6 +150,34 @@ def test_wait_http_ok_names_the_process_and_its_log_when_it_dies(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_http_problem_says_what_a_health_probe_met():
+    """The one probe behind engine start-up, rollout errors and node watching: None on 200, else one phrase."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from workers.procs import free_port, http_problem
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert http_problem(f"{url}/health", 5) is None
+        assert http_problem(f"{url}/paused", 5) == "HTTP 503"
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "Connection refused" in http_problem(f"http://127.0.0.1:{free_port()}/health", 5)
+
+
+@pytest.mark.timeout(60)
 def test_wait_http_ok_deadline(tmp_path):
     started = time.monotonic()
     with pytest.raises(ProcessStartError, match="within 1s"):
