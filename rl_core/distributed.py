@@ -240,6 +240,14 @@ class DataParallel:
     sharded: bool = False
     device: torch.device = torch.device("cpu")
 
+    def share(self, items: Sequence[T]) -> tuple[list[T], list[T]]:
+        """This rank's contiguous share of ``items`` (the last ranks' may be short or empty), and the same
+        padded with repeats of the first item to ``ceil(len / size)``: every rank then runs as many batches,
+        so collectives inside them line up. Only the share's results count."""
+        per_rank = -(-len(items) // self.size)
+        mine = list(items[self.rank * per_rank:(self.rank + 1) * per_rank])
+        return mine, mine + [items[0]] * (per_rank - len(mine))
+
     def sum(self, values: Sequence[float]) -> list[float]:
         """Element-wise sum of ``values`` over ranks."""
         if not self.sharded or self.size == 1:

@@ -103,9 +103,8 @@ class RewardModelEval:
     def __init__(self, cfg: DPOConfig, tokenizer, pairs: list[PreferencePair], dp: DataParallel):
         ev = cfg.eval
         prompts = list(dict.fromkeys(tuple(p.chosen[:p.prompt_length][-ev.query_length:]) for p in pairs))[:ev.prompts]
-        per_rank = -(-len(prompts) // dp.size)
-        self.mine = [list(p) for p in prompts[dp.rank * per_rank:(dp.rank + 1) * per_rank]]
-        self.padded = self.mine + [list(prompts[0])] * (per_rank - len(self.mine))  # equal collectives
+        mine, padded = dp.share([list(p) for p in prompts])  # padded: equal collectives
+        self.mine, self.padded = mine, padded
         self.count = len(prompts)
         self.cfg, self.tokenizer, self.dp, self.seed = ev, tokenizer, dp, rank_seed(cfg.trainer.seed, dp.rank)
         self.reward_model = loading.load_reward_model(ev.reward_model_path,

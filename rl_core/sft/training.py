@@ -65,9 +65,7 @@ def generation_accuracy(model, examples: list[SFTExample], reward_fn: Callable, 
                         max_new_tokens: int) -> dict[str, float]:
     """Greedy completions of the held-out prompts scored by `reward_fn(completion, row)`: eval/accuracy
     (score > 0) and eval/reward_mean. Every rank decodes an equal share (padded with repeats)."""
-    per_rank = -(-len(examples) // dp.size)
-    share = examples[dp.rank * per_rank:(dp.rank + 1) * per_rank]
-    padded = share + [examples[0]] * (per_rank - len(share))  # same batches on every rank; not counted
+    share, padded = dp.share(examples)  # padded: the same batches on every rank, the repeats not counted
     prompts = [e.input_ids[:e.prompt_length] for e in padded]
     model.eval()
     completions = decode(model, prompts, DecodeSettings(max_new_tokens, tokenizer.eos_token_id), tokenizer.pad_token_id,
