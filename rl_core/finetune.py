@@ -4,7 +4,6 @@ config, the trainable model built from it, the rows of each step, the console li
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -19,9 +18,8 @@ from rl_core.distributed import DataParallel
 from rl_core.lifecycle import JobLifecycle
 from rl_core.logger import MetricsLogger
 from rl_core.optim import OPTIMIZER_NAMES, build_optimizer, linear_anneal_schedule
-from rl_core.profiling import profile_step
+from rl_core.step_loop import JobSteps, run_steps as run_step_loop
 from workers.fsdp import TrainableModel
-from workers.trace import span
 
 
 def run_job(argv, description: str, default_config: str, schema: type, validate, train, prepare=None,
@@ -143,11 +141,11 @@ def step_rows(rows: list, step: int, batch_size: int, seed: int) -> list:
 
 
 @dataclass(frozen=True)
-class JobSteps:
-    """What a job gives the shared step loop: `one_step(step)` trains one step and returns its metrics;
-    `evaluate()` the held-out metrics (None: the job has no held-out data); `save(step)` writes a
-    checkpoint (None back: it could not be written, with `trainer.on_checkpoint_error=continue`);
-    `shown`: the metrics of the console line."""
+class FixedDataSteps:
+    """What a job on fixed data gives the shared step loop (rl_core/step_loop.py): `one_step(step)` trains one
+    step and returns its metrics; `evaluate()` the held-out metrics (None: the job has no held-out data);
+    `save(step)` writes a checkpoint (None back: it could not be written, with
+    `trainer.on_checkpoint_error=continue`); `shown`: the metrics of the console line."""
 
     one_step: Callable[[int], dict]
     evaluate: Callable[[], dict] | None
@@ -155,33 +153,21 @@ class JobSteps:
     shown: tuple[str, ...]
 
 
-def run_steps(job: JobSteps, start_step: int, total_steps: int, steps_per_epoch: int, cfg,
+def run_steps(job: FixedDataSteps, start_step: int, total_steps: int, steps_per_epoch: int, cfg,
               dp: DataParallel, logger: MetricsLogger | None, progress: JobProgress) -> None:
-    """The step loop both jobs share: `job.one_step(step)`'s metrics with the step time, an evaluation
-    every `cfg.eval.every` steps and at the end (when the job has one), the log line (`cfg.train.log_every`),
-    the checkpoint every `cfg.trainer.save_every` steps (`checkpoint/failed` counts the ones not written
-    in every later row); the steps of `cfg.trainer.profile_steps` traced on each rank."""
-    trainer, evaluate, eval_every = cfg.trainer, job.evaluate, cfg.eval.every
-    failed_saves = 0
-    for step in range(start_step, total_steps):
-        progress.at(step + 1, "update")
-        with profile_step(trainer.profile_steps, step + 1, trainer.run_dir, dp.rank, dp.device) as profiled:
-            started = time.perf_counter()  # inside: the profiler's start and the trace's export are not the step's
-            with span("train step"):
-                metrics = job.one_step(step)
-            metrics["perf/step_s"] = time.perf_counter() - started
-        metrics.update(profiled)  # a profiled step's device reads and kernel-level ops
-        metrics["epoch"] = step / steps_per_epoch
-        if failed_saves:
-            metrics["checkpoint/failed"] = failed_saves
-        if evaluate is not None and (step + 1 == total_steps or (eval_every and (step + 1) % eval_every == 0)):
-            progress.at(step + 1, "evaluation")
-            metrics.update(evaluate())
-        log_step(logger, step + 1, total_steps, metrics, job.shown, every=cfg.train.log_every)
-        if trainer.save_every and (step + 1) % trainer.save_every == 0:
-            progress.at(step + 1, "checkpoint")
-            failed_saves += job.save(step + 1) is None
-    progress.at(total_steps, "export")
+    """The shared step loop with these jobs' rules: `epoch` in every row, an evaluation every `cfg.eval.every`
+    steps and at the end (when the job has one), a console line every `cfg.train.log_every` steps."""
+    every = cfg.eval.every
+
+    def one_step(step: int) -> dict:
+        return {**job.one_step(step), "epoch": step / steps_per_epoch}
+
+    steps = JobSteps(one_step=one_step, save=job.save,
+                     log=lambda step, metrics: log_step(logger, step, total_steps, metrics, job.shown,
+                                                        every=cfg.train.log_every),
+                     evaluate=(lambda step: job.evaluate()) if job.evaluate is not None else None,
+                     eval_due=lambda step: step == total_steps or bool(every and step % every == 0))
+    run_step_loop(steps, start_step, total_steps, cfg.trainer, dp.rank, dp.device, progress)
 
 
 def finish(cfg, model, tokenizer, rank: int, logger: MetricsLogger | None) -> None:

@@ -81,7 +81,7 @@ def train(cfg: DPOConfig, dp: DataParallel, progress: JobProgress | None = None)
     if start_step == 0 and test_pairs:
         progress.at(0, "evaluation")
         finetune.log_step(logger, 0, total_steps, evaluate(), SHOWN)
-    steps = finetune.JobSteps(
+    steps = finetune.FixedDataSteps(
         one_step=lambda step: train_step(trainable, reference, worker,
                                          finetune.step_rows(train_pairs, step, tr.batch_size, cfg.trainer.seed),
                                          tokenizer.pad_token_id, beta, smoothing),

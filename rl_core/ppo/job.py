@@ -1,14 +1,14 @@
 """The PPO job: `torchrun --nproc_per_node N -m rl_core.train --config ppo_sentiment.yaml [key=value ...]`.
 
 Every rank trains with FSDP2 and owns an inference engine; rank 0 also runs the router and the
-environments. `train` below is the whole loop; one step reads top to bottom in `train`'s body.
+environments. `train` below is the whole job and `ppo_step` one step, top to bottom; what happens around
+each step (profiling, evaluations, the log row, checkpoints) is every job's loop, `rl_core/step_loop.py`.
 `trainer.mode=async` overlaps rollout with training.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -33,9 +33,9 @@ from rl_core.ppo.step import (Experience, StepSettings, apply_group_rule, comput
                               forward_passes, reward_model_scores, score_metrics, task_scores)
 from rl_core.rewards import load_reward_fn
 from rl_core.ppo.runtime import JobRuntime
-from rl_core.profiling import profile_step
 from rl_core.rollout.prompts import eval_samples, prompt_samples
 from rl_core.rollout.service import RolloutService
+from rl_core.step_loop import JobSteps, run_steps
 from workers import layout, loading
 from workers.engines.client import EngineError
 from workers.engines.weights import probe_token_ids
@@ -68,75 +68,76 @@ def train(cfg: PPOConfig, rt: JobRuntime, progress: JobProgress | None = None) -
             print(done, flush=True)
         return
     job = start_job(cfg, rt)  # checks, prompts, engines, models, resume, logger, first push, rollout service
-    models, worker, settings, collector, logger = job.models, job.worker, job.settings, job.collector, job.logger
     if job.eval_due(0) and job.start_step == 0:  # the baseline every later evaluation compares with
         progress.at(0, "evaluation")
-        evaluation, eval_rows = evaluate(cfg, rt.rank, job.service, job.reward_model(), job.tokenizer, job.held_out, 0)
-        log_step(job, 0, evaluation, eval_rows, sample_rows=None)
-    version = job.start_step
-    for step in range(job.start_step, job.total_steps):
-        # trainer.profile_steps: this step's torch.profiler trace on every rank (a null context otherwise)
-        with profile_step(cfg.trainer.profile_steps, step + 1, cfg.trainer.run_dir, rt.rank, rt.device) as profiled:
-            timer = StepTimer()  # inside: perf/step_s leaves out the profiler's start and the trace's export
-            progress.at(step + 1, "rollout")
-            with timer("rollout"):  # 1. rollout through the router (rank 0), broadcast to every rank
-                trajectories, metrics = collect_batch(collector, rt, cfg.algorithm, version)
-            progress.at(step + 1, "scoring")
-            with timer("inference"):
-                if collector.engines_idle_while_training:  # 2. sync mode: engines free their KV cache and weights
-                    # (when the memory plan or rollout.release_memory says so)
-                    metrics["perf/release_s"] = rt.release_engine_memory()
-                    metrics["memory/released"] = float(rt.release_each_step)
-                # 3. the step's batch as [N, T] tensors, once; old/ref logprobs, values, reward-model scores.
-                #    pi_old is the engine's own logprobs when they are the trainer's (sync, probe gap within
-                #    algorithm.old_logprobs_max_gap): no recompute
-                old_from_engine = old_logprobs_from_engine(cfg, job.probe_gap)
-                exp = Experience.from_trajectories(trajectories, job.tokenizer.pad_token_id)
-                with span("forward passes"):
-                    forward_passes(exp, models, worker, settings, old_from_engine)
-                metrics.update(score_metrics(exp, old_from_engine))
-                metrics["perf/old_logprobs_from_engine"] = float(old_from_engine)
-            progress.at(step + 1, "update")
-            with timer("train"):
-                # 4. scores: reward model (OpenAI rejection penalty: no period after token 16 -> fixed score)
-                #    + reward functions, truncation penalty, overlong shaping
-                scores, stats = task_scores(exp, settings.scoring)
-                metrics.update(stats)
-                # 5. KL-penalised rewards, reward whitening, GAE (or group baselines by group id), advantage
-                #    whitening
-                with span("advantages"):
-                    targets = compute_advantages(exp, scores, job.kl_ctl.value, cfg.algorithm)
-                # 6. PPO epochs x minibatches x micro-batches, then the adaptive KL step
-                with span("ppo epochs"):
-                    metrics.update(ppo_epochs(exp, targets, models, worker, settings, job.kl_ctl, step))
-            progress.at(step + 1, "weight push")
-            with timer("sync"):  # 7. new weights into every engine, checked by version and probe logprobs
-                version = step + 1
-                metrics.update(push_weights(rt, job, version))
-            metrics.update(step_metrics(timer, trajectories, step + 1, job))
-        metrics.update(profiled)  # a profiled step's device reads and kernel-level ops
-        eval_rows = None
-        if job.eval_due(step + 1):  # 8. held-out prompts with the new weights (not in perf/step_s)
-            progress.at(step + 1, "evaluation")
-            started = time.perf_counter()
-            evaluation, eval_rows = evaluate(cfg, rt.rank, job.service, job.reward_model(), job.tokenizer, job.held_out,
-                                             version)
-            metrics.update(evaluation, **{"perf/eval_s": time.perf_counter() - started})
-        log_step(job, step + 1, metrics, eval_rows, sample_rows(job.tokenizer, exp, scores, n=4))
-        # Saved after the step is logged: a run killed in between resumes from the previous checkpoint
-        # and logs this step again (the resumed logger drops the extra row), so no step goes missing.
-        if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
-            progress.at(step + 1, "checkpoint")
-            save_checkpoint(job, step + 1, rt.rank)
-    progress.at(job.total_steps, "export")
+        log_step(job, 0, run_evaluation(job, rt, 0))
+    # The loop around each step (profiling, evaluations, the log, checkpoints) is every job's: rl_core/step_loop.py.
+    steps = JobSteps(one_step=lambda step: ppo_step(job, rt, step, progress),
+                     log=lambda step, metrics: log_step(job, step, metrics),
+                     save=lambda step: save_checkpoint(job, step, rt.rank),
+                     evaluate=lambda step: run_evaluation(job, rt, step), eval_due=job.eval_due, first_phase="rollout")
+    run_steps(steps, job.start_step, job.total_steps, cfg.trainer, rt.rank, rt.device, progress)
     # Rank 0's last evaluation runs on every rank's engine: no rank may stop its engine before it ends.
     dist.barrier()
     rt.stop_node_watch()  # other nodes may finish first and stop their engines
     if cfg.trainer.export_hf:
-        export_hf(models.actor.model, job.tokenizer, cfg.model.path, Path(cfg.trainer.run_dir) / "final", rt.rank,
+        export_hf(job.models.actor.model, job.tokenizer, cfg.model.path, Path(cfg.trainer.run_dir) / "final", rt.rank,
                   cfg.model.lora)
-    if logger is not None:
-        logger.close()
+    if job.logger is not None:
+        job.logger.close()
+
+
+def ppo_step(job: Job, rt: JobRuntime, step: int, progress: JobProgress) -> dict[str, float]:
+    """One PPO step, top to bottom: rollout, scoring, update, weight push. Its metrics; the step's sample table
+    waits in `job.sample_rows` for the log."""
+    cfg, models, worker, settings = job.cfg, job.models, job.worker, job.settings
+    timer = StepTimer()
+    progress.at(step + 1, "rollout")
+    with timer("rollout"):  # 1. rollout through the router (rank 0), broadcast to every rank
+        trajectories, metrics = collect_batch(job.collector, rt, cfg.algorithm, step)
+    progress.at(step + 1, "scoring")
+    with timer("inference"):
+        if job.collector.engines_idle_while_training:  # 2. sync mode: engines free their KV cache and weights
+            # (when the memory plan or rollout.release_memory says so)
+            metrics["perf/release_s"] = rt.release_engine_memory()
+            metrics["memory/released"] = float(rt.release_each_step)
+        # 3. the step's batch as [N, T] tensors, once; old/ref logprobs, values, reward-model scores.
+        #    pi_old is the engine's own logprobs when they are the trainer's (sync, probe gap within
+        #    algorithm.old_logprobs_max_gap): no recompute
+        old_from_engine = old_logprobs_from_engine(cfg, job.probe_gap)
+        exp = Experience.from_trajectories(trajectories, job.tokenizer.pad_token_id)
+        with span("forward passes"):
+            forward_passes(exp, models, worker, settings, old_from_engine)
+        metrics.update(score_metrics(exp, old_from_engine))
+        metrics["perf/old_logprobs_from_engine"] = float(old_from_engine)
+    progress.at(step + 1, "update")
+    with timer("train"):
+        # 4. scores: reward model (OpenAI rejection penalty: no period after token 16 -> fixed score)
+        #    + reward functions, truncation penalty, overlong shaping
+        scores, stats = task_scores(exp, settings.scoring)
+        metrics.update(stats)
+        # 5. KL-penalised rewards, reward whitening, GAE (or group baselines by group id), advantage
+        #    whitening
+        with span("advantages"):
+            targets = compute_advantages(exp, scores, job.kl_ctl.value, cfg.algorithm)
+        # 6. PPO epochs x minibatches x micro-batches, then the adaptive KL step
+        with span("ppo epochs"):
+            metrics.update(ppo_epochs(exp, targets, models, worker, settings, job.kl_ctl, step))
+    progress.at(step + 1, "weight push")
+    with timer("sync"):  # 7. new weights into every engine, checked by version and probe logprobs
+        metrics.update(push_weights(rt, job, step + 1))
+    metrics.update(step_metrics(timer, trajectories, step + 1, job))
+    if job.logger is not None:  # rank 0 logs
+        job.sample_rows = sample_rows(job.tokenizer, exp, scores, n=4)
+    return metrics
+
+
+def run_evaluation(job: Job, rt: JobRuntime, step: int) -> dict[str, float]:
+    """8. Held-out prompts with the weights of `step` (the engines serve them as version `step`); the sample table
+    waits in `job.eval_rows` for the log."""
+    evaluation, job.eval_rows = evaluate(job.cfg, rt.rank, job.service, job.reward_model(), job.tokenizer,
+                                         job.held_out, step)
+    return evaluation
 
 
 @dataclass
@@ -159,7 +160,8 @@ class Job:
     service: RolloutService | None = None
     probe_gap: float = float("inf")  # the last push's, max over ranks (see old_logprobs_from_engine)
     memory_plan: MemoryPlan | None = None  # its memory_plan/* go into this run's first logged step
-    failed_checkpoints: int = 0  # not written, with trainer.on_checkpoint_error=continue
+    sample_rows: list | None = None  # the last step's sample table, for its log row
+    eval_rows: list | None = None  # the last evaluation's sample table, for its log row
 
     def reward_model(self):
         """Held-out trajectories -> (reward-model scores, rejected), or None without a reward model."""
@@ -264,13 +266,13 @@ def old_logprobs_from_engine(cfg: PPOConfig, probe_gap: float) -> bool:
     return algo.old_logprobs == "engine"
 
 
-def save_checkpoint(job: Job, step: int, rank: int) -> None:
-    """Collective: models and optimizers, and rank 0's KL controller and prompt position."""
+def save_checkpoint(job: Job, step: int, rank: int) -> Path | None:
+    """Collective: models and optimizers, and rank 0's KL controller and prompt position (None back: it could
+    not be written, said why, and training goes on)."""
     state = None
     if rank == 0:
         state = {"kl_controller": job.kl_ctl.state_dict(), "prompts": job.collector.resume_state()}
-    if job.checkpointer.save(step, job.models.trained(), state) is None:  # said why; training goes on
-        job.failed_checkpoints += 1
+    return job.checkpointer.save(step, job.models.trained(), state)
 
 
 def collect_batch(collector, rt: JobRuntime, algo, version: int) -> tuple[list, dict]:
@@ -306,14 +308,15 @@ def step_metrics(timer: StepTimer, trajectories: list, step: int, job: Job) -> d
     metrics.update({"perf/tokens_per_s": sum(t.num_tokens for t in trajectories) / step_s,
                     "perf/episodes_per_s": len(trajectories) / step_s,
                     "episodes": step * job.cfg.algorithm.batch_size, "data/prompts_skipped": job.prompts.skipped})
-    if job.failed_checkpoints:  # every row after a checkpoint that could not be written
-        metrics["checkpoint/failed"] = job.failed_checkpoints
     return metrics
 
 
-def log_step(job: Job, step: int, metrics: dict, eval_rows: list | None, sample_rows: list | None) -> None:
-    """Rank 0: the metrics row, the console line, and the sample tables when due."""
+def log_step(job: Job, step: int, metrics: dict) -> None:
+    """Rank 0: the metrics row, the console line, and the sample tables when due (the step's and the
+    evaluation's, each handed over once)."""
     logger, every = job.logger, job.cfg.trainer.log_samples_every
+    eval_rows, job.eval_rows = job.eval_rows, None
+    sample_rows, job.sample_rows = job.sample_rows, None
     if logger is None:
         return
     if step == job.start_step + 1 and job.memory_plan is not None:

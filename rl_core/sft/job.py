@@ -84,7 +84,7 @@ def train(cfg: SFTConfig, dp: DataParallel, progress: JobProgress | None = None)
     if eval_rows and start_step == 0:
         progress.at(0, "evaluation")
         finetune.log_step(logger, 0, total_steps, evaluate(), SHOWN)
-    steps = finetune.JobSteps(
+    steps = finetune.FixedDataSteps(
         one_step=lambda step: train_step(trainable, worker, finetune.step_rows(train_rows, step, tr.batch_size,
                                                                               cfg.trainer.seed), tokenizer.pad_token_id),
         evaluate=evaluate if eval_rows else None, save=lambda step: checkpointer.save(step, {"model": trainable}, {}),
