@@ -1,5 +1,6 @@
 """What the jobs that train on fixed data (SFT, DPO) share: the optimisation section of their
-config, the trainable model built from it, the rows of each step, the console line."""
+config, the trainable model built from it, the rows of each step, the console line; and the start-up of
+every job but PPO (`run_job`: the reward-model job's too)."""
 
 from __future__ import annotations
 

@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 
-from rl_core.cli import parse_job_config, run_main
+from rl_core.cli import JobProgress
 from rl_core.config import save_config
 from rl_core.distributed import DataParallel, on_every_rank, seed_everything
-from rl_core.lifecycle import JobLifecycle
+from rl_core.finetune import run_job
 from rl_core.reward_model.config import RMConfig, check_lengths, validate
 from rl_core.reward_model.sampling import load_queries
 from rl_core.reward_model.training import (Log, ReferenceSamples, build_reward_model, export_reward_model,
@@ -48,10 +48,12 @@ def resolve_inputs(cfg: RMConfig, labeler) -> dict:
             "prompts": cfg.normalize.prompts_path, "init_from": cfg.model.init_from or policy, "labeler": labeler}
 
 
-def fit_and_export(cfg: RMConfig, dp: DataParallel, log: Log = print, labeler=None) -> dict:
+def fit_and_export(cfg: RMConfig, dp: DataParallel, log: Log = print, labeler=None,
+                   progress: JobProgress | None = None) -> dict:
     """The whole job on this rank; returns the metrics (identical on every rank).
 
-    `labeler`: the rater the fresh-sample check compares with (offline runs), or None."""
+    `labeler`: the rater the fresh-sample check compares with (offline runs), or None. `progress`: where the
+    job is, for the line a stop signal ends with."""
     started = time.perf_counter()
     inputs = resolve_inputs(cfg, labeler)
     tokenizer = load_tokenizer(inputs["policy"])
@@ -62,7 +64,9 @@ def fit_and_export(cfg: RMConfig, dp: DataParallel, log: Log = print, labeler=No
     queries = load_queries(inputs["prompts"], cfg.normalize.text_key, tokenizer, cfg.normalize.query_length)
     model = build_reward_model(inputs["init_from"], tokenizer, seed, cfg.model.attn_implementation)
     reference = ReferenceSamples(policy, tokenizer, queries, cfg.normalize, dp)
-    metrics = fit_reward_model(model, reference, train, test, cfg, inputs["labeler"], log)
+    metrics = fit_reward_model(model, reference, train, test, cfg, inputs["labeler"], log, progress)
+    if progress is not None:
+        progress.at(None, "export")
     run_dir = Path(cfg.trainer.run_dir)
     output_dir = Path(cfg.trainer.output_dir or run_dir / "reward_model")
     export_reward_model(model, tokenizer, output_dir, dp)
@@ -77,24 +81,24 @@ def fit_and_export(cfg: RMConfig, dp: DataParallel, log: Log = print, labeler=No
 def main(argv: list[str] | None = None, prepare=None, get_labeler=None) -> None:
     """`prepare(cfg, log)` (the entry point's: offline assets named in the recipe) runs on every rank before
     the process group exists; `get_labeler(name)` gives the offline rater that `labeler.name` names."""
-    run_main(lambda args, progress: _main(args, prepare, get_labeler), argv)  # no steps to report
+    run_job(argv, __doc__, "rm_sentiment.yaml", RMConfig, validate,
+            lambda cfg, dp, progress: train(cfg, dp, progress, get_labeler), prepare)
 
 
-def _main(argv: list[str] | None, prepare, get_labeler) -> None:
-    cfg = parse_job_config(argv, __doc__, "rm_sentiment.yaml", RMConfig, validate, prepare)
+def train(cfg: RMConfig, dp: DataParallel, progress: JobProgress, get_labeler=None) -> None:
+    """The job on this rank, inside the shared job lifecycle (`finetune.run_job`); rank 0 ends with the
+    results as one JSON line."""
     labeler = get_labeler(cfg.labeler.name) if cfg.labeler.name and get_labeler is not None else None
-    with JobLifecycle(cfg.trainer) as lifecycle:
-        seed_everything(cfg.trainer.seed)  # same init everywhere; sampling seeds are per rank (rank_seed)
-        dp = lifecycle.data_parallel()
+    seed_everything(cfg.trainer.seed)  # same init everywhere; sampling seeds are per rank (rank_seed)
 
-        def log(line: str) -> None:
-            if dp.rank == 0:
-                print(line, flush=True)
-
-        metrics = fit_and_export(cfg, dp, log, labeler)
-        dp.barrier()
+    def log(line: str) -> None:
         if dp.rank == 0:
-            print(json.dumps(metrics), flush=True)
+            print(line, flush=True)
+
+    metrics = fit_and_export(cfg, dp, log, labeler, progress)
+    dp.barrier()
+    if dp.rank == 0:
+        print(json.dumps(metrics), flush=True)
 
 
 if __name__ == "__main__":

@@ -221,9 +221,10 @@ def fresh_sample_check(model, reference: ReferenceSamples, seed: int, labeler=No
 
 
 def fit_reward_model(model, reference: ReferenceSamples, train_examples: list, test_examples: list,
-                     cfg: RMConfig, labeler=None, log: Log = print) -> dict:
+                     cfg: RMConfig, labeler=None, log: Log = print, progress=None) -> dict:
     """Normalise on `reference`'s samples, train one epoch, normalise again, check on a fresh sample.
-    Returns metrics.
+    Returns metrics. `progress` (a `rl_core.cli.JobProgress`): told each phase, for the line a stop signal
+    ends with.
 
     ``reference.dp.sharded``: the model is sharded with FSDP2 over the default process group here;
     otherwise it trains as a plain module in this process.
@@ -258,11 +259,13 @@ def fit_reward_model(model, reference: ReferenceSamples, train_examples: list, t
     # A checkpoint holds the weights, optimizer, schedule and RNG mid-epoch, and what came before training
     # (the first normalisation, the held-out baseline): a resumed run goes on from its step as if never stopped.
     start, saved = checkpointer.maybe_resume(tr.resume, {"reward_model": trainable})
+    phase = progress.at if progress is not None else (lambda step, name: None)
     if start:
         gain_before, bias_before, before = saved["gain_before"], saved["bias_before"], saved["before"]
         set_reward_gain_bias(model, gain_before, bias_before)
     else:
         # OpenAI: normalise before training too, so the loss sees rewards at unit scale from step one.
+        phase(None, "normalisation before training")
         gain_before, bias_before = normalize_reward(model, reference, tr.seed,
                                                     bar("sampling to normalise before training"))
         before = heldout_metrics(model, worker, test_examples, pad_id)
@@ -274,7 +277,9 @@ def fit_reward_model(model, reference: ReferenceSamples, train_examples: list, t
                                                              "before": before, **epoch})
 
     checkpoints = EpochCheckpoints(save, tr.save_every, {"step": start, **saved} if start else None)
+    phase(None, "training")
     stats = train_one_epoch(trainable, worker, train_examples, cfg.train, cfg.trainer, pad_id, log, checkpoints)
+    phase(None, "evaluation and normalisation after training")
     after = heldout_metrics(model, worker, test_examples, pad_id)
     gain, bias = normalize_reward(model, reference, tr.seed + 1, bar("sampling to normalise after training"))
     check = fresh_sample_check(model, reference, tr.seed + 2, labeler, bar("sampling to check on fresh samples"))

@@ -158,3 +158,38 @@ def test_validation_names_the_key_and_fix():
         load("data.max_length=128", "train.max_tokens_per_device=200")
     with pytest.raises(ConfigError, match="data.test_path"):
         load("data.train_path=/some/file.jsonl")
+
+
+@pytest.mark.timeout(200)
+def test_the_job_tells_its_progress_each_phase_for_the_stop_line(tiny_model_dir, tmp_path):
+    """A stop signal's line names where the job was (`run_main`): the reward-model job has no steps to count,
+    so it names its phases, in the order it runs them (one process, no process group)."""
+    from rl_core.cli import JobProgress
+    from rl_core.config import load_config
+    from rl_core.distributed import DataParallel
+    from rl_core.reward_model.config import RMConfig, validate
+    from rl_core.reward_model.job import fit_and_export
+
+    class Recorded(JobProgress):
+        def __init__(self):
+            super().__init__()
+            self.phases = []
+
+        def at(self, step, phase):
+            super().at(step, phase)
+            self.phases.append((step, phase))
+
+    _write_pairs(tmp_path / "train.jsonl", _pairs(0, 32))
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in OPENINGS))
+    cfg = load_config("rm_sentiment.yaml", [
+        f"model.policy_path={tiny_model_dir}", f"data.train_path={tmp_path / 'train.jsonl'}",
+        f"data.test_path={tmp_path / 'train.jsonl'}", "data.max_length=48",
+        f"normalize.prompts_path={tmp_path / 'prompts.jsonl'}", "normalize.query_length=12",
+        "normalize.response_length=4", "normalize.num_samples=16", "normalize.truncate_token=null",
+        "train.batch_size=16", "train.max_tokens_per_device=256", "trainer.progress=false", "labeler.name=null",
+        f"trainer.run_dir={tmp_path / 'run'}"], RMConfig, validate)
+    progress = Recorded()
+    fit_and_export(cfg, DataParallel(), log=lambda line: None, progress=progress)
+    assert progress.phases == [(None, "normalisation before training"), (None, "training"),
+                               (None, "evaluation and normalisation after training"), (None, "export")]
+    assert progress.where() == "during export"
