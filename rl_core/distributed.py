@@ -265,6 +265,14 @@ class DataParallel:
         dist.all_gather(parts, values)
         return torch.cat(parts).cpu()
 
+    def concat(self, items: list) -> list:
+        """Every rank's ``items`` (picklable), concatenated in rank order, on every rank."""
+        if not self.sharded or self.size == 1:
+            return list(items)
+        parts: list = [None] * self.size
+        dist.all_gather_object(parts, list(items))
+        return [item for part in parts for item in part]
+
     def barrier(self) -> None:
         if self.sharded and self.size > 1:
             dist.barrier()

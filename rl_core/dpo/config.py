@@ -81,6 +81,11 @@ def validate(cfg: DPOConfig) -> None:
     require(cfg.eval.temperature >= 0, "config key 'eval.temperature' must be >= 0 (0 = greedy)")
     require(cfg.eval.prompts > 0 and cfg.eval.response_length > 0 and cfg.eval.query_length > 0,
             "config keys 'eval.prompts', 'eval.query_length' and 'eval.response_length' must be > 0")
+    longest = cfg.eval.query_length + cfg.eval.response_length
+    require(not cfg.eval.reward_model_path or longest <= tr.max_tokens_per_device,
+            f"eval.query_length + eval.response_length = {longest} tokens do not fit one micro-batch of "
+            f"train.max_tokens_per_device={tr.max_tokens_per_device}, which the reward model scores them in; raise "
+            "train.max_tokens_per_device or shorten eval.query_length or eval.response_length")
 
 
 def check_models(cfg: DPOConfig) -> None:

@@ -26,7 +26,7 @@ from rl_core.cli import JobProgress
 from rl_core.logger import open_run_logger
 from rl_core.preferences import load_preference_splits
 from workers import decode, forward, loading
-from workers.layout import make_micro_batch, packing_layout, to_device
+from workers.layout import make_micro_batch, packing_layout
 from workers.fsdp import shard_model
 from workers.lora import with_lora
 from workers.forward import ForwardSettings
@@ -107,6 +107,9 @@ class RewardModelEval:
         self.mine, self.padded = mine, padded
         self.count = len(prompts)
         self.cfg, self.tokenizer, self.dp, self.seed = ev, tokenizer, dp, rank_seed(cfg.trainer.seed, dp.rank)
+        # Padded rows (the reward model's own attention kernel, whatever the policy's layout), balanced over
+        # the ranks in micro-batches of at most train.max_tokens_per_device tokens, as training batches are.
+        self.worker = BatchWorker(dp.rank, dp.size, dp.device, cfg.train.max_tokens_per_device)
         self.reward_model = loading.load_reward_model(ev.reward_model_path,
                                                      pad_token_id=tokenizer.pad_token_id).to(dp.device).eval()
 
@@ -119,12 +122,10 @@ class RewardModelEval:
                                   generator=generator)
         rows = [{"input_ids": q + r, "action_mask": [0] * len(q) + [1] * len(r)}
                 for q, r in zip(self.mine, responses)]
-        total = 0.0
-        if rows:
-            batch = to_device(make_micro_batch(rows, self.tokenizer.pad_token_id), self.dp.device)
-            total = float(forward.reward_scores(self.reward_model, batch).sum())
-        (total,) = self.dp.sum([total])
-        return {"eval/rm_score": total / self.count}
+        # Every rank's rows, scored by the worker (each rank's own copy of the reward model: no collective inside).
+        batch = make_micro_batch(self.dp.concat(rows), self.tokenizer.pad_token_id)
+        (scores,) = self.worker.gather(batch, lambda micro: (forward.reward_scores(self.reward_model, micro),))
+        return {"eval/rm_score": float(scores.sum()) / self.count}
 
 
 if __name__ == "__main__":

@@ -36,6 +36,20 @@ def test_best_of_n_becomes_the_best_against_each_other_response():
     assert all(p.prompt_length == 2 and p.tokens == 6 for p in pairs)
 
 
+def test_reward_model_evaluation_rows_must_fit_the_micro_batch_they_are_scored_in():
+    from rl_core.config import ConfigError, load_config
+    from rl_core.dpo.config import DPOConfig, validate
+
+    def load(*overrides):
+        return load_config("dpo_sentiment.yaml", ["eval.reward_model_path=some/rm", *overrides], DPOConfig, validate)
+
+    assert load("eval.query_length=40", "eval.response_length=24", "train.max_tokens_per_device=256")
+    with pytest.raises(ConfigError, match=r"eval.query_length \+ eval.response_length = 264 tokens do not fit one "
+                                          r"micro-batch of train.max_tokens_per_device=256"):
+        load("eval.query_length=240", "eval.response_length=24", "train.max_tokens_per_device=256",
+             "data.max_length=64")
+
+
 @pytest.fixture(scope="module")
 def dpo_job(tmp_path_factory):
     from rl_core.tiny.assets import ensure_tiny_assets
