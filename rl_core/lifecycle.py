@@ -41,7 +41,7 @@ class JobLifecycle:
             self.local_world_size = local_world_size()
             self.device = device_for_rank()
             if self.split_cores and self.device.type == "cpu":
-                torch.set_num_threads(self.cpu_threads())
+                torch.set_num_threads(self.trainer_threads())
             # One live job per run directory; every rank stops at once if another job holds it.
             self.run_dir_lock = on_rank0(lambda: RunDirLock(self.run_dir).acquire())
         except BaseException:
@@ -72,6 +72,11 @@ class JobLifecycle:
         """This rank's share of the cores this process may run on (taskset, cgroup cpusets), not of
         every core of the machine: the node's ranks split them instead of oversubscribing them."""
         return max(1, len(os.sched_getaffinity(0)) // self.local_world_size)
+
+    def trainer_threads(self) -> int:
+        """This rank's torch threads under `split_cores`: all of its share (a job whose other processes compute
+        at other times)."""
+        return self.cpu_threads()
 
     def data_parallel(self) -> DataParallel:
         """This rank among the trainers, sharded over the whole process group."""

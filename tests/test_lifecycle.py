@@ -67,3 +67,24 @@ def test_split_cores_gives_torch_this_ranks_share_of_the_cores(one_rank, tmp_pat
             assert torch.get_num_threads() == job.cpu_threads() == len(os.sched_getaffinity(0))  # one rank per node
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_ppo_rank_splits_its_cores_with_its_engine_only_when_both_compute_at_once(one_rank, tmp_path, mode):
+    from rl_core.ppo.config import PPOConfig
+    from rl_core.ppo.runtime import JobRuntime
+
+    cfg = PPOConfig()
+    cfg.trainer.run_dir, cfg.trainer.mode = str(tmp_path / mode), mode
+    before = torch.get_num_threads()
+    try:
+        with JobRuntime(cfg) as rt:  # no engine starts here: the split is decided with the process group
+            cores = rt.cpu_threads()
+            assert torch.get_num_threads() == rt.trainer_threads()
+            if mode == "sync":  # they take turns: each gets every core
+                assert rt.trainer_threads() == rt.engine_threads() == cores
+            else:  # side by side: the cores are shared out, one each at least
+                assert rt.trainer_threads() + rt.engine_threads() == max(cores, 2)
+    finally:
+        torch.set_num_threads(before)

@@ -117,6 +117,14 @@ class JobRuntime(JobLifecycle):
         cores = self.cpu_threads()
         return cores if self.cfg.trainer.mode == "sync" else max(1, cores // 2)
 
+    def trainer_threads(self) -> int:
+        """The trainer's torch threads: all of this rank's cores in sync mode; in async mode the cores its engine
+        does not have, so the two compute side by side instead of waiting on each other's threads (the gpu86m
+        shape on 2 cores, scripts/bench_vs_trl.py: async 0.90-0.99x the sync step with 1 + 1 threads, 1.07x with
+        the trainer on both cores)."""
+        cores = self.cpu_threads()
+        return cores if self.cfg.trainer.mode == "sync" else max(1, cores - self.engine_threads())
+
     def start_engines(self, policy_path: str, pauses_in_place: bool, context_length: int | None = None,
                       kv_tokens: int | None = None) -> None:
         """Each rank launches its engine; rank 0 starts the router and registers every engine.
