@@ -1,10 +1,11 @@
 """The PPO job against real SGLang servers on CPU, next to the same job on embedded engines.
 
-2 ranks, 2 sync steps and 2 async steps (a third repeats the second's calls: sync releases and resumes
-every step; async without partial rollout pushes into an idle engine, and step 2 already trains on a
-batch one version stale). Each rank's engine must receive the same control calls
-in the same order from both runs (read from the engines' own logs), report the pushed weights
-(probe gap within tolerance), and leave nothing running, also when an engine is killed mid-run.
+2 ranks, 2 sync steps and 2 async steps (a third repeats the second's calls: sync releases and resumes every
+step; async without partial rollout pushes into an idle engine, and step 2 already trains on a batch one version
+stale). The embedded side is the shared sync and async runs (tests/ppo/conftest.py: the same settings, more
+steps), so only the SGLang job launches here. Each rank's engine must receive the same control calls in the same
+order as in those runs' first 2 steps (read from the engines' own logs), report the pushed weights (probe gap
+within tolerance), and leave nothing running, also when an engine is killed mid-run.
 
 The killed engine is a 1-rank job's: one SGLang server start instead of two (most of the case's time on
 2 cores). What is SGLang's own there (its server and its scheduler and detokenizer children dying, being
@@ -24,9 +25,11 @@ import pytest
 from tests.ppo.test_job import read_metrics, run_job, torchrun_argv, wait_gone
 from tests.sglang_env import CONTROL_PATHS, engine_calls, require_sglang_python
 
+# 2 steps with what decides the engine calls set as in the shared runs (tests/ppo/conftest.py), which train on;
 # sync releases every step: SGLang's release/resume is what the comparison is for.
 MODES = {"sync": ["trainer.total_episodes=16", "rollout.release_memory=always"],
-         "async": ["trainer.total_episodes=16", "trainer.mode=async", "async.max_staleness=1"]}
+         "async": ["trainer.total_episodes=16", "trainer.mode=async", "async.max_staleness=1", "async.queue_batches=2",
+                   "async.partial_rollout=false"]}
 
 
 def sglang_overrides() -> list[str]:
@@ -52,20 +55,21 @@ def control_calls(run_dir: Path, rank: int) -> list[tuple[str, str, int]]:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", list(MODES))
-def test_the_job_makes_the_same_engine_calls_against_sglang_as_against_the_embedded_engine(small_job, tmp_path,
-                                                                                          mode):
-    overrides = sglang_overrides()
+def test_the_job_makes_the_same_engine_calls_against_sglang_as_against_the_embedded_engine(small_job, request,
+                                                                                          tmp_path, mode):
+    embedded_dir = request.getfixturevalue(f"{mode}_run")[0]  # the shared run of this mode
     before = set(sglang_processes())
-    run_job(small_job, tmp_path / "embedded", *MODES[mode])
-    run_job(small_job, tmp_path / "sglang", *MODES[mode], *overrides, timeout=800)
-    embedded, sglang = read_metrics(tmp_path / "embedded"), read_metrics(tmp_path / "sglang")
-    assert [m["step"] for m in sglang] == [m["step"] for m in embedded] == [1, 2]
+    run_job(small_job, tmp_path / "sglang", *MODES[mode], *sglang_overrides(), timeout=800)
+    sglang = read_metrics(tmp_path / "sglang")
+    assert [m["step"] for m in sglang] == [1, 2] and len(read_metrics(embedded_dir)) > 2
     assert all(math.isfinite(m["reward/score_mean"]) for m in sglang)
     assert all(0 <= m["weight_sync/probe_gap"] < 1e-3 for m in sglang)  # float32 on both sides
     for rank in (0, 1):
         calls = control_calls(tmp_path / "sglang", rank)
-        assert calls == control_calls(tmp_path / "embedded", rank)
-        assert calls and all(status == 200 for _, _, status in calls)
+        # The first 2 steps' calls of the longer run, in order: the push at the start and one after each step.
+        assert calls == control_calls(embedded_dir, rank)[:len(calls)]
+        assert [path for _, path, _ in calls].count("/end_weight_update") == 3
+        assert all(status == 200 for _, _, status in calls)
     assert wait_gone(str(small_job["root"])) == []
     assert set(sglang_processes()) - before == set()
 
