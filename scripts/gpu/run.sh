@@ -1,46 +1,60 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root (the device tool runs it there): the GPU work order in one
-# script. Each call installs the kit chunks it finds in .gpu_kit/ (carried one per call: they are too big
-# to travel together) into $SITE; once SGLang and TRL import, it runs, each part time-boxed:
-#   1. scripts/gpu_check.sh (embedded and SGLang, sync and async, tiny PPO and ~86M GRPO; short),
-#   2. scripts/bench_vs_trl.py --setting gpu86m (TRL, ours sync and async) with step 4 profiled,
+# script. Each call moves the kit parts it was carried (.gpu_kit/part*, one per call: the kit is too big to
+# travel in one) to $STAGE; once every file of the kit's manifest is there it installs the kit and TRL into
+# $SITE and runs, within RUN_BUDGET_S seconds of its start:
+#   1. scripts/bench_vs_trl.py --setting gpu86m (TRL, ours sync and async on SGLang) with step 4 profiled,
+#   2. scripts/gpu_check.sh: SGLang on the tiny PPO policy, then the embedded engine, for the time left,
 # and writes the logs, the figures (last line of each: JSON) and the profiled step's traces to $OUT.
 #   bash scripts/gpu/run.sh              (OUT defaults to ./gpu_out)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}
 KIT=${KIT:-$PWD/.gpu_kit}
+STAGE=${STAGE:-/tmp/stage}
+RUN_BUDGET_S=${RUN_BUDGET_S:-540}
 export SITE=${SITE:-/tmp/site}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$STAGE"
 started=$(date +%s)
+left() { echo $(( RUN_BUDGET_S - ($(date +%s) - started) )); }
 say() { echo "[gpu/run.sh +$(( $(date +%s) - started ))s] $*" | tee -a "$OUT/run.log"; }
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1 || true
-say "GPU: $(tail -n 1 "$OUT/gpu.txt")"
-installer=$(ls "$KIT"/chunk*/install.sh 2>/dev/null | head -n 1)
-if [ -n "$installer" ]; then
-  say "installing the kit chunks present: $(cd "$KIT" && ls -d chunk* | tr '\n' ' ')"
-  ALLOW_PARTIAL=1 bash "$installer" "$KIT" >> "$OUT/install.log" 2>&1
-  for wheel in "$KIT"/chunk*/trl-*.whl; do
-    [ -f "$wheel" ] && python3 -m pip install -q --no-index --no-deps --target "$SITE" "$wheel" >> "$OUT/install.log" 2>&1
-  done
+say "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -n 1)"
+for part in "$KIT"/part*; do
+  [ -d "$part" ] && mv -f "$part"/* "$STAGE"/ && rmdir "$part" && say "staged $(basename "$part")"
+done
+if ! python3 -c "import sglang.srt.server_args, sglang_router, trl, omegaconf" > /dev/null 2>&1; then
+  installer=$(ls "$STAGE"/install.sh 2>/dev/null)
+  [ -n "$installer" ] || { say "nothing staged yet: carry .gpu_kit/part1"; exit 0; }
+  bash "$installer" "$STAGE" > "$OUT/install.log" 2>&1
+  status=$?
+  missing=$(grep -c '^MISSING' "$OUT/install.log")
+  if [ "$missing" -gt 0 ]; then
+    say "kit not complete ($missing files missing): carry the next part of .gpu_kit/ and run this again"
+    exit 0
+  fi
+  [ $status -eq 0 ] || say "the kit's install failed (exit $status; install.log): what does not need SGLang still runs"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$STAGE"/trl-*.whl >> "$OUT/install.log" 2>&1
+  say "kit installed: $(grep -E 'SMOKE|sglang ' "$OUT/install.log" | tr '\n' ' ')"
 fi
 export PYTHONPATH=$SITE:$PWD TVM_FFI_CACHE_DIR=/tmp/sgl_jit_cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-  TOKENIZERS_PARALLELISM=false PYTHON=python3
-if ! python3 -c "import sglang.srt.server_args, sglang_router, trl, omegaconf" >> "$OUT/install.log" 2>&1; then
-  say "the kit is not complete yet (see install.log): carry the next chunk of .gpu_kit/ and run this again"
-  exit 0
-fi
-say "kit ready; gpu_check (at most 200 s)"
-timeout 200 bash scripts/gpu_check.sh --steps 4 > "$OUT/gpu_check.log" 2>&1
-say "gpu_check exit $? : $(tail -n 1 "$OUT/gpu_check.log" | cut -c1-300)"
-say "bench_vs_trl gpu86m, sync and async, step 4 profiled (at most 330 s)"
-timeout 330 python3 scripts/bench_vs_trl.py --setting gpu86m --batches 8 --workdir /tmp/gpu86m \
+  TOKENIZERS_PARALLELISM=false PYTHON=python3 PYTHONUNBUFFERED=1
+
+engine=sglang
+python3 -c "import sglang.srt.server_args" > /dev/null 2>&1 || { engine=embedded; say "sglang does not import: the bench runs the embedded engine"; }
+say "bench_vs_trl gpu86m, sync and async, step 4 profiled (at most $(( $(left) - 150 ))s)"
+timeout $(( $(left) - 150 )) python3 scripts/bench_vs_trl.py --setting gpu86m --engine $engine --batches 8 --workdir /tmp/gpu86m \
   --project-overrides 'trainer.profile_steps=[4]' > "$OUT/bench_vs_trl.log" 2>&1
 say "bench_vs_trl exit $?"
-grep -E "median s per batch|phase split|reward, first|peak GPU" "$OUT/bench_vs_trl.log" | tee -a "$OUT/run.log"
+grep -E "median s per batch|phase split|reward, first|peak GPU|s/batch" "$OUT/bench_vs_trl.log" | tee -a "$OUT/run.log"
 for mode in sync async; do
   trace=$(ls /tmp/gpu86m/"$mode"/profile/step_4/rank0*.json 2>/dev/null | head -n 1)
   [ -n "$trace" ] && gzip -c "$trace" > "$OUT/trace_${mode}_step4.json.gz"
 done
+(cd /tmp/gpu86m 2>/dev/null && tar czf "$OUT/bench_logs.tar.gz" ./*.log ./*/metrics.jsonl 2>/dev/null)
+
+say "gpu_check: SGLang tiny PPO, then the embedded engine (at most $(( $(left) - 15 ))s)"
+timeout $(( $(left) - 15 )) bash -c 'bash scripts/gpu_check.sh --steps 4 --engines sglang --models tiny-ppo;
+  bash scripts/gpu_check.sh --steps 4 --engines embedded' > "$OUT/gpu_check.log" 2>&1
+say "gpu_check exit $?: $(grep -E '^(ok|FAILED)' "$OUT/gpu_check.log" | cut -c1-160 | tr '\n' '|')"
 say "done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
