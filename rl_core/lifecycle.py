@@ -23,8 +23,8 @@ from rl_core.run_dir import RunDirLock
 class JobLifecycle:
     """Context manager for this rank's process group and the run directory's lock.
 
-    `split_cores`: on CPU, limit torch to this rank's share of the node's cores (`cpu_threads()`),
-    for jobs whose ranks share the node with other busy processes (the PPO job's engines);
+    `split_cores`: set torch's threads to `trainer_threads()` (on CPU, this rank's share of the node's
+    cores), for jobs whose ranks share the node with other busy processes (the PPO job's engines);
     otherwise torch keeps its own thread count.
     """
 
@@ -40,7 +40,7 @@ class JobLifecycle:
             self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
             self.local_world_size = local_world_size()
             self.device = device_for_rank()
-            if self.split_cores and self.device.type == "cpu":
+            if self.split_cores:
                 torch.set_num_threads(self.trainer_threads())
             # One live job per run directory; every rank stops at once if another job holds it.
             self.run_dir_lock = on_rank0(lambda: RunDirLock(self.run_dir).acquire())

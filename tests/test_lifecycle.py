@@ -88,3 +88,24 @@ def test_a_ppo_rank_splits_its_cores_with_its_engine_only_when_both_compute_at_o
                 assert rt.trainer_threads() + rt.engine_threads() == max(cores, 2)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.timeout(120)
+def test_a_ppo_rank_on_a_gpu_keeps_one_cpu_thread_for_its_bookkeeping(one_rank, tmp_path, monkeypatch):
+    """A GPU rank's CPU tensors are small (layouts, advantages): with torch's default threads each op waited at an
+    OpenMP barrier for a thread sharing a core with SGLang's polling scheduler (an H200: 6-8 ms an `index`). There
+    is no GPU here, so the rank is told it has one; nothing in the lifecycle touches the device itself."""
+    import rl_core.lifecycle
+    from rl_core.ppo.config import PPOConfig
+    from rl_core.ppo.runtime import JobRuntime
+
+    monkeypatch.setattr(rl_core.lifecycle, "device_for_rank", lambda: torch.device("cuda", 0))
+    cfg = PPOConfig()
+    cfg.trainer.run_dir = str(tmp_path / "gpu")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with JobRuntime(cfg) as rt:
+            assert rt.device.type == "cuda" and torch.get_num_threads() == rt.trainer_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -121,7 +121,14 @@ class JobRuntime(JobLifecycle):
         """The trainer's torch threads: all of this rank's cores in sync mode; in async mode the cores its engine
         does not have, so the two compute side by side instead of waiting on each other's threads (the gpu86m
         shape on 2 cores, scripts/bench_vs_trl.py: async 0.90-0.99x the sync step with 1 + 1 threads, 1.07x with
-        the trainer on both cores)."""
+        the trainer on both cores).
+
+        On a GPU, one: the trainer's CPU tensors are bookkeeping (layouts, advantages), and with more threads
+        each small op waits at an OpenMP barrier for a thread that shares a core with a busy neighbour, such as
+        SGLang's scheduler, which polls while idle (one H200, gpu86m: torch's 16 threads made each CPU
+        `index` 6-8 ms, 0.38 s of a 0.59 s reference forward)."""
+        if self.device.type != "cpu":
+            return 1
         cores = self.cpu_threads()
         return cores if self.cfg.trainer.mode == "sync" else max(1, cores - self.engine_threads())
 

@@ -35,6 +35,7 @@ def test_server_argv_maps_kwargs_and_extra_server_args_to_flags():
     assert pairs["--base-gpu-id"] == "0" and pairs["--dtype"] == "bfloat16" and pairs["--host"] == "127.0.0.1"
     assert pairs["--attention-backend"] == "triton" and pairs["--cuda-graph-backend-decode"] == "disabled"
     assert "--enable-memory-saver" in argv and "--disable-radix-cache" in argv
+    assert "--sleep-on-idle" in argv  # an idle scheduler would poll a core the trainer needs
     plain = EngineSpec(kind="sglang", model_path="m", dtype="auto", device="cuda")
     assert "--enable-memory-saver" not in build_server_argv(server_kwargs(plain, extra={"enable_memory_saver": False}))
     with pytest.raises(ValueError, match="mem_fraction_static"):
