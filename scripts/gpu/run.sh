@@ -49,7 +49,7 @@ say "bench_vs_trl exit $?"
 grep -E "median s per batch|phase split|reward, first|peak GPU|s/batch" "$OUT/bench_vs_trl.log" | tee -a "$OUT/run.log"
 for mode in sync async; do
   trace=$(ls /tmp/gpu86m/"$mode"/profile/step_4/rank0*.json 2>/dev/null | head -n 1)
-  [ -n "$trace" ] && gzip -c "$trace" > "$OUT/trace_${mode}_step4.json.gz"
+  [ -n "$trace" ] && gzip -c "$trace" > "$OUT/trace_${mode}_step4.json.gz" && python3 scripts/gpu/trace_summary.py "$trace" | tee -a "$OUT/run.log"
 done
 (cd /tmp/gpu86m 2>/dev/null && tar czf "$OUT/bench_logs.tar.gz" ./*.log ./*/metrics.jsonl 2>/dev/null)
 

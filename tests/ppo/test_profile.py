@@ -117,3 +117,17 @@ def test_listed_steps_write_a_trace_per_rank_with_phases_and_engine_calls(sync_r
                              output), output[-2000:]
         else:
             assert "profile/device_reads" not in row
+
+
+def test_the_gpu_trace_reader_splits_a_profiled_step_by_phase(sync_run):
+    """scripts/gpu/trace_summary.py, which reads the GPU lease's traces, on a CPU trace of the shared run: the
+    step, its four phases in order and the CPU-only ops (on CPU every op is, so the big ones are listed)."""
+    run_dir, _ = sync_run
+    trace = run_dir / "profile" / "step_2" / "rank0.pt.trace.json"
+    proc = subprocess.run([sys.executable, "scripts/gpu/trace_summary.py", str(trace)], capture_output=True, text=True,
+                          check=True)
+    step, phases, kernels, host = proc.stdout.splitlines()
+    assert re.fullmatch(rf"{re.escape(str(trace))}: step \d+ ms", step)
+    assert [p.split()[0] for p in phases.split(":  ")[1].split(", ")] == ["rollout", "inference", "train", "sync"]
+    assert kernels == "  kernels ms: "  # no device here
+    assert re.match(r"  CPU-only ops over 0.5 ms: \d+ ms \(", host) and "aten::" in host
