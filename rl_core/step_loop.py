@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from rl_core.cli import JobProgress
 from rl_core.profiling import profile_step
 from workers.trace import span
@@ -51,6 +53,9 @@ def run_steps(job: JobSteps, start_step: int, total_steps: int, trainer, rank: i
                 metrics = job.one_step(step)
             metrics.setdefault("perf/step_s", time.perf_counter() - started)
         metrics.update(profiled)  # a profiled step's device reads and kernel-level ops
+        if device.type == "cuda":  # the trainer's own peak, beside the memory plan's estimate (no device sync)
+            metrics["memory/trainer_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            torch.cuda.reset_peak_memory_stats(device)
         if failed_saves:
             metrics["checkpoint/failed"] = failed_saves
         if job.evaluate is not None and job.eval_due(step + 1):  # not in perf/step_s

@@ -432,6 +432,9 @@ def project_side(args, paths: dict, workdir: Path, name: str = "project", config
                             "kernel_ops": statistics.median(r["profile/kernel_ops"] for r in profiled)}
             if profiled else {},
             "rewards": [r.get("reward/fn_total_mean") for r in steps],
+            # on a GPU, the trainer's own allocator peak (the rest of peak_gpu_gb is the engine and CUDA contexts)
+            "trainer_peak_gib": max((r["memory/trainer_peak_gib"] for r in steps if "memory/trainer_peak_gib" in r),
+                                    default=None),
             "completions": sum(r["rollout/trajectories"] for r in steps),
             "tokens": sum(r["rollout/generated_tokens"] for r in steps),
             "prompts": sum(r["groups/count"] for r in steps),
@@ -625,7 +628,7 @@ def main() -> None:
             label = "this project" if name == "project" else f"project {name}"
             projects[label] = project_side(args, paths, workdir, name.replace("/", "-"), config, tuple(overrides))
             line = {**summary(projects[label]),
-                    **{k: projects[label][k] for k in ("phases", "parts_s", "rollout_shape", "step_counts")}}
+                    **{k: projects[label][k] for k in ("phases", "parts_s", "rollout_shape", "step_counts", "trainer_peak_gib")}}
             print(f"{label}: {json.dumps(line)}", flush=True)
         sides = {**{label: summary(result) for label, result in projects.items()}, **sides}
     check_same_work(sides, args.batches, batch_size, tokens)
