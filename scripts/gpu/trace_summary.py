@@ -39,13 +39,17 @@ def summary(path: str) -> str:
     for stamps in launches.values():
         stamps.sort()
     host_ops, host_by_phase = collections.Counter(), collections.Counter()
-    for e in events:
-        if e["pid"] != step["pid"] or e.get("cat") != "cpu_op" or e["dur"] < 500 or e["name"].startswith("aten::_"):
-            continue  # aten::_ ops are the implementation inside a public op, already counted
+    counted_until: dict[int, float] = {}  # per thread: the end of the last op counted (its inner ops are in it)
+    for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+        if e["pid"] != step["pid"] or e.get("cat") != "cpu_op" or e["dur"] < 500:
+            continue
+        if e["ts"] < counted_until.get(e["tid"], 0):
+            continue  # inside an op already counted
         stamps = launches[e["tid"]]
         i = bisect.bisect_left(stamps, e["ts"])
         if i < len(stamps) and stamps[i] <= e["ts"] + e["dur"]:
             continue  # it launched device work
+        counted_until[e["tid"]] = e["ts"] + e["dur"]
         host_ops[e["name"]] += e["dur"]
         host_by_phase[phase_of(e["ts"])] += e["dur"]
     ms = lambda us: f"{us / 1000:.0f}"  # noqa: E731
