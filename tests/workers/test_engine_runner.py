@@ -24,8 +24,10 @@ def model_dir(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runner(model_dir):
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
-    return ModelRunner(model_dir, "cpu", torch.float32, seed=0)
+    yield ModelRunner(model_dir, "cpu", torch.float32, seed=0)
+    torch.set_num_threads(before)  # the later tests of this process keep their own count
 
 
 @pytest.fixture(scope="module")
