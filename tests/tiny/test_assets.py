@@ -86,7 +86,7 @@ def test_prompt_files_hold_story_openings(small_assets):
 def test_concurrent_builds_are_serialised_and_deterministic(tmp_path):
     # Every build here runs in a fresh process, as users' and scripts/bootstrap_assets.py's do: the reference one
     # first, then two at once under one root. (One CI run, 2026-11-27, found this process's own build, made after
-    # some 600 other tests, differing in its weights from a fresh process's; 14 fresh builds since, with shifted
+    # some 600 other tests, differing in its weights from a fresh process's; 18 fresh builds since, with shifted
     # allocations, foreign load and 1-4 threads, were bit-identical. The message now says which tensors differ.)
     reference, shared = str(tmp_path / "reference"), str(tmp_path / "shared")
     with multiprocessing.get_context("spawn").Pool(2) as pool:
