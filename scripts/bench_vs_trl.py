@@ -178,8 +178,11 @@ def run_measured(argv: list[str], log_path: Path, env: dict | None = None, gpu: 
         finally:
             peaks = memory.stop()
     if code != 0:
-        raise SystemExit(f"{argv[0]} ... failed (exit {code}); the last lines of {log_path}:\n"
-                         + "\n".join(log_path.read_text().splitlines()[-30:]))
+        lines = log_path.read_text(errors="replace").splitlines()
+        # the job's own one-line errors come before torchrun's traceback, which fills the log's tail
+        errors = [line for line in lines if re.match(r"(\[rank \d+\] )?[\w ]*error: ", line, re.IGNORECASE)]
+        raise SystemExit(f"{argv[0]} ... failed (exit {code}); " + "".join(f"{e}\n" for e in errors[:3])
+                         + f"the last lines of {log_path}:\n" + "\n".join(lines[-30:]))
     return time.perf_counter() - started, peaks
 
 
@@ -618,7 +621,7 @@ def main() -> None:
         config, runs = "grpo_arithmetic.yaml", [("project", [])]
         position_ids, tokens = args.trl_position_ids or "off,on", None
     python = ensure_trl_env(Path(args.trl_venv))
-    sides, projects = {}, {}
+    sides, projects, failures = {}, {}, []
     for flag in [f for f in position_ids.split(",") if f]:
         label = f"TRL {TRL_VERSION} position ids {flag}"
         sides[label] = summary(trl_run(args, python, paths, workdir, flag))
@@ -626,7 +629,14 @@ def main() -> None:
     if not args.skip_project:
         for name, overrides in runs:
             label = "this project" if name == "project" else f"project {name}"
-            projects[label] = project_side(args, paths, workdir, name.replace("/", "-"), config, tuple(overrides))
+            try:
+                projects[label] = project_side(args, paths, workdir, name.replace("/", "-"), config, tuple(overrides))
+            except SystemExit as failed:  # a failed variant (e.g. other engine flags) leaves the other runs' table
+                if len(runs) == 1:
+                    raise
+                print(f"{label}: FAILED, left out of the table: {failed}", flush=True)
+                failures.append(label)
+                continue
             line = {**summary(projects[label]),
                     **{k: projects[label][k] for k in ("phases", "parts_s", "rollout_shape", "step_counts", "trainer_peak_gib")}}
             print(f"{label}: {json.dumps(line)}", flush=True)
@@ -657,6 +667,8 @@ def main() -> None:
             out.update({f"accuracy_final{suffix}": mine["accuracy"].get(str(args.batches)),
                         "trl_accuracy_final": reference["accuracy"].get(str(args.batches))})
     print(json.dumps(out))
+    if failures:
+        raise SystemExit(f"bench_vs_trl: {', '.join(failures)} failed (the reason is printed above); the table holds the rest")
 
 
 if __name__ == "__main__":

@@ -3,16 +3,19 @@
 # script. Each call moves the kit parts it was carried (.gpu_kit/part*, one per call: the kit is too big to
 # travel in one) to $STAGE; once every file of the kit's manifest is there it installs the kit and TRL into
 # $SITE and runs, within RUN_BUDGET_S seconds of its start:
-#   1. scripts/bench_vs_trl.py --setting gpu86m (TRL, ours sync and async on SGLang) with step 4 profiled,
+#   1. scripts/bench_vs_trl.py --setting gpu86m (TRL, ours sync and async on SGLang) with step 4 profiled, and
+#      ours sync once more with SGLang's decode CUDA graph on (the kit's flags turn it off: not tried before),
 #   2. scripts/gpu_check.sh: the embedded engine, then SGLang on the tiny PPO policy, for the time left,
 # and writes the logs, the figures (last line of each: JSON) and the profiled step's traces to $OUT.
 #   bash scripts/gpu/run.sh              (OUT defaults to ./gpu_out)
+#   STEPS=check bash scripts/gpu/run.sh  (a warm machine, kit installed: gpu_check only)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}
 KIT=${KIT:-$PWD/.gpu_kit}
 STAGE=${STAGE:-/tmp/stage}
 RUN_BUDGET_S=${RUN_BUDGET_S:-540}
+STEPS=${STEPS:-bench,check}
 export SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT" "$STAGE"
 started=$(date +%s)
@@ -23,7 +26,7 @@ say "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 for part in "$KIT"/part*; do
   [ -d "$part" ] && mv -f "$part"/* "$STAGE"/ && rmdir "$part" && say "staged $(basename "$part")"
 done
-if ! python3 -c "import sglang.srt.server_args, sglang_router, trl, omegaconf" > /dev/null 2>&1; then
+if ! PYTHONPATH=$SITE python3 -c "import sglang.srt.server_args, sglang_router, trl, omegaconf" > /dev/null 2>&1; then
   installer=$(ls "$STAGE"/install.sh 2>/dev/null)
   [ -n "$installer" ] || { say "nothing staged yet: carry .gpu_kit/part1"; exit 0; }
   bash "$installer" "$STAGE" > "$OUT/install.log" 2>&1
@@ -42,20 +45,29 @@ export PYTHONPATH=$SITE:$PWD TVM_FFI_CACHE_DIR=/tmp/sgl_jit_cache HF_HUB_OFFLINE
 
 engine=sglang
 python3 -c "import sglang.srt.server_args" > /dev/null 2>&1 || { engine=embedded; say "sglang does not import: the bench runs the embedded engine"; }
-say "bench_vs_trl gpu86m, sync and async, step 4 profiled (at most $(( $(left) - 150 ))s)"
-timeout $(( $(left) - 150 )) python3 scripts/bench_vs_trl.py --setting gpu86m --engine $engine --batches 8 --workdir /tmp/gpu86m \
-  --project-overrides 'trainer.profile_steps=[4]' > "$OUT/bench_vs_trl.log" 2>&1
-say "bench_vs_trl exit $?"
-grep -E "median s per batch|phase split|reward, first|peak GPU|s/batch" "$OUT/bench_vs_trl.log" | tee -a "$OUT/run.log"
-for mode in sync async; do
-  trace=$(ls /tmp/gpu86m/"$mode"/profile/step_4/rank0*.json 2>/dev/null | head -n 1)
-  [ -n "$trace" ] && gzip -c "$trace" > "$OUT/trace_${mode}_step4.json.gz" && python3 scripts/gpu/trace_summary.py "$trace" | tee -a "$OUT/run.log"
-done
-(cd /tmp/gpu86m 2>/dev/null && tar czf "$OUT/bench_logs.tar.gz" ./*.log ./*/metrics.jsonl ./*/logs 2>/dev/null)  # with the engines' and router's logs
+if [[ $STEPS == *bench* ]]; then
+  reserve=$([[ $STEPS == *check* ]] && echo 150 || echo 20)  # seconds kept for gpu_check's first cases
+  runs=(sync async)
+  [ $engine = sglang ] && runs+=("sync_graphs:trainer.mode=sync;rollout.sglang_args.cuda_graph_backend_decode=full")
+  say "bench_vs_trl gpu86m: TRL, ours ${runs[*]%%:*}; step 4 profiled (at most $(( $(left) - reserve ))s)"
+  timeout $(( $(left) - reserve )) python3 scripts/bench_vs_trl.py --setting gpu86m --engine $engine --batches 8 \
+    --workdir /tmp/gpu86m --project-runs "${runs[@]}" --project-overrides 'trainer.profile_steps=[4]' > "$OUT/bench_vs_trl.log" 2>&1
+  say "bench_vs_trl exit $?"
+  grep -E "^(TRL|project) |median s per batch|phase split|reward, first|peak GPU|FAILED" "$OUT/bench_vs_trl.log" | cut -c1-600 | tee -a "$OUT/run.log"
+  for run in sync async sync_graphs; do
+    trace=$(ls /tmp/gpu86m/"$run"/profile/step_4/rank0*.json 2>/dev/null | head -n 1)
+    [ -n "$trace" ] && gzip -c "$trace" > "$OUT/trace_${run}_step4.json.gz" && python3 scripts/gpu/trace_summary.py "$trace" | tee -a "$OUT/run.log"
+  done
+  (cd /tmp/gpu86m 2>/dev/null && tar czf "$OUT/bench_logs.tar.gz" ./*.log ./*/metrics.jsonl ./*/logs 2>/dev/null)  # with the engines' and router's logs
+fi
 
-# The embedded engine first: SGLang's tiny PPO cases passed on the H200 (2026-11-27), the embedded ones did not run.
-say "gpu_check: the embedded engine, then SGLang tiny PPO (at most $(( $(left) - 15 ))s)"
-timeout $(( $(left) - 15 )) bash -c 'bash scripts/gpu_check.sh --steps 4 --engines embedded;
-  bash scripts/gpu_check.sh --steps 4 --engines sglang --models tiny-ppo' > "$OUT/gpu_check.log" 2>&1
-say "gpu_check exit $?: $(grep -E '^(ok|FAILED)' "$OUT/gpu_check.log" | cut -c1-160 | tr '\n' '|')"
+if [[ $STEPS == *check* ]] && [ "$(left)" -gt 75 ]; then
+  # The embedded engine first: SGLang's tiny PPO cases passed on the H200 (2026-11-27), the embedded ones did not run.
+  say "gpu_check: the embedded engine, then SGLang tiny PPO (at most $(( $(left) - 15 ))s)"
+  timeout $(( $(left) - 15 )) bash -c 'bash scripts/gpu_check.sh --steps 4 --engines embedded;
+    bash scripts/gpu_check.sh --steps 4 --engines sglang --models tiny-ppo' > "$OUT/gpu_check.log" 2>&1
+  say "gpu_check exit $?: $(grep -E '^(ok|FAILED)' "$OUT/gpu_check.log" | cut -c1-160 | tr '\n' '|')"
+elif [[ $STEPS == *check* ]]; then
+  say "gpu_check: no time left in RUN_BUDGET_S; run again with STEPS=check"
+fi
 say "done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

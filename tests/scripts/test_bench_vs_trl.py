@@ -21,9 +21,11 @@ def test_gpu86m_runs_on_cpu_at_reduced_size_with_the_same_work_on_both_sides(tmp
     prompts, group, batches, tokens = 4, 4, 2, 48
     argv = [sys.executable, "scripts/bench_vs_trl.py", "--setting", "gpu86m", "--device", "cpu", "--size", "tiny",
             "--batches", str(batches), "--prompts", str(prompts), "--group-size", str(group),
-            "--workdir", str(tmp_path), "--project-runs", "sync", "release:trainer.mode=sync;rollout.release_memory=always"]
+            "--workdir", str(tmp_path), "--project-runs", "sync", "release:trainer.mode=sync;rollout.release_memory=always",
+            "bad:trainer.mode=sync;rollout.temperature=-1"]  # a variant that fails costs the table nothing
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 1 and "project bad failed" in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "project bad: FAILED, left out of the table" in proc.stdout and "must be > 0" in proc.stdout
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["setting"] == "gpu86m" and out["device"] == "cpu"
     assert set(out["sides"]) == {"project sync", "project release", "TRL 1.16.0 position ids on"}

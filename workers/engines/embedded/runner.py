@@ -146,6 +146,7 @@ class ModelRunner:
                        on_finish: Callable[[GenRequest, dict], None]) -> None:
         """Decode until no row is active and nothing is waiting; new requests join between steps."""
         prefills, decode_steps = [], 0  # this busy period's shape, logged: how batch-shaped the arrivals were
+        started = time.perf_counter()
         with torch.inference_mode():
             batch = DecodeBatch(SlotCache(self.num_layers, self.device, max_batch_size))
             while True:
@@ -159,8 +160,8 @@ class ModelRunner:
                 if batch.size == 0:
                     self.stats["kv_relayouts"] += batch.cache.relayouts
                     if prefills:
-                        LOG.info("busy period: %d sequences, prefills %s, %d decode steps", sum(prefills),
-                                 prefills[:16], decode_steps)
+                        LOG.info("busy period: %d sequences, prefills %s, %d decode steps, %.3f s", sum(prefills),
+                                 prefills[:16], decode_steps, time.perf_counter() - started)
                     return
                 self._sample_and_finish(batch, on_finish)
                 if batch.size:
