@@ -4,7 +4,7 @@
 # travel in one) to $STAGE; once every file of the kit's manifest is there it installs the kit and TRL into
 # $SITE and runs, within RUN_BUDGET_S seconds of its start:
 #   1. scripts/bench_vs_trl.py --setting gpu86m (TRL, ours sync and async on SGLang) with step 4 profiled, and
-#      ours sync once more with SGLang's decode CUDA graph on (the kit's flags turn it off: not tried before),
+#      ours sync once more with py-spy recording the SGLang server and the trainer (where the rollout's time goes),
 #   2. scripts/gpu_check.sh: the embedded engine, then SGLang on the tiny PPO policy, for the time left,
 # and writes the logs, the figures (last line of each: JSON) and the profiled step's traces to $OUT.
 #   bash scripts/gpu/run.sh              (OUT defaults to ./gpu_out)
@@ -37,24 +37,46 @@ if ! PYTHONPATH=$SITE python3 -c "import sglang.srt.server_args, sglang_router, 
     exit 0
   fi
   [ $status -eq 0 ] || say "the kit's install failed (exit $status; install.log): what does not need SGLang still runs"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$STAGE"/trl-*.whl >> "$OUT/install.log" 2>&1
+  for wheel in "$STAGE"/trl-*.whl "$STAGE"/py_spy-*.whl; do
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$wheel" >> "$OUT/install.log" 2>&1
+  done
   say "kit installed: $(grep -E 'SMOKE|sglang ' "$OUT/install.log" | tr '\n' ' ')"
 fi
 export PYTHONPATH=$SITE:$PWD TVM_FFI_CACHE_DIR=/tmp/sgl_jit_cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
   TOKENIZERS_PARALLELISM=false PYTHON=python3 PYTHONUNBUFFERED=1
+
+# profile_rollout RUN: once RUN's second step is logged, py-spy records its SGLang server (with the scheduler and
+# detokenizer under it) and its trainer for 10 s; raw stacks (one line per stack and count) go to $OUT.
+profile_rollout() {
+  local metrics=/tmp/gpu86m/$1/metrics.jsonl server trainer
+  for _ in $(seq 1200); do [ -f "$metrics" ] && [ "$(wc -l < "$metrics")" -ge 2 ] && break; sleep 0.5; done
+  server=$(pgrep -n -f "sglang.launch_server")
+  trainer=$(pgrep -o -f -- "-u -m rl_core.train")  # the rank, not its reward pool's workers (forked later)
+  [ -n "$server" ] && "$SITE/bin/py-spy" record -s --nonblocking -r 100 -d 10 --format raw -o "$OUT/pyspy_$1_sglang.txt" -p "$server" \
+    > "$OUT/pyspy_$1.log" 2>&1 &
+  [ -n "$trainer" ] && "$SITE/bin/py-spy" record --nonblocking -r 100 -d 10 --format raw -o "$OUT/pyspy_$1_trainer.txt" -p "$trainer" \
+    >> "$OUT/pyspy_$1.log" 2>&1
+  wait
+}
 
 engine=sglang
 python3 -c "import sglang.srt.server_args" > /dev/null 2>&1 || { engine=embedded; say "sglang does not import: the bench runs the embedded engine"; }
 if [[ $STEPS == *bench* ]]; then
   reserve=$([[ $STEPS == *check* ]] && echo 150 || echo 20)  # seconds kept for gpu_check's first cases
   runs=(sync async)
-  [ $engine = sglang ] && runs+=("sync_graphs:trainer.mode=sync;rollout.sglang_args.cuda_graph_backend_decode=full")
+  # Once more in sync mode with py-spy recording the SGLang server's processes and the trainer for 10 s from step 3
+  # on (py-spy slows what it samples: this run's timings are not the figure, its stacks say where the rollout goes).
+  if [ $engine = sglang ] && [ -x "$SITE/bin/py-spy" ]; then
+    runs+=("sync_pyspy:trainer.mode=sync")
+    profile_rollout sync_pyspy &
+  fi
   say "bench_vs_trl gpu86m: TRL, ours ${runs[*]%%:*}; step 4 profiled (at most $(( $(left) - reserve ))s)"
   timeout $(( $(left) - reserve )) python3 scripts/bench_vs_trl.py --setting gpu86m --engine $engine --batches 8 \
     --workdir /tmp/gpu86m --project-runs "${runs[@]}" --project-overrides 'trainer.profile_steps=[4]' > "$OUT/bench_vs_trl.log" 2>&1
   say "bench_vs_trl exit $?"
+  wait  # the profiler
   grep -E "^(TRL|project) |median s per batch|phase split|reward, first|peak GPU|FAILED" "$OUT/bench_vs_trl.log" | cut -c1-600 | tee -a "$OUT/run.log"
-  for run in sync async sync_graphs; do
+  for run in sync async sync_pyspy; do
     trace=$(ls /tmp/gpu86m/"$run"/profile/step_4/rank0*.json 2>/dev/null | head -n 1)
     [ -n "$trace" ] && gzip -c "$trace" > "$OUT/trace_${run}_step4.json.gz" && python3 scripts/gpu/trace_summary.py "$trace" | tee -a "$OUT/run.log"
   done
