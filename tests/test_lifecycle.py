@@ -71,7 +71,7 @@ def test_split_cores_gives_torch_this_ranks_share_of_the_cores(one_rank, tmp_pat
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_ppo_rank_splits_its_cores_with_its_engine_only_when_both_compute_at_once(one_rank, tmp_path, mode):
+def test_a_ppo_rank_leaves_cores_to_what_runs_beside_its_engine(one_rank, tmp_path, mode):
     from rl_core.ppo.config import PPOConfig
     from rl_core.ppo.runtime import JobRuntime
 
@@ -82,10 +82,11 @@ def test_a_ppo_rank_splits_its_cores_with_its_engine_only_when_both_compute_at_o
         with JobRuntime(cfg) as rt:  # no engine starts here: the split is decided with the process group
             cores = rt.cpu_threads()
             assert torch.get_num_threads() == rt.trainer_threads()
-            if mode == "sync":  # they take turns: each gets every core
-                assert rt.trainer_threads() == rt.engine_threads() == cores
-            else:  # side by side: the cores are shared out, one each at least
-                assert rt.trainer_threads() + rt.engine_threads() == max(cores, 2)
+            assert rt.trainer_threads() == cores  # the engine decodes for a part of the step only
+            if mode == "sync":  # all but the core its HTTP front end, the router and the client use meanwhile
+                assert rt.engine_threads() == max(1, cores - 1)
+            else:  # beside a trainer that computes at the same time
+                assert rt.engine_threads() == max(1, cores // 2)
     finally:
         torch.set_num_threads(before)
 

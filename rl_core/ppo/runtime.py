@@ -110,27 +110,26 @@ class JobRuntime(JobLifecycle):
                             int(os.environ["MASTER_PORT"]))
 
     def engine_threads(self) -> int:
-        """An embedded engine's torch threads: all of this rank's cores in sync mode, where it and the trainer take
-        turns; half of them in async mode, where both compute at once and more threads than cores make each
-        wait on the other's (the gpu86m shape on 2 cores, alternated runs: 2.2-2.4 s a step against 2.5-2.7 s
-        with 2 + 2 threads)."""
+        """An embedded engine's torch threads. Sync mode: all of this rank's cores but one, which the engine's HTTP
+        front end, the router and rank 0's rollout client need while it decodes (with every core, each of its
+        parallel ops waited at an OpenMP barrier for a thread those had descheduled: the gpu86m shape on 2 cores,
+        alternated runs, a 256 x 48-token busy period 0.36-0.37 s with 2 threads, 0.29 s with 1). Async mode:
+        half of them, since it decodes while the trainer computes on every core (2 + 2 threads on 2 cores made
+        each wait on the other's: 2.5-2.7 s a step against 2.2-2.4 s with the engine on 1)."""
         cores = self.cpu_threads()
-        return cores if self.cfg.trainer.mode == "sync" else max(1, cores // 2)
+        return max(1, cores - 1) if self.cfg.trainer.mode == "sync" else max(1, cores // 2)
 
     def trainer_threads(self) -> int:
-        """The trainer's torch threads: all of this rank's cores in sync mode; in async mode the cores its engine
-        does not have, so the two compute side by side instead of waiting on each other's threads (the gpu86m
-        shape on 2 cores, scripts/bench_vs_trl.py: async 0.90-0.99x the sync step with 1 + 1 threads, 1.07x with
-        the trainer on both cores).
+        """The trainer's torch threads: all of this rank's cores, in async mode too: the engine decodes for part of
+        the step only (one batch per step, 0.3 s of a 1.1 s step for the gpu86m shape on 2 cores), and a trainer
+        on the cores it leaves would leave one idle the rest of the time (alternated runs: 1.01-1.14 s a step
+        with 2 trainer threads beside the engine's 1, 1.22-1.24 s with 1).
 
         On a GPU, one: the trainer's CPU tensors are bookkeeping (layouts, advantages), and with more threads
         each small op waits at an OpenMP barrier for a thread that shares a core with a busy neighbour, such as
         SGLang's scheduler, which polls while idle (one H200, gpu86m: torch's 16 threads made each CPU
         `index` 6-8 ms, 0.38 s of a 0.59 s reference forward)."""
-        if self.device.type != "cpu":
-            return 1
-        cores = self.cpu_threads()
-        return cores if self.cfg.trainer.mode == "sync" else max(1, cores - self.engine_threads())
+        return self.cpu_threads() if self.device.type == "cpu" else 1
 
     def start_engines(self, policy_path: str, pauses_in_place: bool, context_length: int | None = None,
                       kv_tokens: int | None = None) -> None:
