@@ -87,6 +87,11 @@ def test_a_ppo_rank_leaves_cores_to_what_runs_beside_its_engine(one_rank, tmp_pa
                 assert rt.engine_threads() == max(1, cores - 1)
             else:  # beside a trainer that computes at the same time
                 assert rt.engine_threads() == max(1, cores // 2)
+            # the next step's forward passes run while the async engine decodes: on the cores it leaves
+            with rt.threads_beside_decoding():
+                inside = torch.get_num_threads()
+            assert inside == (cores if mode == "sync" else max(1, cores - rt.engine_threads()))
+            assert torch.get_num_threads() == rt.trainer_threads()
     finally:
         torch.set_num_threads(before)
 

@@ -106,7 +106,7 @@ def ppo_step(job: Job, rt: JobRuntime, step: int, progress: JobProgress) -> dict
         #    algorithm.old_logprobs_max_gap): no recompute
         old_from_engine = old_logprobs_from_engine(cfg, job.probe_gap)
         exp = Experience.from_trajectories(trajectories, job.tokenizer.pad_token_id)
-        with span("forward passes"):
+        with span("forward passes"), rt.threads_beside_decoding():  # async: the engine decodes the next batch
             forward_passes(exp, models, worker, settings, old_from_engine)
         metrics.update(score_metrics(exp, old_from_engine))
         metrics["perf/old_logprobs_from_engine"] = float(old_from_engine)
