@@ -9,12 +9,15 @@ The estimates, per device (a trainer rank and its engine):
 - trainer: each trained model holds its master weights, gradients and optimizer states (Adam: 2 per
   weight), all in the master dtype and sharded by FSDP over `dp_size` ranks; frozen models (reference,
   reward model) hold their weights only. `cpu_offload` keeps all of these in host memory.
-- activations of one micro-batch of `max_tokens_per_device` tokens: about 34 x hidden bytes per token
-  and layer in 16-bit (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-  Models", without their attention-score term, which sdpa and flash kernels never keep), twice that in
-  fp32; with gradient checkpointing one hidden state per layer plus one layer recomputed; plus the LM
-  head's float32 logits, their log-softmax and gradient over `logits_chunk` tokens at a time. A rough
-  upper estimate (GPT-style MLPs of 4 x hidden; SwiGLU ones of 2.7 x hidden are about the same).
+- activations of one micro-batch of `max_tokens_per_device` tokens: 64 x hidden bytes per token and layer
+  in 16-bit, twice that in fp32; with gradient checkpointing one hidden state per layer plus one layer
+  recomputed; plus the LM head's float32 logits, their log-softmax and gradient over `logits_chunk` tokens
+  at a time. Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models")
+  count 34 without the attention scores, which sdpa and flash kernels never keep, but they assume fused
+  kernels: what autograd saves in `transformers`' own layers is more (measured in bf16, tiny random models:
+  GPT-2 60, with its tanh GELU written out; Qwen3 53; Phi-3 46; Llama and Mistral 44; the norms keep
+  float32 copies), and the plan's 34 put the ~86M GPT-2 trainer at 4.1 GiB where an H200 measured a 7.7
+  GiB peak. Eager attention (Gemma 2's soft-capping) also keeps the attention scores, not counted here.
 - engine: its weights in the engine dtype (split over `tp_size` GPUs) and a KV pool of
   2 x layers x kv_heads x head_dim x dtype bytes per token (GQA and MQA through kv_heads).
 - a fixed reserve (`Device.reserve_bytes`): CUDA contexts of both processes, SGLang's decode
@@ -31,7 +34,7 @@ from typing import Any
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "tf_adam": 2}  # states per trained weight (first and second moments)
-ACTIVATION_FACTOR_16BIT = 34  # bytes per token, layer and hidden unit in 16-bit (see the module doc)
+ACTIVATION_FACTOR_16BIT = 64  # bytes per token, layer and hidden unit in 16-bit (see the module doc)
 LOGIT_COPIES = 3  # float32 logits, their log-softmax and its gradient
 # The KV pool holds every sequence a rollout can have in flight on one engine, with room for the
 # router's imbalance (cache_aware routing sends a light load to one engine): an engine that runs out of
