@@ -9,8 +9,10 @@ job's `JobRuntime` adds its engines, router and rollout service on top of this.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -18,6 +20,17 @@ from rl_core.config import TrainerConfig
 from rl_core.distributed import (DataParallel, close_distributed, device_for_rank, init_distributed,
                                  local_world_size, on_rank0)
 from rl_core.run_dir import RunDirLock
+
+
+@contextlib.contextmanager
+def torch_threads(num_threads: int) -> Iterator[None]:
+    """Temporarily run torch with `num_threads` intra-op threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 class JobLifecycle:

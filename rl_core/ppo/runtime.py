@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from rl_core.distributed import on_rank0, rank_seed
-from rl_core.lifecycle import JobLifecycle
+from rl_core.lifecycle import JobLifecycle, torch_threads
 from rl_core.ppo.config import PPOConfig, engine_dtype
 from workers.engines.client import EngineError
 from workers.engines.rank_engine import EngineSpec, RankEngine
@@ -141,12 +141,8 @@ class JobRuntime(JobLifecycle):
         if self.device.type != "cpu" or self.cfg.trainer.mode == "sync":
             yield
             return
-        before = torch.get_num_threads()
-        torch.set_num_threads(max(1, self.cpu_threads() - self.engine_threads()))
-        try:
+        with torch_threads(max(1, self.cpu_threads() - self.engine_threads())):
             yield
-        finally:
-            torch.set_num_threads(before)
 
     def start_engines(self, policy_path: str, pauses_in_place: bool, context_length: int | None = None,
                       kv_tokens: int | None = None) -> None:

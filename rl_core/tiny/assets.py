@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+from rl_core.lifecycle import torch_threads  # noqa: F401 - the builders import it from here
 from rl_core.tiny.corpus import generate_paragraphs, story_openings
 
 PAD_TOKEN = "[PAD]"
@@ -151,19 +152,6 @@ def init_tiny_gpt2(tokenizer, n_layer: int = 2, n_embd: int = 64, n_head: int = 
 
 def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-@contextlib.contextmanager
-def torch_threads(num_threads: int) -> Iterator[None]:
-    """Temporarily run torch with `num_threads` intra-op threads."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def pack_documents(tokenizer, texts: list[str]):
