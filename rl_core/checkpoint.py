@@ -208,13 +208,13 @@ class Checkpointer:
                               "trainer.on_checkpoint_error=continue to train on without checkpoints that fail)")
 
     def _prune(self) -> None:
-        """Delete all but the newest `keep_last` complete checkpoints (rank 0, after a save)."""
-        if not self.keep_last:
-            return
-        for old in self.complete()[:-self.keep_last]:
-            doomed = old.with_name(old.name + ".tmp")  # renamed first: a half-deleted one never looks complete
-            old.rename(doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+        """Delete all but the newest `keep_last` complete checkpoints (rank 0, after a save), and any
+        `.tmp` directory a stopped or killed run left mid-save or mid-delete: this save is renamed
+        already and the run directory's lock keeps other jobs out, so every `.tmp` here is stale."""
+        for old in self.complete()[:-self.keep_last] if self.keep_last else []:
+            old.rename(old.with_name(old.name + ".tmp"))  # renamed first: a half-deleted one never looks complete
+        for stale in self.root.glob(f"{PREFIX}*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
 
     def resume_path(self, mode: str) -> Path | None:
         """The checkpoint `maybe_resume(mode)` starts from unless it fails to load: for `auto` the newest
