@@ -5,17 +5,20 @@
 # $SITE and runs, within RUN_BUDGET_S seconds of its start:
 #   1. scripts/bench_vs_trl.py --setting gpu86m (TRL, ours sync and async on SGLang) with step 4 profiled, and
 #      ours sync once more with py-spy recording the SGLang server and the trainer (where the rollout's time goes),
-#   2. scripts/gpu_check.sh: the embedded engine, then SGLang on the tiny PPO policy, for the time left,
+#   2. scripts/gpu/rollout_probe.py: the benchmark's rollout sent straight to one engine in several shapes, beside
+#      transformers' generate on the same work (where the engine's time goes: router, logprobs, n, decode steps),
+#   3. scripts/gpu_check.sh: the embedded engine, then SGLang on the tiny PPO policy, for the time left,
 # and writes the logs, the figures (last line of each: JSON) and the profiled step's traces to $OUT.
 #   bash scripts/gpu/run.sh              (OUT defaults to ./gpu_out)
-#   STEPS=check bash scripts/gpu/run.sh  (a warm machine, kit installed: gpu_check only)
+#   STEPS=check bash scripts/gpu/run.sh  (a warm machine, kit installed: gpu_check only; STEPS lists what runs:
+#                                         bench, probe, check)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}
 KIT=${KIT:-$PWD/.gpu_kit}
 STAGE=${STAGE:-/tmp/stage}
 RUN_BUDGET_S=${RUN_BUDGET_S:-540}
-STEPS=${STEPS:-bench,check}
+STEPS=${STEPS:-bench,probe,check}
 export SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT" "$STAGE"
 started=$(date +%s)
@@ -62,7 +65,8 @@ profile_rollout() {
 engine=sglang
 python3 -c "import sglang.srt.server_args" > /dev/null 2>&1 || { engine=embedded; say "sglang does not import: the bench runs the embedded engine"; }
 if [[ $STEPS == *bench* ]]; then
-  reserve=$([[ $STEPS == *check* ]] && echo 150 || echo 20)  # seconds kept for gpu_check's first cases
+  # seconds kept for the probe (an SGLang start with its CUDA graph, 7 shapes) and gpu_check's first cases
+  reserve=$(( 20 + $([[ $STEPS == *probe* ]] && echo 100 || echo 0) + $([[ $STEPS == *check* ]] && echo 130 || echo 0) ))
   runs=(sync async)
   # Once more in sync mode with py-spy recording the SGLang server's processes and the trainer for 10 s from step 3
   # on (py-spy slows what it samples: this run's timings are not the figure, its stacks say where the rollout goes).
@@ -81,6 +85,16 @@ if [[ $STEPS == *bench* ]]; then
     [ -n "$trace" ] && gzip -c "$trace" > "$OUT/trace_${run}_step4.json.gz" && python3 scripts/gpu/trace_summary.py "$trace" | tee -a "$OUT/run.log"
   done
   (cd /tmp/gpu86m 2>/dev/null && tar czf "$OUT/bench_logs.tar.gz" ./*.log ./*/metrics.jsonl ./*/logs 2>/dev/null)  # with the engines' and router's logs
+fi
+
+if [[ $STEPS == *probe* ]] && [ -d /tmp/gpu86m/policy-86m ] && [ "$(left)" -gt 90 ]; then
+  say "rollout_probe: the gpu86m rollout straight to one $engine engine, shape by shape (at most $(( $(left) - 15 ))s)"
+  timeout $(( $(left) - 15 )) python3 scripts/gpu/rollout_probe.py --workdir /tmp/gpu86m --engine $engine \
+    > "$OUT/rollout_probe.log" 2>&1
+  say "rollout_probe exit $?"
+  grep -E "^[a-z_]+ +median|decode step|engine up" "$OUT/rollout_probe.log" | tee -a "$OUT/run.log"
+elif [[ $STEPS == *probe* ]]; then
+  say "rollout_probe: no bench assets in /tmp/gpu86m or no time left; run again with STEPS=probe"
 fi
 
 if [[ $STEPS == *check* ]] && [ "$(left)" -gt 75 ]; then

@@ -56,3 +56,26 @@ def test_gpu86m_runs_on_cpu_at_reduced_size_with_the_same_work_on_both_sides(tmp
     assert len(rows) >= prompts * batches
     assert {len(tokenizer(r)["input_ids"]) for r in rows} == {64}
     assert {len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in rows} == {64}
+
+
+def test_the_rollout_probe_times_every_shape_on_the_same_work(tmp_path):
+    """scripts/gpu/rollout_probe.py (run after the benchmark on a GPU) on the embedded engine at reduced size:
+    every request shape and transformers' generate sample the same sequences of exactly the asked length."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_vs_trl import build_gpu86m_assets
+
+    build_gpu86m_assets("tiny", pool=4, prompt_tokens=64, workdir=tmp_path)
+    prompts, group, length = 3, 2, 5
+    argv = [sys.executable, "scripts/gpu/rollout_probe.py", "--workdir", str(tmp_path), "--size", "tiny",
+            "--engine", "embedded", "--prompts", str(prompts), "--group-size", str(group),
+            "--response-length", str(length), "--repeats", "1"]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["sequences"] == prompts * group and out["device"] == "cpu"
+    shapes = out["shapes"]
+    assert set(shapes) == {"job", "direct", "no_logprob", "single", "one_call", "first_token", "generate",
+                           "decode_step_s"}
+    for name in ("job", "direct", "no_logprob", "single", "one_call", "generate"):
+        assert shapes[name]["tokens"] == prompts * group * length and shapes[name]["median_s"] > 0, name
+    assert shapes["first_token"]["tokens"] == prompts * group
