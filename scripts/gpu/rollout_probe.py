@@ -15,6 +15,8 @@ median seconds are printed, with what each says:
     one_call     one call with every sequence as a row of input_ids
     first_token  direct with max_new_tokens = 1: admission and prefill; (direct - first_token) / (length - 1)
                  is one decode step of the whole batch
+    two_batches  direct for two batches at once (twice the sequences, twice the tokens): whether a producer
+                 that keeps two batches in flight would get more from the engine than one batch at a time
     generate     transformers' model.generate on the same device and dtype, sampling the same shape
 
 The last line is one JSON object. On a GPU, `bash scripts/gpu/run.sh` runs this after the benchmark.
@@ -35,7 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-SHAPES = ("job", "direct", "no_logprob", "single", "one_call", "first_token")
+SHAPES = ("job", "direct", "no_logprob", "single", "one_call", "first_token", "two_batches")
 
 
 def load_prompts(workdir: Path, size: str, count: int) -> tuple[Path, list[list[int]]]:
@@ -57,7 +59,9 @@ async def send(shape: str, engine, router, prompts: list[list[int]], args) -> in
     client = router if shape == "job" else engine
     grouped = dict(params, n=args.group_size)
     logprobs = shape != "no_logprob"
-    if shape in ("job", "direct", "no_logprob", "first_token"):
+    if shape == "two_batches":
+        prompts = prompts + prompts
+    if shape in ("job", "direct", "no_logprob", "first_token", "two_batches"):
         answers = await asyncio.gather(*(client.generate(ids, grouped, return_logprob=logprobs) for ids in prompts))
         outputs = [out for group in answers for out in (group if isinstance(group, list) else [group])]
     elif shape == "single":
@@ -143,11 +147,11 @@ def main() -> None:
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
     policy, prompts = load_prompts(args.workdir, args.size, args.prompts)
     sglang_args = {}
-    if args.engine == "sglang" and device.startswith("cuda"):  # the benchmark's flags, its CUDA graph capped at the batch
-        sglang_args = dict(KIT_SGLANG_ARGS, cuda_graph_max_bs_decode=args.prompts * args.group_size)
+    if args.engine == "sglang" and device.startswith("cuda"):  # the benchmark's flags; a CUDA graph up to two_batches
+        sglang_args = dict(KIT_SGLANG_ARGS, cuda_graph_max_bs_decode=2 * args.prompts * args.group_size)
     sglang_args.update(item.split("=", 1) for item in args.sglang_arg)  # (on CPU the engine has its own defaults)
     spec = EngineSpec(kind=args.engine, model_path=str(policy), dtype=dtype, device=device,
-                      max_batch_size=args.prompts * args.group_size, mem_fraction_static=0.5, sglang_args=sglang_args,
+                      max_batch_size=2 * args.prompts * args.group_size, mem_fraction_static=0.5, sglang_args=sglang_args,
                       gpu_ids=(int(device.split(":")[1]),) if device.startswith("cuda") else None,
                       sglang_python=args.sglang_python)
     procs = ManagedProcesses()

@@ -74,8 +74,9 @@ def test_the_rollout_probe_times_every_shape_on_the_same_work(tmp_path):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["sequences"] == prompts * group and out["device"] == "cpu"
     shapes = out["shapes"]
-    assert set(shapes) == {"job", "direct", "no_logprob", "single", "one_call", "first_token", "generate",
-                           "decode_step_s"}
+    assert set(shapes) == {"job", "direct", "no_logprob", "single", "one_call", "first_token", "two_batches",
+                           "generate", "decode_step_s"}
     for name in ("job", "direct", "no_logprob", "single", "one_call", "generate"):
         assert shapes[name]["tokens"] == prompts * group * length and shapes[name]["median_s"] > 0, name
     assert shapes["first_token"]["tokens"] == prompts * group
+    assert shapes["two_batches"]["tokens"] == 2 * prompts * group * length
