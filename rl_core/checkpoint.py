@@ -15,14 +15,12 @@ models and optimizer states, so unbounded they fill the disk.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
 import random
 import shutil
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -31,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from rl_core.config import LoraSettings
 from rl_core.errors import JobError, PeerFailed
+from rl_core.staging import staged_directory
 from workers import loading
 from workers.fsdp import full_state_dict
 from workers.lora import with_lora
@@ -310,25 +309,6 @@ def _world_size_change(path: Path) -> str:
             f"rank{'s 0 to' if min(saved, now) > 1 else ''} {min(saved, now) - 1} only is restored")
 
 
-@contextlib.contextmanager
-def written_whole(out_dir: str | Path) -> Iterator[Path]:
-    """`with written_whole(d) as staging:` write into `staging`; `d` then holds all of it or, when the
-    writing stops (a stop signal, a full disk), stays as it was. A resume takes an existing `final/` for
-    a finished export, so a half-written one must never appear there. Rank 0 only."""
-    out_dir = Path(out_dir)
-    staging = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)  # what a killed run left
-    staging.mkdir(parents=True)
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if out_dir.exists():  # an earlier export (a run trained further): stopped here, there is none until resumed
-        shutil.rmtree(out_dir)
-    staging.rename(out_dir)
-
-
 def export_hf(model, tokenizer, base_path: str, out_dir: Path, rank: int, lora: LoraSettings) -> None:
     """The trained model in Hugging Face format with its tokenizer (chat template included); with LoRA
     the adapters merged into the base weights, or the adapter alone (`model.lora.export`)."""
@@ -342,7 +322,7 @@ def export_hf(model, tokenizer, base_path: str, out_dir: Path, rank: int, lora: 
     plain.load_state_dict(state)
     if lora.rank and lora.export == "merged":
         plain = plain.merge_and_unload()
-    with written_whole(out_dir) as staging:
+    with staged_directory(out_dir) as staging:  # a resume takes an existing final/ for a finished export
         plain.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
     print(f"final model saved to {out_dir}", flush=True)

@@ -56,20 +56,20 @@ def test_resuming_on_the_same_world_size_says_nothing_more(tmp_path, capsys):
 
 
 def test_an_export_stopped_midway_leaves_no_final_directory_and_a_whole_one_replaces_the_old(tmp_path):
-    from rl_core.checkpoint import written_whole
+    from rl_core.staging import staged_directory
 
     final = tmp_path / "final"
     with pytest.raises(KeyboardInterrupt):  # a stop signal while the weights are being written
-        with written_whole(final) as staging:
+        with staged_directory(final) as staging:
             (staging / "config.json").write_text("{}")
             raise KeyboardInterrupt
     assert list(tmp_path.iterdir()) == []  # no final/ that a resume would take for a finished export
 
-    (tmp_path / "final.tmp").mkdir()  # what a killed export left
-    (tmp_path / "final.tmp" / "partial.safetensors").write_text("x")
+    (tmp_path / ".final.building-1").mkdir()  # what a killed export left
+    (tmp_path / ".final.building-1" / "partial.safetensors").write_text("x")
     final.mkdir()
     (final / "old.safetensors").write_text("old")  # an earlier export of a run trained further since
-    with written_whole(final) as staging:
+    with staged_directory(final) as staging:
         (staging / "model.safetensors").write_text("new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
     assert [p.name for p in final.iterdir()] == ["model.safetensors"]

@@ -23,13 +23,13 @@ import fcntl
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from rl_core.lifecycle import torch_threads  # noqa: F401 - the builders import it from here
+from rl_core.staging import staged_directory
 from rl_core.tiny.corpus import generate_paragraphs, story_openings
 
 PAD_TOKEN = "[PAD]"
@@ -244,27 +244,6 @@ def settings_match(marker: Path, expected: dict) -> bool:
 
 def _is_built(directory: Path, expected: dict) -> bool:
     return settings_match(directory / "build.json", expected)
-
-
-@contextlib.contextmanager
-def staged_directory(final: Path) -> Iterator[Path]:
-    """A fresh staging directory that replaces `final` only if the build inside it finishes.
-
-    Called under the build lock, so any other staging directory left beside it is stale
-    (a builder that died) and is removed.
-    """
-    for stale in final.parent.glob(f".{final.name}.building-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    staging = final.with_name(f".{final.name}.building-{os.getpid()}")
-    staging.mkdir(parents=True)
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if final.exists():
-        shutil.rmtree(final)
-    staging.rename(final)
 
 
 @contextlib.contextmanager
