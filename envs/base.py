@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Union
 
 from envs.threads import run_blocking
 
