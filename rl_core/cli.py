@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
@@ -28,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from rl_core.config import ConfigError, load_config
 from rl_core.distributed import prepare_before_process_group
 from rl_core.errors import JobError, PeerFailed, PreferenceDataError
+from rl_core.lifecycle import JobLifecycle
 from workers.procs import exit_now, kill_children
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -237,6 +239,35 @@ class _StopRequest:
         self.handler.record_line(line, secondary=self.rank != 0)
         if self.rank == 0:  # torchrun passes a Ctrl-C to every rank: one line is enough
             _say(line)
+
+
+@dataclass(frozen=True)
+class JobEntry:
+    """A job as its entry point starts it: its config (`description` for --help, the recipe run without
+    --config, the schema, its validation, and `check_models`, the config against the models it names) and the
+    runtime its `train(cfg, runtime, progress)` runs in: the shared lifecycle (process group, cores, run
+    directory lock) unless `runtime(cfg)` gives one that adds to it (PPO's engines, router and rollout
+    service; `children` names those for the line a stop signal ends with)."""
+    description: str
+    default_config: str
+    schema: type
+    validate: Callable[[Any], None] | None = None
+    check_models: Callable[[Any], None] | None = None
+    runtime: Callable[[Any], JobLifecycle] | None = None
+    children: str = ""
+
+
+def run_job(argv: list[str] | None, entry: JobEntry, train: Callable, prepare=None) -> None:
+    """Every job's whole life: its config (`prepare(cfg, log)`, the entry point's offline assets, then the
+    models' check, all before any process group), then `train(cfg, runtime, progress)` inside its runtime,
+    ended by `run_main` with one line and an exit code."""
+    def job(args, progress: JobProgress):
+        cfg = parse_job_config(args, entry.description, entry.default_config, entry.schema, entry.validate,
+                               prepare, entry.check_models)
+        with (entry.runtime(cfg) if entry.runtime else JobLifecycle(cfg.trainer)) as runtime:
+            train(cfg, runtime, progress)
+
+    run_main(job, argv, stop_hint="trainer.resume=auto continues from the last checkpoint", children=entry.children)
 
 
 def run_main(main: Callable[[list[str] | None, JobProgress], None], argv: list[str] | None, stop_hint: str = "",

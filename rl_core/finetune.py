@@ -1,6 +1,5 @@
 """What the jobs that train on fixed data (SFT, DPO) share: the optimisation section of their
-config, the trainable model built from it, the rows of each step, the console line; and the start-up of
-every job but PPO (`run_job`: the reward-model job's too)."""
+config, the trainable model built from it, the rows of each step, the console line."""
 
 from __future__ import annotations
 
@@ -12,28 +11,14 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from rl_core.checkpoint import export_hf, finished_run
-from rl_core.cli import JobProgress, parse_job_config, run_main
+from rl_core.cli import JobProgress
 from rl_core.config import (LoraSettings, TrainerConfig, choice, require, validate_checkpoint_keys,
                             validate_profile_steps)
 from rl_core.distributed import DataParallel
-from rl_core.lifecycle import JobLifecycle
 from rl_core.logger import MetricsLogger
 from rl_core.optim import OPTIMIZER_NAMES, build_optimizer, linear_anneal_schedule
 from rl_core.step_loop import JobSteps, run_steps as run_step_loop
 from workers.fsdp import TrainableModel
-
-
-def run_job(argv, description: str, default_config: str, schema: type, validate, train, prepare=None,
-            check_models=None) -> None:
-    """A job's whole life: its config (and `prepare(cfg, log)`, the entry point's offline assets, and
-    `check_models(cfg)`, before any process group), then `train(cfg, dp, progress)` inside the shared job
-    lifecycle (`progress`: where it is, for the line a stop signal ends with)."""
-    def job(args, progress: JobProgress):
-        cfg = parse_job_config(args, description, default_config, schema, validate, prepare, check_models)
-        with JobLifecycle(cfg.trainer) as lifecycle:
-            train(cfg, lifecycle.data_parallel(), progress)
-
-    run_main(job, argv, stop_hint="trainer.resume=auto continues from the last checkpoint")
 
 
 @dataclass

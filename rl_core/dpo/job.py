@@ -22,7 +22,7 @@ from rl_core.distributed import DataParallel, on_every_rank, rank_seed, seed_eve
 from rl_core.dpo.config import DPOConfig, check_models, validate
 from rl_core.dpo.training import PreferencePair, heldout_metrics, to_pairs, train_step
 from rl_core import finetune
-from rl_core.cli import JobProgress
+from rl_core.cli import JobEntry, JobProgress, run_job
 from rl_core.logger import open_run_logger
 from rl_core.preferences import load_preference_splits
 from workers import decode, forward, loading
@@ -35,7 +35,8 @@ from workers.worker import BatchWorker
 
 def main(argv: list[str] | None = None, prepare=None) -> None:
     """`prepare(cfg, log)`: the entry point's offline assets, resolved before any process group exists."""
-    finetune.run_job(argv, __doc__, "dpo_sentiment.yaml", DPOConfig, validate, train, prepare, check_models)
+    run_job(argv, JobEntry(__doc__, "dpo_sentiment.yaml", DPOConfig, validate, check_models),
+            lambda cfg, lifecycle, progress: train(cfg, lifecycle.data_parallel(), progress), prepare)
 
 
 def train(cfg: DPOConfig, dp: DataParallel, progress: JobProgress | None = None) -> None:

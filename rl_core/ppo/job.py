@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from envs.factory import load_env_class
 from rl_core.checkpoint import Checkpointer, export_hf, finished_run
-from rl_core.cli import JobProgress, parse_job_config, run_main
+from rl_core.cli import JobEntry, JobProgress, run_job
 from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank, on_rank0, rank_seed,
                                  seed_everything)
 from rl_core.errors import JobError
@@ -49,14 +49,8 @@ def main(argv: list[str] | None = None, prepare: Callable[[PPOConfig, Callable[[
          ) -> None:
     """`prepare(cfg, log)` (the entry point's: offline assets named in the recipe) runs on every rank before
     the process group exists, so however long it takes no rank waits for it inside a collective."""
-    run_main(lambda args, progress: _main(args, prepare, progress), argv,
-             stop_hint="trainer.resume=auto continues from the last checkpoint", children="engines and router")
-
-
-def _main(argv: list[str] | None, prepare, progress: JobProgress) -> None:
-    cfg = parse_job_config(argv, __doc__, "ppo_sentiment.yaml", PPOConfig, validate, prepare, check_models)
-    with JobRuntime(cfg) as rt:
-        train(cfg, rt, progress)
+    run_job(argv, JobEntry(__doc__, "ppo_sentiment.yaml", PPOConfig, validate, check_models, runtime=JobRuntime,
+                           children="engines and router"), train, prepare)
 
 
 def train(cfg: PPOConfig, rt: JobRuntime, progress: JobProgress | None = None) -> None:

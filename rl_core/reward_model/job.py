@@ -23,10 +23,9 @@ import time
 from pathlib import Path
 
 
-from rl_core.cli import JobProgress
+from rl_core.cli import JobEntry, JobProgress, run_job
 from rl_core.config import save_config
 from rl_core.distributed import DataParallel, on_every_rank, seed_everything
-from rl_core.finetune import run_job
 from rl_core.reward_model.config import RMConfig, check_lengths, validate
 from rl_core.reward_model.sampling import load_queries
 from rl_core.reward_model.training import (Log, ReferenceSamples, build_reward_model, export_reward_model,
@@ -81,12 +80,12 @@ def fit_and_export(cfg: RMConfig, dp: DataParallel, log: Log = print, labeler=No
 def main(argv: list[str] | None = None, prepare=None, get_labeler=None) -> None:
     """`prepare(cfg, log)` (the entry point's: offline assets named in the recipe) runs on every rank before
     the process group exists; `get_labeler(name)` gives the offline rater that `labeler.name` names."""
-    run_job(argv, __doc__, "rm_sentiment.yaml", RMConfig, validate,
-            lambda cfg, dp, progress: train(cfg, dp, progress, get_labeler), prepare)
+    run_job(argv, JobEntry(__doc__, "rm_sentiment.yaml", RMConfig, validate),
+            lambda cfg, lifecycle, progress: train(cfg, lifecycle.data_parallel(), progress, get_labeler), prepare)
 
 
 def train(cfg: RMConfig, dp: DataParallel, progress: JobProgress, get_labeler=None) -> None:
-    """The job on this rank, inside the shared job lifecycle (`finetune.run_job`); rank 0 ends with the
+    """The job on this rank, inside the shared job lifecycle (`cli.run_job`); rank 0 ends with the
     results as one JSON line."""
     labeler = get_labeler(cfg.labeler.name) if cfg.labeler.name and get_labeler is not None else None
     seed_everything(cfg.trainer.seed)  # same init everywhere; sampling seeds are per rank (rank_seed)

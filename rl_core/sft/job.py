@@ -17,7 +17,7 @@ from pathlib import Path
 from rl_core.checkpoint import Checkpointer
 from rl_core.distributed import DataParallel, on_every_rank, seed_everything
 from rl_core import finetune
-from rl_core.cli import JobProgress
+from rl_core.cli import JobEntry, JobProgress, run_job
 from rl_core.logger import open_run_logger
 from rl_core.rewards import load_reward_fn
 from rl_core.sft.config import SFTConfig, validate
@@ -33,7 +33,8 @@ from workers.worker import BatchWorker
 
 def main(argv: list[str] | None = None, prepare=None) -> None:
     """`prepare(cfg, log)`: the entry point's offline assets, resolved before any process group exists."""
-    finetune.run_job(argv, __doc__, "sft_arithmetic.yaml", SFTConfig, validate, train, prepare)
+    run_job(argv, JobEntry(__doc__, "sft_arithmetic.yaml", SFTConfig, validate),
+            lambda cfg, lifecycle, progress: train(cfg, lifecycle.data_parallel(), progress), prepare)
 
 
 def train(cfg: SFTConfig, dp: DataParallel, progress: JobProgress | None = None) -> None:
