@@ -229,6 +229,17 @@ def test_the_context_check_leaves_the_engines_reserve_for_the_policy_not_the_rew
         check_context_length(grpo("rollout.response_length=1"), 70)
 
 
+def test_batches_in_flight_need_the_envs_and_concurrency_for_all_of_them():
+    with pytest.raises(ConfigError, match=r"async.batches_in_flight=2 generates 2 x algorithm.batch_size=64 "
+                                          r"trajectories at once, but env.num_envs=64 and rollout.concurrency=256 "
+                                          r"allow 64: raise both to 128"):
+        ppo("trainer.mode=async", "async.batches_in_flight=2", "algorithm.batch_size=64", "env.num_envs=64")
+    assert ppo("trainer.mode=async", "async.batches_in_flight=2", "algorithm.batch_size=64",
+               "env.num_envs=128").async_.batches_in_flight == 2
+    with pytest.raises(ConfigError, match=r"'async.batches_in_flight' must be >= 1"):
+        ppo("async.batches_in_flight=0")
+
+
 def test_the_tool_timeout_must_fit_the_step_timeout_only_when_there_are_tools():
     grpo = lambda *keys: load_config("grpo_arithmetic.yaml", list(keys), PPOConfig, validate_ppo)  # noqa: E731
     grpo("env.step_timeout_s=2")  # no tools: the tool timeout does not matter

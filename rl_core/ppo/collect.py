@@ -71,7 +71,8 @@ class AsyncCollector:
     def start(self, service: RolloutService, current_version: Callable[[], int]) -> None:
         """Start the producer; `current_version()` is the version the engines serve (pushes land mid-rollout)."""
         self.service = service
-        service.start_producer(self.prompts, current_version, self.settings.queue_batches, self.settings.max_staleness)
+        service.start_producer(self.prompts, current_version, self.settings.queue_batches, self.settings.max_staleness,
+                               self.settings.batches_in_flight)
 
     def collect(self, version: int) -> tuple[RolloutResult, int]:
         """Fresh-enough queued trajectories; returns (batch, trajectories dropped as too stale)."""

@@ -256,6 +256,10 @@ class AsyncConfig:
     # async: engines pause in place for a push and their requests continue on the new weights
     partial_rollout: bool = False
     queue_batches: int = 2  # async: generated batches waiting for the trainer, at most
+    # async: batches generating at once. 2 keeps the engines decoding two batches in one batch where a decode
+    # step costs less than twice one batch's (small models on GPUs); each still starts within max_staleness,
+    # and env.num_envs and rollout.concurrency bound the sequences in flight.
+    batches_in_flight: int = 1
 
 
 @dataclass

@@ -35,8 +35,8 @@ def memory_inputs(cfg: PPOConfig, policy_config, reward_params: int, dp_size: in
     if cfg.data.eval_path is not None:
         launched = float("inf")  # the held-out set's size is not known here: its bound is the pool's
     in_flight = int(min(launched, ro.concurrency, cfg.env.num_envs))
-    # Async: the producer's batch and an evaluation (or requests paused across a push) can overlap.
-    batches = 2 if cfg.trainer.mode == "async" else 1
+    # Async: the producer's batches and an evaluation (or requests paused across a push) can overlap.
+    batches = cfg.async_.batches_in_flight + 1 if cfg.trainer.mode == "async" else 1
     static = None
     if ro.engine == "sglang" and device.kind == "cuda":  # SGLang never holds more than this share of the GPU
         static = int(ro.mem_fraction_static * device.total_bytes)

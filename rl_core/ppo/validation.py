@@ -100,6 +100,15 @@ def validate(cfg: PPOConfig) -> None:
     validate_profile_steps(trainer.profile_steps, trainer.total_episodes // algo.batch_size,
                            f"trainer.total_episodes={trainer.total_episodes} / algorithm.batch_size={algo.batch_size}")
     require(cfg.async_.max_staleness >= 0, "config key 'async.max_staleness' must be >= 0")
+    require(cfg.async_.queue_batches >= 1, "config key 'async.queue_batches' must be >= 1")
+    in_flight = cfg.async_.batches_in_flight
+    require(in_flight >= 1, "config key 'async.batches_in_flight' must be >= 1")
+    if trainer.mode == "async" and in_flight > 1:  # else the second batch waits for the first's envs: no overlap
+        room = min(cfg.env.num_envs, cfg.rollout.concurrency)
+        require(room >= in_flight * algo.batch_size,
+                f"async.batches_in_flight={in_flight} generates {in_flight} x algorithm.batch_size="
+                f"{algo.batch_size} trajectories at once, but env.num_envs={cfg.env.num_envs} and rollout.concurrency="
+                f"{cfg.rollout.concurrency} allow {room}: raise both to {in_flight * algo.batch_size}")
     require(cfg.reward.truncate_after >= 0, "config key 'reward.truncate_after' must be >= 0")
     longest = max_sequence_length(cfg)
     require(longest <= algo.max_tokens_per_device,

@@ -127,28 +127,37 @@ class RolloutService:
         self._call(self.client.release())
 
     def start_producer(self, sample_batches: PromptStream, current_version: Callable[[], int],
-                       max_queued: int, max_staleness: int) -> None:
-        """Keep generating batches (at most `max_queued` waiting) until `close`.
+                       max_queued: int, max_staleness: int, in_flight: int = 1) -> None:
+        """Keep generating batches (at most `in_flight` at once, at most `max_queued` waiting) until `close`.
 
         Bounded staleness at the source: the trainer takes one batch a step, so batch i (counted from here) is
         started only once the engines serve a version that will still be within `max_staleness` of the
         trainer's when it takes it. A batch started earlier would be dropped as stale: generated, never
         trained on. A step that takes more than one batch (failures left the first short) moves the schedule
-        on by one, so the batch it waits for is never held back."""
+        on by one, so the batch it waits for is never held back. A batch counts as in flight until it is
+        queued, and batches are queued in the order they started (the resume point follows that order)."""
         self.batches = queue.Queue(maxsize=max_queued)
         self.resume_state = sample_batches.state_dict()
         first_version = current_version()
+        slots = asyncio.Semaphore(in_flight)
+        started: asyncio.Queue = asyncio.Queue()  # (the batch's rollout, the prompt position after it), in order
 
-        async def produce():
+        async def start_batches():
             for index in itertools.count():
                 while (current_version() - first_version < index - self.extra_batches - max_staleness
                        and not self.stop_producing.is_set()):
                     await asyncio.sleep(0.005)
+                await slots.acquire()
                 if self.stop_producing.is_set():
                     break
                 samples = next(sample_batches)
                 position = sample_batches.state_dict()
-                result = await self._rollout(samples, current_version)
+                started.put_nowait((asyncio.ensure_future(self._rollout(samples, current_version)), position))
+
+        async def queue_batches():
+            while True:
+                rollout, position = await started.get()
+                result = await rollout  # its error (engine died, envs failing) ends the producer
                 self.batches_generated += 1
                 while not self.stop_producing.is_set():
                     try:
@@ -156,6 +165,10 @@ class RolloutService:
                         break
                     except queue.Full:
                         await asyncio.sleep(0.01)
+                slots.release()
+
+        async def produce():
+            await asyncio.gather(start_batches(), queue_batches())
 
         self.producer = asyncio.run_coroutine_threadsafe(produce(), self.loop)
 

@@ -1,6 +1,7 @@
 """Rollout against a real embedded engine behind the real sglang-router (tiny random GPT-2)."""
 
 import asyncio
+import concurrent.futures
 import logging
 
 import pytest
@@ -561,3 +562,65 @@ def test_rollout_settings_are_frozen_and_refuse_impossible_limits():
         RolloutSettings({}, max_turns=0)
     with pytest.raises(ValueError, match="rollout.concurrency must be >= 1"):
         RolloutSettings({}, concurrency=0)
+
+
+class WaitsForTheNextBatchEnv(Env):
+    """Batch 0's trajectories start only once one of batch 1's has: batch 0 can finish only while batch 1
+    is generating beside it."""
+    batch_1_started: asyncio.Event | None = None  # made per test, used on the service's loop
+
+    async def reset(self, sample: dict) -> None:
+        if sample["batch"] == 1:
+            type(self).batch_1_started.set()
+        elif sample["batch"] == 0:
+            await type(self).batch_1_started.wait()
+        return None  # the rollout starts from the sample's prompt_ids
+
+    async def step(self, action: Action) -> StepResult:
+        return StepResult(observation=None, reward=0.0, done=True)
+
+
+class NumberedBatches:
+    """A prompt stream whose samples say which batch they are in; its state is how many batches it gave."""
+
+    def __init__(self, size: int, prompt_ids: list[int]):
+        self.size, self.prompt_ids, self.served = size, prompt_ids, 0
+
+    def __next__(self) -> list[dict]:
+        self.served += 1
+        return [{"prompt_ids": self.prompt_ids, "batch": self.served - 1} for _ in range(self.size)]
+
+    def state_dict(self) -> dict:
+        return {"served": self.served}
+
+
+def test_two_batches_in_flight_generate_side_by_side_within_the_staleness_bound_and_queue_in_order(router_url,
+                                                                                                    tokenizer):
+    """async.batches_in_flight=2: the producer starts batch 1 while batch 0 generates (else batch 0 waits for
+    ever here), still starts no batch the staleness bound would drop, and hands batches over in the order
+    they started, each with the prompt position after it (the resume point)."""
+    from types import SimpleNamespace
+
+    from rl_core.rollout.service import RolloutService
+
+    WaitsForTheNextBatchEnv.batch_1_started = asyncio.Event()
+    envs = SimpleNamespace(num_envs=8, step_timeout_s=60, max_failed_ratio=0.0)
+    settings = RolloutSettings({"max_new_tokens": 4, "ignore_eos": True}, concurrency=8, max_total_tokens=CONTEXT,
+                               progress=False)
+    service = RolloutService(router_url, tokenizer, make_env_factory(WaitsForTheNextBatchEnv), envs, settings,
+                             engine_timeout_s=60)
+    stream = NumberedBatches(4, tokenizer.encode("the old man walked"))
+    waiting = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        # The engines stay at version 0: with max_staleness=1 batches 0 and 1 may start, batch 2 may not.
+        service.start_producer(stream, lambda: 0, max_queued=2, max_staleness=1, in_flight=2)
+        taken = waiting.submit(lambda: [service.next_batch(4, current_version=0, max_staleness=1)[0]
+                                        for _ in range(2)]).result(timeout=120)  # one in flight: no batch 0
+        assert [{t.sample["batch"] for t in batch.trajectories} for batch in taken] == [{0}, {1}]
+        assert service.resume_state == {"served": 2} and service.batches_taken == 2
+        assert all(t.num_action_tokens == 4 for batch in taken for t in batch.trajectories)
+        service._call(asyncio.sleep(0.2))  # a moment for a third batch to start, which it must not
+        assert stream.served == 2 and service.batches_generated == 2
+    finally:
+        service.close()
+        waiting.shutdown()  # a next_batch still waiting ends with the producer
