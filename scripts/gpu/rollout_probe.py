@@ -19,6 +19,10 @@ median seconds are printed, with what each says:
                  that keeps two batches in flight would get more from the engine than one batch at a time
     generate     transformers' model.generate on the same device and dtype, sampling the same shape
 
+With `--pyspy PY_SPY --pyspy-out FILE`, `direct` is then sent again for `--pyspy-s` seconds while py-spy records
+the engine server and its subprocesses (SGLang's scheduler and detokenizer): raw stacks with counts, one line each,
+where the engine's own time goes (not timed: py-spy slows what it samples).
+
 The last line is one JSON object. On a GPU, `bash scripts/gpu/run.sh` runs this after the benchmark.
 """
 
@@ -28,6 +32,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -70,6 +75,23 @@ async def send(shape: str, engine, router, prompts: list[list[int]], args) -> in
     else:  # one_call
         outputs = await client.generate([ids for ids in prompts for _ in range(args.group_size)], params)
     return sum(len(out["output_ids"]) for out in outputs)
+
+
+async def profile_direct(engine_url: str, engine_pid: int, prompts: list[list[int]], args) -> int:
+    """`direct` sent again and again while py-spy records the server's processes; the rollouts sent."""
+    from workers.engines.client import EngineClient
+
+    recorder = subprocess.Popen([args.pyspy, "record", "--subprocesses", "--nonblocking", "--rate", "100",
+                                 "--duration", str(args.pyspy_s), "--format", "raw", "--output", str(args.pyspy_out),
+                                 "--pid", str(engine_pid)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    sent = 0
+    async with EngineClient(engine_url) as engine:
+        while recorder.poll() is None:
+            await send("direct", engine, None, prompts, args)
+            sent += 1
+    print(f"py-spy recorded the engine during {sent} direct rollouts: {args.pyspy_out} (exit {recorder.returncode})",
+          flush=True)
+    return sent
 
 
 async def time_shapes(engine_url: str, router_url: str, prompts: list[list[int]], args) -> dict:
@@ -134,6 +156,9 @@ def main() -> None:
     parser.add_argument("--no-generate", action="store_true", help="leave out transformers' generate")
     parser.add_argument("--sglang-arg", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--sglang-python", default=None, help="the server's interpreter (CPU: .venv-sglang/bin/python)")
+    parser.add_argument("--pyspy", default=None, help="py-spy's path: record the engine during more direct rollouts")
+    parser.add_argument("--pyspy-out", type=Path, default=Path("pyspy_engine.txt"))
+    parser.add_argument("--pyspy-s", type=int, default=10)
     args = parser.parse_args()
 
     import torch
@@ -162,6 +187,8 @@ def main() -> None:
         print(f"{args.engine} engine up in {time.perf_counter() - started:.0f} s (log {logs / 'engine.log'})", flush=True)
         router = launch_router("127.0.0.1", None, [engine.url], log_path=logs / "router.log", processes=procs)
         results = asyncio.run(time_shapes(engine.url, router.url, prompts, args))
+        if args.pyspy:
+            results["pyspy_rollouts"] = asyncio.run(profile_direct(engine.url, engine.proc.pid, prompts, args))
     finally:
         procs.stop_all("the probe is done")
     if not args.no_generate:

@@ -3,10 +3,11 @@
 # script. Each call moves the kit parts it was carried (.gpu_kit/part*, one per call: the kit is too big to
 # travel in one) to $STAGE; once every file of the kit's manifest is there it installs the kit and TRL into
 # $SITE and runs, within RUN_BUDGET_S seconds of its start:
-#   1. scripts/bench_vs_trl.py --setting gpu86m (TRL, ours sync and async on SGLang) with step 4 profiled, and
-#      ours sync once more with py-spy recording the SGLang server and the trainer (where the rollout's time goes),
+#   1. scripts/bench_vs_trl.py --setting gpu86m (TRL, ours sync, async, and async with two batches in flight, on
+#      SGLang) with step 4 profiled,
 #   2. scripts/gpu/rollout_probe.py: the benchmark's rollout sent straight to one engine in several shapes, beside
 #      transformers' generate on the same work (where the engine's time goes: router, logprobs, n, decode steps),
+#      then py-spy recording the SGLang server's processes during more of the job's rollouts,
 #   3. scripts/gpu_check.sh: the embedded engine, then SGLang on the tiny PPO policy, for the time left,
 # and writes the logs, the figures (last line of each: JSON) and the profiled step's traces to $OUT.
 #   bash scripts/gpu/run.sh              (OUT defaults to ./gpu_out)
@@ -48,39 +49,22 @@ fi
 export PYTHONPATH=$SITE:$PWD TVM_FFI_CACHE_DIR=/tmp/sgl_jit_cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
   TOKENIZERS_PARALLELISM=false PYTHON=python3 PYTHONUNBUFFERED=1
 
-# profile_rollout RUN: once RUN's second step is logged, py-spy records its SGLang server (with the scheduler and
-# detokenizer under it) and its trainer for 10 s; raw stacks (one line per stack and count) go to $OUT.
-profile_rollout() {
-  local metrics=/tmp/gpu86m/$1/metrics.jsonl server trainer
-  for _ in $(seq 1200); do [ -f "$metrics" ] && [ "$(wc -l < "$metrics")" -ge 2 ] && break; sleep 0.5; done
-  server=$(pgrep -n -f "sglang.launch_server")
-  trainer=$(pgrep -o -f -- "-u -m rl_core.train")  # the rank, not its reward pool's workers (forked later)
-  [ -n "$server" ] && "$SITE/bin/py-spy" record -s --nonblocking -r 100 -d 10 --format raw -o "$OUT/pyspy_$1_sglang.txt" -p "$server" \
-    > "$OUT/pyspy_$1.log" 2>&1 &
-  [ -n "$trainer" ] && "$SITE/bin/py-spy" record --nonblocking -r 100 -d 10 --format raw -o "$OUT/pyspy_$1_trainer.txt" -p "$trainer" \
-    >> "$OUT/pyspy_$1.log" 2>&1
-  wait
-}
-
 engine=sglang
 python3 -c "import sglang.srt.server_args" > /dev/null 2>&1 || { engine=embedded; say "sglang does not import: the bench runs the embedded engine"; }
 if [[ $STEPS == *bench* ]]; then
-  # seconds kept for the probe (an SGLang start with its CUDA graph, 7 shapes) and gpu_check's first cases
+  # seconds kept for the probe (an SGLang start with its CUDA graph, 7 shapes, 10 s of py-spy) and gpu_check's first cases
   reserve=$(( 20 + $([[ $STEPS == *probe* ]] && echo 100 || echo 0) + $([[ $STEPS == *check* ]] && echo 130 || echo 0) ))
-  runs=(sync async)
-  # Once more in sync mode with py-spy recording the SGLang server's processes and the trainer for 10 s from step 3
-  # on (py-spy slows what it samples: this run's timings are not the figure, its stacks say where the rollout goes).
-  if [ $engine = sglang ] && [ -x "$SITE/bin/py-spy" ]; then
-    runs+=("sync_pyspy:trainer.mode=sync")
-    profile_rollout sync_pyspy &
-  fi
+  # async2: two batches generating at once (512 sequences per decode step, the CUDA graph up to that), which pays
+  # where a decode step of two batches costs less than two of one (rollout_probe's two_batches says so too).
+  async2="async2:trainer.mode=async;async.batches_in_flight=2;env.num_envs=512;rollout.concurrency=512"
+  [ $engine = sglang ] && async2+=";rollout.sglang_args.cuda_graph_max_bs_decode=512"
+  runs=(sync async "$async2")
   say "bench_vs_trl gpu86m: TRL, ours ${runs[*]%%:*}; step 4 profiled (at most $(( $(left) - reserve ))s)"
   timeout $(( $(left) - reserve )) python3 scripts/bench_vs_trl.py --setting gpu86m --engine $engine --batches 8 \
     --workdir /tmp/gpu86m --project-runs "${runs[@]}" --project-overrides 'trainer.profile_steps=[4]' > "$OUT/bench_vs_trl.log" 2>&1
   say "bench_vs_trl exit $?"
-  wait  # the profiler
   grep -E "^(TRL|project) |median s per batch|phase split|reward, first|peak GPU|FAILED" "$OUT/bench_vs_trl.log" | cut -c1-600 | tee -a "$OUT/run.log"
-  for run in sync async sync_pyspy; do
+  for run in sync async async2; do
     trace=$(ls /tmp/gpu86m/"$run"/profile/step_4/rank0*.json 2>/dev/null | head -n 1)
     [ -n "$trace" ] && gzip -c "$trace" > "$OUT/trace_${run}_step4.json.gz" && python3 scripts/gpu/trace_summary.py "$trace" | tee -a "$OUT/run.log"
   done
@@ -89,10 +73,12 @@ fi
 
 if [[ $STEPS == *probe* ]] && [ -d /tmp/gpu86m/policy-86m ] && [ "$(left)" -gt 90 ]; then
   say "rollout_probe: the gpu86m rollout straight to one $engine engine, shape by shape (at most $(( $(left) - 15 ))s)"
-  timeout $(( $(left) - 15 )) python3 scripts/gpu/rollout_probe.py --workdir /tmp/gpu86m --engine $engine \
+  pyspy=()
+  [ -x "$SITE/bin/py-spy" ] && pyspy=(--pyspy "$SITE/bin/py-spy" --pyspy-out "$OUT/pyspy_probe_engine.txt")
+  timeout $(( $(left) - 15 )) python3 scripts/gpu/rollout_probe.py --workdir /tmp/gpu86m --engine $engine "${pyspy[@]}" \
     > "$OUT/rollout_probe.log" 2>&1
   say "rollout_probe exit $?"
-  grep -E "^[a-z_]+ +median|decode step|engine up" "$OUT/rollout_probe.log" | tee -a "$OUT/run.log"
+  grep -E "^[a-z_]+ +median|decode step|engine up|py-spy" "$OUT/rollout_probe.log" | tee -a "$OUT/run.log"
 elif [[ $STEPS == *probe* ]]; then
   say "rollout_probe: no bench assets in /tmp/gpu86m or no time left; run again with STEPS=probe"
 fi
