@@ -9,6 +9,7 @@ import torch
 
 from rl_core.rewards.lm_human_preferences import truncated_ids
 from rl_core.reward_model.config import NormalizeConfig
+from workers.decode import DecodeSettings, decode
 from workers.loading import single_token_id
 
 
@@ -22,44 +23,27 @@ def load_queries(path: str, text_key: str, tokenizer, query_length: int) -> list
     return [row for row in ids if row]
 
 
-def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.tensor(row)
-        mask[i, width - len(row):] = 1
-    return ids, mask
-
-
 @torch.no_grad()
 def sample_responses(policy, tokenizer, queries: list[list[int]], response_length: int,
                      temperature: float, seed: int, batch_size: int = 64, desc: str | None = None) -> list[list[int]]:
-    """Fixed-length continuations of each query from the reference policy.
+    """Fixed-length continuations of each query from the reference policy, through the trainer's one decoder
+    (`workers.decode`).
 
     OpenAI details: sampling with top_k=0 / top_p=1 at the given temperature, and exactly
-    ``response_length`` tokens: EOS does not stop a sample (``eos_token_id=[]``).
-    The global RNG is restored afterwards, so callers' random streams are untouched.
+    ``response_length`` tokens: EOS does not stop a sample. The draws come from a generator seeded with
+    `seed`, so callers' random streams are untouched.
     `desc`: show a progress bar with that title (sampling thousands of queries takes minutes on a CPU).
     """
-    from transformers import GenerationConfig
-
     from rl_core.logger import progress_bar
 
-    config = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                              max_new_tokens=response_length, eos_token_id=[],
-                              pad_token_id=tokenizer.pad_token_id)
+    settings = DecodeSettings(max_new_tokens=response_length, eos_token_id=None, temperature=temperature)
     device = next(policy.parameters()).device
-    devices = [device] if device.type == "cuda" else []
+    generator = torch.Generator().manual_seed(seed)
     responses: list[list[int]] = []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        starts = range(0, len(queries), batch_size)
-        for start in progress_bar(starts, desc=desc or "", enabled=desc is not None, unit="batch"):
-            ids, mask = _left_pad(queries[start:start + batch_size], tokenizer.pad_token_id)
-            out = policy.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                  generation_config=config)
-            responses.extend(out[:, ids.shape[1]:].tolist())
+    starts = range(0, len(queries), batch_size)
+    for start in progress_bar(starts, desc=desc or "", enabled=desc is not None, unit="batch"):
+        responses.extend(decode(policy, queries[start:start + batch_size], settings, tokenizer.pad_token_id, device,
+                                generator, batch_size))
     return responses
 
 

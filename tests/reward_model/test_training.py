@@ -34,7 +34,11 @@ def test_normalisation_samples_are_cut_at_the_truncate_token_or_left_out(tiny_mo
     tokenizer = load_tokenizer(tiny_model_dir)
     policy = load_causal_lm(tiny_model_dir).eval()
     queries = [tokenizer.encode("Tom was happy.")] * 24
+    rng_before = torch.random.get_rng_state()
     plain = sample_responses(policy, tokenizer, queries, 12, 1.0, seed=3)
+    assert torch.equal(torch.random.get_rng_state(), rng_before), "the caller's random stream is untouched"
+    assert all(len(response) == 12 for response in plain), "EOS does not end a sample (OpenAI: fixed length)"
+    assert len({tuple(response) for response in plain}) > 1, "sampled, not greedy"
     # The random test model has no favourite '.', so truncate at the token it samples most.
     counts = Counter(token for response in plain for token in response[1:])
     token = next(t for t, _ in counts.most_common()
