@@ -55,7 +55,7 @@ class NormalizeConfig:
     query_length: int = 64  # query tokens
     response_length: int = 24  # tokens sampled per query
     temperature: float = 1.0  # sampling temperature
-    batch_size: int = 64  # samples generated and scored at a time
+    batch_size: int = 64  # samples generated at a time (scoring runs in train.max_tokens_per_device micro-batches)
     # OpenAI rejection sampling, as the PPO job applies it before scoring: each response is cut at
     # its first truncate_token at/after index truncate_after, and one without it is not scored
     # (PPO gives it a fixed penalty instead). null = score whole responses.

@@ -22,7 +22,7 @@ from rl_core.reward_model.losses import preference_correct, preference_loss, spe
 from rl_core.reward_model.sampling import pick_queries, sample_truncated
 from workers.fsdp import TrainableModel, full_state_dict, read_back, shard_model
 from workers.forward import ForwardSettings, raw_reward_scores, reward_scores
-from workers.layout import make_micro_batch, packing_layout, to_device
+from workers.layout import make_micro_batch, packing_layout
 from workers.loading import init_reward_model, load_reward_model, prepare_for_run, set_reward_gain_bias
 from workers.worker import BatchWorker
 
@@ -51,20 +51,15 @@ def build_reward_model(init_from: str, tokenizer, seed: int, attn_implementation
 
 
 @torch.no_grad()
-def score_sequences(model, sequences: list[list[int]], pad_id: int, device: torch.device,
-                    chunk: int = 64, normalized: bool = False) -> torch.Tensor:
-    """``[n]`` last-token reward of each query+response id list (raw unless ``normalized``).
-
-    Collective under FSDP: every rank must pass the same number of sequences.
-    """
+def score_sequences(model, sequences: list[list[int]], pad_id: int, worker: BatchWorker,
+                    normalized: bool = False) -> torch.Tensor:
+    """``[n]`` last-token reward of each query+response id list (raw unless ``normalized``), over the worker's
+    token-balanced micro-batches, as training runs them. Every rank passes the whole list and gets every score;
+    collective under FSDP."""
     score = reward_scores if normalized else raw_reward_scores
     model.eval()
-    out = []
-    for start in range(0, len(sequences), chunk):
-        rows = [{"input_ids": ids, "action_mask": [1] * len(ids)} for ids in sequences[start:start + chunk]]
-        batch = to_device(make_micro_batch(rows, pad_id), device)
-        out.append(score(model, batch).float().cpu())
-    return torch.cat(out)
+    batch = make_micro_batch([{"input_ids": ids, "action_mask": [1] * len(ids)} for ids in sequences], pad_id)
+    return worker.gather(batch, lambda micro: (score(model, micro),))[0]
 
 
 def collate(examples: list, pad_id: int) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
@@ -159,7 +154,7 @@ def train_one_epoch(trainable, worker: BatchWorker, examples: list, cfg: RMTrain
 
 
 def _mark_invalid(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """NaN where a sample is not scored; ranks gather equal lengths, then drop the NaNs."""
+    """NaN where a sample is not scored (its response has no truncate token); the statistics drop them."""
     return torch.where(valid, scores, torch.full_like(scores, float("nan")))
 
 
@@ -184,29 +179,31 @@ class ReferenceSamples:
     cfg: NormalizeConfig
     dp: DataParallel
 
-    def scored(self, model, seed: int, desc: str | None, normalized: bool = False) -> tuple[list, torch.Tensor]:
-        """This rank's responses, and every rank's scores of them (NaN where a sample is not scored)."""
+    def scored(self, model, worker: BatchWorker, seed: int, desc: str | None,
+               normalized: bool = False) -> tuple[list, torch.Tensor]:
+        """This rank's responses, and every rank's scores of every rank's responses, in rank order (NaN where a
+        sample is not scored)."""
         cfg, dp = self.cfg, self.dp
         mine = pick_queries(self.queries, cfg.num_samples, seed, dp.rank, dp.size)
         responses, valid = sample_truncated(self.policy, self.tokenizer, mine, cfg, rank_seed(seed, dp.rank), desc)
-        sequences = [q + r for q, r in zip(mine, responses)]
-        scores = score_sequences(model, sequences, self.tokenizer.pad_token_id, dp.device, cfg.batch_size,
-                                 normalized=normalized)
-        return responses, dp.gather(_mark_invalid(scores, valid))
+        sequences = dp.concat([q + r for q, r in zip(mine, responses)])
+        scores = score_sequences(model, sequences, self.tokenizer.pad_token_id, worker, normalized=normalized)
+        return responses, _mark_invalid(scores, dp.gather(valid.float()).bool())
 
 
-def normalize_reward(model, reference: ReferenceSamples, seed: int, desc: str | None = None) -> tuple[float, float]:
+def normalize_reward(model, reference: ReferenceSamples, worker: BatchWorker, seed: int,
+                     desc: str | None = None) -> tuple[float, float]:
     """Set gain/bias so rewards of reference-policy samples have mean 0, std 1 (OpenAI detail)."""
-    _, raw = reference.scored(model, seed, desc)
+    _, raw = reference.scored(model, worker, seed, desc)
     gain, bias = reward_gain_bias(_valid_only(raw, reference.cfg))
     set_reward_gain_bias(model, gain, bias)
     return gain, bias
 
 
-def fresh_sample_check(model, reference: ReferenceSamples, seed: int, labeler=None,
+def fresh_sample_check(model, reference: ReferenceSamples, worker: BatchWorker, seed: int, labeler=None,
                        desc: str | None = None) -> dict[str, float | None]:
     """Normalised reward statistics on a new sample, and Spearman with the labeler's score."""
-    responses, scores = reference.scored(model, seed, desc, normalized=True)
+    responses, scores = reference.scored(model, worker, seed, desc, normalized=True)
     kept = ~scores.isnan()
     scores = _valid_only(scores, reference.cfg)
     result: dict[str, float | None] = {"normalized_mean": scores.mean().item(),
@@ -266,7 +263,7 @@ def fit_reward_model(model, reference: ReferenceSamples, train_examples: list, t
     else:
         # OpenAI: normalise before training too, so the loss sees rewards at unit scale from step one.
         phase(None, "normalisation before training")
-        gain_before, bias_before = normalize_reward(model, reference, tr.seed,
+        gain_before, bias_before = normalize_reward(model, reference, worker, tr.seed,
                                                     bar("sampling to normalise before training"))
         before = heldout_metrics(model, worker, test_examples, pad_id)
     log(f"[train_rm] {len(train_examples)} train / {len(test_examples)} held-out comparisons, {steps} steps "
@@ -281,8 +278,9 @@ def fit_reward_model(model, reference: ReferenceSamples, train_examples: list, t
     stats = train_one_epoch(trainable, worker, train_examples, cfg.train, cfg.trainer, pad_id, log, checkpoints)
     phase(None, "evaluation and normalisation after training")
     after = heldout_metrics(model, worker, test_examples, pad_id)
-    gain, bias = normalize_reward(model, reference, tr.seed + 1, bar("sampling to normalise after training"))
-    check = fresh_sample_check(model, reference, tr.seed + 2, labeler, bar("sampling to check on fresh samples"))
+    gain, bias = normalize_reward(model, reference, worker, tr.seed + 1, bar("sampling to normalise after training"))
+    check = fresh_sample_check(model, reference, worker, tr.seed + 2, labeler,
+                               bar("sampling to check on fresh samples"))
     return {"heldout_accuracy": after["accuracy"], "heldout_loss": after["loss"],
             "heldout_accuracy_before": before["accuracy"], **stats, "gain_before": gain_before,
             "gain": gain, "bias": bias, **check}

@@ -116,6 +116,7 @@ def test_checkpoint_loads_and_is_normalised_on_fresh_samples(rm_run, tiny_model_
     from rl_core.reward_model.sampling import load_queries, sample_responses
     from rl_core.reward_model.training import score_sequences
     from workers.loading import load_causal_lm, load_reward_model, load_tokenizer
+    from workers.worker import BatchWorker
 
     metrics, _, tmp, _ = rm_run
     out = Path(metrics["output_dir"])
@@ -129,8 +130,9 @@ def test_checkpoint_loads_and_is_normalised_on_fresh_samples(rm_run, tiny_model_
     queries = load_queries(str(tmp / "prompts.jsonl"), "text", tokenizer, 12) * 40
     responses = sample_responses(policy, tokenizer, queries, 8, 1.0, seed=987)
     assert {len(r) for r in responses} == {8}, "fixed-length samples: EOS must not stop them"
-    scores = score_sequences(model, [q + r for q, r in zip(queries, responses)], tokenizer.pad_token_id,
-                             torch.device("cpu"), normalized=True)
+    worker = BatchWorker(0, 1, torch.device("cpu"), max_tokens=256)
+    scores = score_sequences(model, [q + r for q, r in zip(queries, responses)], tokenizer.pad_token_id, worker,
+                             normalized=True)
     assert abs(scores.mean().item()) < 0.25
     assert 0.75 < scores.std(unbiased=False).item() < 1.25
 
