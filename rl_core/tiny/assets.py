@@ -174,13 +174,18 @@ def _learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def pretrain_tiny_gpt2(model, tokenizer, texts: list[str], settings: TinyAssetSettings, num_threads: int = 2,
+def pretrain_tiny_gpt2(model, tokenizer, texts: list[str], settings: TinyAssetSettings, num_threads: int = 1,
                        log_every: int = 0, log: Callable[[str], None] = print, progress: bool = False) -> list[float]:
     """Plain PyTorch language-model pretraining on packed text; returns the loss of every step.
 
+    One thread by default, for bytes that do not depend on the machine's load: the weights' last bits follow
+    how many threads split each reduction (1, 2 and 3 threads give three different c_attn biases, ~2e-6
+    apart), and twice in CI a build under `torch.set_num_threads(2)` differed from another one in exactly that
+    way. One thread has one split.
+
     `settings`: the schedule is read from its `steps`, `batch_size`, `seq_len`, `lr` and `seed` (the model's
     shape is already in `model`). `progress`: a bar with the loss and an ETA (the real build pretrains for
-    about two minutes).
+    about three minutes).
     """
     import torch
 

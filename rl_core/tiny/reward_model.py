@@ -177,7 +177,8 @@ def ensure_tiny_preferences(paths, task: str = "sentiment", log: Log = print, sm
         with file_lock(paths.root / f".{task}-rm.lock"):
             if not settings_match(marker, _preference_settings(paths, task, settings)):
                 log(f"[rl_core.tiny] labelling tiny {task} preferences under {marker.parent}; cached")
-                _build_preferences(paths, task, settings, progress)
+                with torch_threads(1):  # as in the reward model's build: the same samples whatever the load
+                    _build_preferences(paths, task, settings, progress)
     return train_file, test_file
 
 
