@@ -8,6 +8,7 @@ import dataclasses
 import torch
 
 from workers.layout import exclusive_cumsum
+from workers.loading import cache_keyword
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,7 @@ def decode(model, prompts: list[list[int]], settings: DecodeSettings, pad_token_
     all: fixed length). Prompts are left-padded with position ids counted from the first real token
     (GPT-2's absolute positions, OpenAI's detail)."""
     completions = []
+    keyword = cache_keyword(model)
     for start in range(0, len(prompts), batch_size):
         rows = prompts[start:start + batch_size]
         width = max(len(r) for r in rows)
@@ -47,7 +49,7 @@ def decode(model, prompts: list[list[int]], settings: DecodeSettings, pad_token_
             attention = torch.cat([attention, torch.ones_like(next_ids)], dim=1)
             positions = positions[:, -1:] + 1
             out = model(input_ids=next_ids, attention_mask=attention, position_ids=positions,
-                        past_key_values=out.past_key_values, use_cache=True)
+                        use_cache=True, **{keyword: getattr(out, keyword)})
         for row in torch.cat(generated, dim=1).tolist():
             completions.append(row[:row.index(settings.eos_token_id)] if settings.eos_token_id in row else row)
     return completions

@@ -7,6 +7,7 @@ N(0, 1/sqrt(d+1)) with gain/bias in the config.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,13 @@ def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, attn_implement
     model = AutoModelForCausalLM.from_pretrained(path, config=_config_without_dropout(path), dtype=dtype,
                                                  attn_implementation=attn_implementation)
     return disable_dropout(model)
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword (and output field) of a causal LM's KV cache: `cache` where transformers renamed it (5.24 here,
+    which warns at the old name until 5.40 drops it), `past_key_values` before (5.12, the floor)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under LoRA, peft's wrapper
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 

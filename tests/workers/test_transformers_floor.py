@@ -1,5 +1,6 @@
 """setup.cfg admits transformers from 5.12 (the version SGLang 0.5.17 pins): the embedded engine, whose KV
-cache implements transformers' cache-layer interface, and the packed model inputs must work there too.
+cache implements transformers' cache-layer interface, the packed model inputs and the trainer's decoder (which
+pass the KV cache by 5.12's keyword there) must work there too.
 `scripts/setup_env.sh` puts transformers 5.12.1 in `.venv-floor`; these tests run on it in a subprocess."""
 
 import os
@@ -32,7 +33,7 @@ def test_engine_and_packing_tests_pass_on_the_oldest_transformers():
     version = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
                              env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert version == FLOOR
-    tests = ["tests/workers/test_engine_runner.py", "tests/workers/test_packing.py"]
+    tests = ["tests/workers/test_engine_runner.py", "tests/workers/test_packing.py", "tests/workers/test_decode.py"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=560)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

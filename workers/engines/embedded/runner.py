@@ -24,7 +24,7 @@ import torch
 from workers.engines.embedded.batch import DecodeBatch, GenRequest, SamplingParams
 from workers.engines.embedded.kv_cache import SlotCache
 from workers.engines.embedded.sampling import RowSampling, draw_uniforms, sample
-from workers.loading import context_length
+from workers.loading import cache_keyword, context_length
 
 LOG = logging.getLogger("embedded_engine")
 # An idle engine's first prefill waits for the rest of a burst (_rest_of_burst). 5 ms between arrivals, not 2:
@@ -54,6 +54,7 @@ class ModelRunner:
         self.num_layers = int(config.get_text_config().num_hidden_layers)
         # Prefill computes the vocabulary projection for the last position only, when the model can.
         self.keeps_last_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self.cache_keyword = cache_keyword(self.model)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_ids = self._eos_ids()
         self.rng = torch.Generator().manual_seed(seed)
@@ -313,8 +314,8 @@ class ModelRunner:
             if self.released_shapes is not None:
                 raise RuntimeError("weights are released; resume them before generating")
             out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
-                             position_ids=positions.to(self.device), past_key_values=cache,
-                             use_cache=cache is not None, **extra)
+                             position_ids=positions.to(self.device), use_cache=cache is not None,
+                             **{self.cache_keyword: cache}, **extra)
         self.stats["forward_steps"] += 1
         return out.logits
 
