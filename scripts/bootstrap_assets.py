@@ -10,8 +10,12 @@ this project's code
 (`rl_core/tiny/`), so a fresh clone trains at once. `--check` rebuilds all of it in a temporary
 directory (about 25 minutes on 2 cores, half of it the tool-calling policy's fine-tuning) and compares every file's sha256 with
 `assets/checksums.json`; the builds fix their seeds and thread counts, so the same torch build on
-the same kind of CPU reproduces them bit for bit (another CPU or torch may round differently,
-and the check says which files differ).
+the same kind of CPU reproduces them bit for bit (another CPU or torch may round differently, a
+config.json records the transformers version that wrote it, and the check says which files differ).
+The tiny policy, the preferences, the reward model and the tool-calling policy build on one thread, whose
+results no load can change; the arithmetic policy's fine-tuning runs on two, where reductions split
+otherwise between threads (seen twice in CI for the tiny policy when it pretrained on two) would change
+the last bits.
 """
 
 from __future__ import annotations
