@@ -121,7 +121,13 @@ def _labelled_pairs(queries: list[list[int]], responses: list[list[int]], draws:
 
 
 def _build_preferences(paths, task: str, settings: TinyRMSettings, progress: bool = False) -> dict:
-    """Sample from the tiny policy, keep and cut samples at a period, label pairs, write jsonl + marker."""
+    """Sample from the tiny policy, keep and cut samples at a period, label pairs, write jsonl + marker. On one
+    thread, as the reward model's build: the same samples whatever the machine's load."""
+    with torch_threads(1):
+        return _sample_and_label(paths, task, settings, progress)
+
+
+def _sample_and_label(paths, task: str, settings: TinyRMSettings, progress: bool) -> dict:
 
     train_file, test_file, marker = preference_files(paths, task)
     tokenizer = load_tokenizer(str(paths.model_dir))
@@ -177,8 +183,7 @@ def ensure_tiny_preferences(paths, task: str = "sentiment", log: Log = print, sm
         with file_lock(paths.root / f".{task}-rm.lock"):
             if not settings_match(marker, _preference_settings(paths, task, settings)):
                 log(f"[rl_core.tiny] labelling tiny {task} preferences under {marker.parent}; cached")
-                with torch_threads(1):  # as in the reward model's build: the same samples whatever the load
-                    _build_preferences(paths, task, settings, progress)
+                _build_preferences(paths, task, settings, progress)
     return train_file, test_file
 
 
