@@ -79,6 +79,7 @@ def test_a_grpo_step_keeps_engine_and_trainer_equal_and_exports_the_family(arith
     if engine == "sglang":  # the job asked for the model's whole context, and SGLang serves it
         log = (run_dir / "logs" / "engine-rank0.log").read_text()
         assert f"'context_length': {CONTEXT}," in log and f"context_len={CONTEXT}," in log
+        assert "crash diagnostics" not in log  # the job's stop is no crash: no 5 s wait for a py-spy dump
     # The window was really crossed: every logged prompt alone is longer than it.
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]

@@ -53,6 +53,9 @@ def test_server_env_drops_torchrun_variables_and_pins_the_rank_gpus():
     # Indices are within the rank's own visible devices.
     assert server_env([0, 1], {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})["CUDA_VISIBLE_DEVICES"] == "4,5"
     assert server_env([2], {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})["CUDA_VISIBLE_DEVICES"] == "6"
+    # A stop skips SGLang's crash diagnostics (5 s asleep first) unless the user asks for them.
+    assert env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "false"
+    assert server_env(None, {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "1"})["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1"
 
 
 def test_rank_engine_launches_either_kind_with_the_same_settings():

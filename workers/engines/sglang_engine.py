@@ -107,6 +107,10 @@ def server_env(gpu_ids: Sequence[int] | None, base_env: Mapping[str, str] | None
     env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "false"
     # Keep the router's pooled connections open between rollouts (ENGINE_KEEPALIVE_S); a user's own value wins.
     env.setdefault("SGLANG_TIMEOUT_KEEP_ALIVE", str(ENGINE_KEEPALIVE_S))
+    # The job stops a server with SIGTERM to its process group; SGLang takes its scheduler's exit for a crash
+    # and sleeps 5 s before a py-spy dump and a CUDA coredump, on every stop. A user's own value wins.
+    env.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "false")
+    env.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "false")
     # expandable_segments breaks torch_memory_saver and CUDA IPC.
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     if device.startswith("cpu"):
