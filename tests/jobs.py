@@ -1,22 +1,53 @@
 """Running a job through torchrun from a test."""
 
 import os
+import select
 import signal
 import subprocess
+import time
+from typing import Iterator
 
 import pytest
+
+
+def output_lines(proc: subprocess.Popen, deadline: float | None = None) -> Iterator[str]:
+    """The lines of `proc`'s output (its binary stdout pipe) as they arrive, until it has exited and the pipe
+    holds nothing more: not until the pipe's end. A rank's first weight push forks torch's shared-memory
+    manager (torch_shm_manager), which inherits the rank's stderr and exits 2 s after its last client, so
+    the end of the pipe comes 2 s after every PPO job. Raises subprocess.TimeoutExpired at `deadline`
+    (monotonic) if the process is still running."""
+    fd, pending = proc.stdout.fileno(), b""
+    while True:
+        exited = proc.poll() is not None
+        if not exited and deadline is not None and time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(proc.args, 0)
+        # Once it has exited every writer but that manager is gone: what they wrote is in the pipe already.
+        readable, _, _ = select.select([fd], [], [], 0.2 if exited else 0.5)
+        data = os.read(fd, 1 << 16) if readable else b""
+        if data:
+            # universal newlines, as a text-mode pipe reads them (progress bars end lines with \r)
+            *lines, pending = (pending + data).replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+            yield from (line.decode(errors="replace") for line in lines)
+        elif readable or exited:  # the pipe's end, or nothing more after the exit
+            break
+    if pending:
+        yield pending.decode(errors="replace")
 
 
 def run_to_end(argv: list[str], timeout: float, cwd=None) -> str:
     """Run `argv` in its own session (a timeout kills torchrun *and* its ranks: no orphans left for
     later tests); return its output, failing the test with the output's tail unless it exits 0."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            cwd=cwd)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
+    lines = []
     try:
-        output, _ = proc.communicate(timeout=timeout)
+        lines.extend(output_lines(proc, deadline=time.monotonic() + timeout))
+        proc.wait(timeout=timeout)  # the pipe may end before the process does
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the job did not finish within {timeout}s:\n{output[-5000:]}")
+        proc.wait()
+        pytest.fail(f"the job did not finish within {timeout}s:\n" + "\n".join(lines)[-5000:])
+    finally:
+        proc.stdout.close()
+    output = "\n".join(lines) + "\n"
     assert proc.returncode == 0, output[-6000:]
     return output

@@ -109,8 +109,8 @@ def test_a_stop_signal_in_any_phase_of_a_step_ends_every_process_within_seconds_
     resumed = Job(ARITHMETIC, run_dir, RUN_STEPS, "trainer.resume=auto", FAST_ENV, config="grpo_arithmetic.yaml")
     try:
         assert resumed.wait(400) == 0, resumed.output[-4000:]
+        resumed.tree.wait_all_gone(STOP_WITHIN_S)  # (torch's shared-memory manager lives 2 s past its last client)
     finally:
         resumed.abort()
-    assert resumed.tree.alive() == []
     assert [m["step"] for m in read_metrics(run_dir)] == [0, 1, 2, 3]  # each step logged once, none missing
     assert json.loads((run_dir / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())["step"] == 3
