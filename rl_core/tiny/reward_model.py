@@ -128,7 +128,6 @@ def _build_preferences(paths, task: str, settings: TinyRMSettings, progress: boo
 
 
 def _sample_and_label(paths, task: str, settings: TinyRMSettings, progress: bool) -> dict:
-
     train_file, test_file, marker = preference_files(paths, task)
     tokenizer = load_tokenizer(str(paths.model_dir))
     policy = load_causal_lm(str(paths.model_dir)).eval()
