@@ -133,9 +133,9 @@ def _project_frame() -> str:
 
 
 def _all_threads_config():
-    """The profiler records only the thread that started it unless told otherwise, and rank 0's rollout
-    sends its /generate calls from its own asyncio thread (rl_core.rollout.service): ask for every thread
-    of the process (`profile_all_threads`, which torch 2.13 has). None on a torch without it."""
+    """The profiler records only the thread that started it unless told otherwise, and in sync mode rank 0's
+    rollout sends its /generate calls from its own asyncio thread (rl_core.rollout.service): ask for every
+    thread of the process (`profile_all_threads`, which torch 2.13 has). None on a torch without it."""
     try:
         return torch.profiler._ExperimentalConfig(profile_all_threads=True)
     except TypeError:

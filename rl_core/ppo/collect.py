@@ -17,12 +17,14 @@ every rank); only rank 0 has the rollout service and the prompts.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
-from typing import Callable, Iterator
+from typing import Iterator
 
 from rl_core.ppo.config import PPOConfig
 from rl_core.ppo.step import Scoring, has_reward_variance
 from rl_core.rollout.rollout import RolloutResult
+from rl_core.rollout.process import RolloutProcess
 from rl_core.rollout.service import RolloutService
 
 
@@ -68,19 +70,21 @@ class AsyncCollector:
         self.prompts = prompts
         self.service: RolloutService | None = None
 
-    def start(self, service: RolloutService, current_version: Callable[[], int]) -> None:
-        """Start the producer; `current_version()` is the version the engines serve (pushes land mid-rollout)."""
+    def start(self, service: RolloutService | RolloutProcess) -> None:
+        """Start the producer on a copy of the prompt stream: `self.prompts` stays at the position after
+        the last batch trained on (the producer runs ahead), which checkpoints save."""
         self.service = service
-        service.start_producer(self.prompts, current_version, self.settings.queue_batches, self.settings.max_staleness,
+        service.start_producer(copy.deepcopy(self.prompts), self.settings.queue_batches, self.settings.max_staleness,
                                self.settings.batches_in_flight)
 
     def collect(self, version: int) -> tuple[RolloutResult, int]:
         """Fresh-enough queued trajectories; returns (batch, trajectories dropped as too stale)."""
-        return self.service.next_batch(self.batch_size, version, self.settings.max_staleness)
+        batch = self.service.next_batch(self.batch_size, version, self.settings.max_staleness)
+        self.prompts.load_state_dict(self.service.resume_state)
+        return batch
 
     def resume_state(self) -> dict:
-        # The position after the last batch trained on, not the producer's, which runs ahead.
-        return self.service.resume_state
+        return self.prompts.state_dict()
 
     @contextlib.contextmanager
     def weight_push(self) -> Iterator[None]:

@@ -260,6 +260,9 @@ class AsyncConfig:
     # step costs less than twice one batch's (small models on GPUs); each still starts within max_staleness,
     # and env.num_envs and rollout.concurrency bound the sequences in flight.
     batches_in_flight: int = 1
+    # async: rank 0's rollout (its HTTP client, envs and reward functions) runs in a process of its own, so its
+    # Python does not take turns with the trainer's on one GIL; false runs it in a thread of rank 0
+    rollout_process: bool = True
 
 
 @dataclass
@@ -308,7 +311,7 @@ def sampling_params(ro: RolloutConfig, **overrides) -> dict:
 def rollout_settings(ro: RolloutConfig, max_positions: int | None, progress: bool) -> RolloutSettings:
     """The rollout section as the rollout's frozen settings; `max_positions`: the policy's context."""
     return RolloutSettings(sampling_params(ro), max_turns=ro.max_turns, concurrency=ro.concurrency,
-                           max_total_tokens=max_positions, progress=progress)
+                           max_total_tokens=max_positions, progress=progress, engine_timeout_s=ro.engine_timeout_s)
 
 
 def release_mode(ro: RolloutConfig) -> str:

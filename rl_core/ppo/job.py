@@ -231,10 +231,7 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
         job.logger = open_run_logger(cfg, start_step)  # rows after the checkpoint's step are dropped
         job.service = rt.start_rollout_service(tokenizer, rollout_settings(cfg.rollout, max_positions,
                                                                            cfg.trainer.progress))
-        if isinstance(collector, AsyncCollector):  # its producer tags tokens with the engines' version
-            collector.start(job.service, lambda: rt.engine_version)
-        else:
-            collector.start(job.service)
+        collector.start(job.service)
     return job
 
 

@@ -13,14 +13,17 @@ import socket
 import sys
 import threading
 import time
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from rl_core.distributed import on_rank0, rank_seed
 from rl_core.lifecycle import JobLifecycle, torch_threads
-from rl_core.ppo.config import PPOConfig, engine_dtype
+from rl_core.ppo.config import EnvConfig, PPOConfig, RewardConfig, engine_dtype
+from rl_core.rollout.process import RolloutProcess, ServedVersion
+from rl_core.rollout.rollout import RolloutSettings
+from rl_core.rollout.service import RolloutService
 from workers.engines.client import EngineError
 from workers.engines.rank_engine import EngineSpec, RankEngine
 from workers.engines.weights import PROBE_TOLERANCE, WeightSyncError
@@ -46,13 +49,10 @@ class JobRuntime(JobLifecycle):
         self.engine_logs: dict[str, str] = {}
         self.engine_places: dict[str, str] = {}  # url -> "rank R on node N, host"
         self.router_url: str | None = None
-        self.engine_version = 0
+        self.served_version = ServedVersion()  # the weights' version the engines serve (the rollout reads it)
         # Sync mode: release engine memory while training (the memory plan's decision under rollout.release_memory).
         self.release_each_step = True
         self.service = None
-        self.chat = None  # the envs' tools: MCP servers' connections are closed at exit
-        self.env_executor = None
-        self.reward_executor = None
         self.node_watch = None
         self._loop = asyncio.new_event_loop()  # for this rank's own engine calls (release, push, check)
 
@@ -63,6 +63,10 @@ class JobRuntime(JobLifecycle):
             super().__enter__()
             self.log_dir = self.run_dir / "logs"
             self.log_dir.mkdir(parents=True, exist_ok=True)
+            if self.rank == 0 and self.cfg.trainer.mode == "async" and self.cfg.async_.rollout_process:
+                # Async mode: the rollout runs beside the trainer, in a process of its own so that their Python
+                # does not take turns on one GIL; started now, its imports overlap the engines' start.
+                self.service = RolloutProcess(build_rollout_service, self.served_version)
         except BaseException:
             self.__exit__(*sys.exc_info())
             raise
@@ -71,11 +75,8 @@ class JobRuntime(JobLifecycle):
     def __exit__(self, exc_type, exc, tb) -> None:
         self.stop_node_watch()
         try:
-            if self.service is not None:
+            if self.service is not None:  # the envs, reward workers and MCP servers with it
                 self.service.close()
-            for executor in (self.env_executor, self.reward_executor):
-                if executor is not None:  # never wait on a stuck env call or reward function
-                    executor.shutdown(wait=False, cancel_futures=True)
             # A stop signal can interrupt an engine call (a push, a release) mid-way: cancel it and let
             # it unwind here, before its session closes, rather than in a closed loop at exit.
             pending = asyncio.all_tasks(self._loop)
@@ -86,8 +87,6 @@ class JobRuntime(JobLifecycle):
             if self.engine is not None:
                 self._loop.run_until_complete(self.engine.close())
         finally:
-            if self.chat is not None:  # after the envs (no call is running): its MCP servers stop
-                self.chat.close()
             reason = "the job finished" if exc_type is None else f"the job is stopping ({exc_type.__name__})"
             self.procs.stop_all(reason)
             self._loop.close()
@@ -228,33 +227,14 @@ class JobRuntime(JobLifecycle):
                  f"(log {self.engine_logs.get(url)})" for url in self.engine_urls if not answers(url)]
         return dead
 
-    def start_rollout_service(self, tokenizer, settings):
-        """Rank 0: the envs, the reward functions and the rollout loop that sends `/generate` to the router."""
-        from envs.factory import make_env_factory
-        from envs.threads import make_executor
-        from envs.chat import ChatSetup
-        from rl_core.rollout.service import RolloutService
-
-        cfg = self.cfg
-        self.env_executor = make_executor(cfg.env.thread_pool_size)
-        reward_fns = None
-        if cfg.reward.fns:
-            from rl_core.rewards import RewardFunctions
-
-            if cfg.reward.fn_processes > 0:
-                from rl_core.rewards.workers import ProcessExecutor
-
-                self.reward_executor = ProcessExecutor(cfg.reward.fn_processes)
-            else:
-                self.reward_executor = make_executor(cfg.env.thread_pool_size)
-            reward_fns = RewardFunctions.from_config(cfg.reward.fns, cfg.reward.fn_timeout_s, self.reward_executor)
-        self.chat = chat = ChatSetup.build(tokenizer, list(cfg.env.tools), cfg.env.tool_parser, cfg.env.reasoning_parser,
-                               dict(cfg.env.chat_template_kwargs), cfg.env.max_result_tokens,
-                               {"timeout_s": cfg.env.tool_timeout_s, "max_threads": cfg.env.thread_pool_size,
-                                "max_concurrent": cfg.env.tool_concurrency})
-        env_factory = make_env_factory(cfg.env.cls, dict(cfg.env.kwargs), self.env_executor, chat)
-        self.service = RolloutService(self.router_url, tokenizer, env_factory, cfg.env, settings,
-                                      cfg.rollout.engine_timeout_s, reward_fns)
+    def start_rollout_service(self, tokenizer, settings: RolloutSettings):
+        """Rank 0: the envs, the reward functions and the rollout loop that sends `/generate` to the router;
+        in the rollout process when there is one, else in a thread of this one."""
+        args = (self.cfg.env, self.cfg.reward, self.router_url, tokenizer, settings)
+        if isinstance(self.service, RolloutProcess):
+            self.service.start(*args)
+        else:
+            self.service = build_rollout_service(*args, self.served_version)
         return self.service
 
     def _engine_call(self, coro, what: str):
@@ -311,9 +291,47 @@ class JobRuntime(JobLifecycle):
             return stats
 
         stats = self._engine_call(push_and_check(), f"the weight push of version {version}")
-        self.engine_version = version
+        self.served_version.set(version)
         dist.barrier()
         return stats
+
+
+def build_rollout_service(env: EnvConfig, reward: RewardConfig, router_url: str, tokenizer, settings: RolloutSettings,
+                          served_version: Callable[[], int]) -> RolloutService:
+    """Rank 0's rollout side, built where it runs (rank 0's process or the rollout process): its
+    executors and MCP servers are stopped with it."""
+    from envs.chat import ChatSetup
+    from envs.factory import make_env_factory
+    from envs.threads import make_executor
+
+    env_executor = make_executor(env.thread_pool_size)
+    closers = [lambda: env_executor.shutdown(wait=False, cancel_futures=True)]  # never wait on a stuck env call
+    try:
+        reward_fns = None
+        if reward.fns:
+            from rl_core.rewards import RewardFunctions
+
+            if reward.fn_processes > 0:
+                from rl_core.rewards.workers import ProcessExecutor
+
+                reward_executor = ProcessExecutor(reward.fn_processes)
+            else:
+                reward_executor = make_executor(env.thread_pool_size)
+            closers.append(lambda: reward_executor.shutdown(wait=False, cancel_futures=True))
+            reward_fns = RewardFunctions.from_config(reward.fns, reward.fn_timeout_s, reward_executor)
+        chat = ChatSetup.build(tokenizer, list(env.tools), env.tool_parser, env.reasoning_parser,
+                               dict(env.chat_template_kwargs), env.max_result_tokens,
+                               {"timeout_s": env.tool_timeout_s, "max_threads": env.thread_pool_size,
+                                "max_concurrent": env.tool_concurrency})
+        closers.append(chat.close)  # after the envs (no call is running): its MCP servers stop
+        env_factory = make_env_factory(env.cls, dict(env.kwargs), env_executor, chat)
+        service = RolloutService(router_url, tokenizer, env_factory, env, settings, reward_fns, served_version)
+    except BaseException:
+        for close in closers:
+            close()
+        raise
+    service.on_close += closers
+    return service
 
 
 def check_reachable(engines: list[tuple[str, str, dict]], timeout_s: float = 10.0) -> None:

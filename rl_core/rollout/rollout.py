@@ -24,7 +24,7 @@ import functools
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping
 
@@ -52,6 +52,7 @@ class RolloutSettings:
     `concurrency`: trajectories in flight at once (None: as many as envs allow).
     `max_total_tokens`: the model's context; a sequence never grows past what engines serve of it. `max_abort_retries`:
     how often one action continues after an `abort` (a weight push pausing the engines).
+    `engine_timeout_s`: the longest one /generate may take.
     """
 
     sampling_params: Mapping[str, Any]
@@ -60,6 +61,7 @@ class RolloutSettings:
     max_total_tokens: int | None = None
     max_abort_retries: int = 8
     progress: bool = True
+    engine_timeout_s: float = 300.0
 
     def __post_init__(self):
         if self.max_turns < 1:
@@ -70,6 +72,10 @@ class RolloutSettings:
 
     def with_sampling(self, sampling_params: Mapping[str, Any]) -> "RolloutSettings":
         return replace(self, sampling_params=sampling_params)
+
+    def __reduce__(self):  # to the rollout process: a read-only mapping does not pickle, its dict does
+        return type(self), tuple(dict(value) if isinstance(value, MappingProxyType) else value
+                                 for value in (getattr(self, f.name) for f in fields(self)))
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Rank 0's rollout side: an asyncio loop in a background thread that talks to the router.
+"""Rank 0's rollout side: an asyncio loop in a background thread that talks to the router (in a thread of
+rank 0's trainer, or of the rollout process in async mode: `rl_core.rollout.process`).
 
 Sync mode asks it for one batch at a time (`collect`). Async mode starts a producer that keeps
 generating batches into a bounded queue while the trainer trains; `next_batch` hands out
@@ -66,17 +67,20 @@ class GatedClient:
 
 
 class RolloutService:
-    """`env`: the env section (`num_envs`, `step_timeout_s`, `max_failed_ratio`); `engine_timeout_s`:
-    the longest one /generate may take."""
+    """`env`: the env section (`num_envs`, `step_timeout_s`, `max_failed_ratio`); `served_version()`: the
+    policy version the engines serve now (the async producer tags batches with it). `on_close`: what
+    else to stop after the rollout (the envs' and reward functions' executors, MCP servers)."""
 
     def __init__(self, router_url: str, tokenizer, env_factory, env, settings: RolloutSettings,
-                 engine_timeout_s: float, reward_fns: RewardFunctions | None = None):
+                 reward_fns: RewardFunctions | None = None, served_version: Callable[[], int] = lambda: 0):
         self.settings = settings
+        self.served_version = served_version
+        self.on_close: list[Callable[[], None]] = []
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True)
         self.thread.start()
         # aiohttp sessions and the pool's semaphore belong to the loop they are created on.
-        router = EngineClient(router_url, timeout_s=engine_timeout_s, label="router")
+        router = EngineClient(router_url, timeout_s=settings.engine_timeout_s, label="router")
         self.client = self._call(self._make(GatedClient, router))
         self.env_pool = self._call(self._make(EnvPool, env_factory, num_envs=env.num_envs,
                                               step_timeout_s=env.step_timeout_s,
@@ -126,8 +130,8 @@ class RolloutService:
     def release(self) -> None:
         self._call(self.client.release())
 
-    def start_producer(self, sample_batches: PromptStream, current_version: Callable[[], int],
-                       max_queued: int, max_staleness: int, in_flight: int = 1) -> None:
+    def start_producer(self, sample_batches: PromptStream, max_queued: int, max_staleness: int,
+                       in_flight: int = 1) -> None:
         """Keep generating batches (at most `in_flight` at once, at most `max_queued` waiting) until `close`.
 
         Bounded staleness at the source: the trainer takes one batch a step, so batch i (counted from here) is
@@ -138,6 +142,7 @@ class RolloutService:
         queued, and batches are queued in the order they started (the resume point follows that order)."""
         self.batches = queue.Queue(maxsize=max_queued)
         self.resume_state = sample_batches.state_dict()
+        current_version = self.served_version
         first_version = current_version()
         slots = asyncio.Semaphore(in_flight)
         started: asyncio.Queue = asyncio.Queue()  # (the batch's rollout, the prompt position after it), in order
@@ -223,6 +228,8 @@ class RolloutService:
             self.thread.join(timeout=10)
             if not self.thread.is_alive():
                 self.loop.close()
+            for close in self.on_close:
+                close()
 
     async def _shutdown(self) -> None:
         # A stop signal can leave a rollout running on this loop (the main thread stopped waiting

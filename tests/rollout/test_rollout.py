@@ -1,6 +1,7 @@
 """Rollout against a real embedded engine behind the real sglang-router (tiny random GPT-2)."""
 
 import asyncio
+import os
 import concurrent.futures
 import logging
 
@@ -531,8 +532,8 @@ def test_closing_the_service_cancels_a_rollout_left_running_by_a_stop_signal(rou
 
     envs = SimpleNamespace(num_envs=4, step_timeout_s=30, max_failed_ratio=0.1)  # the env config section's keys
     settings = RolloutSettings({"max_new_tokens": 48, "ignore_eos": True}, concurrency=4, max_total_tokens=CONTEXT,
-                               progress=False)
-    service = RolloutService(router_url, tokenizer, factory, envs, settings, engine_timeout_s=60)
+                               progress=False, engine_timeout_s=60)
+    service = RolloutService(router_url, tokenizer, factory, envs, settings)
     loop_errors = []
     service.loop.call_soon_threadsafe(service.loop.set_exception_handler, lambda _, ctx: loop_errors.append(ctx))
     samples = [{"query_ids": tokenizer.encode("the old man walked")} for _ in range(16)]
@@ -606,14 +607,14 @@ def test_two_batches_in_flight_generate_side_by_side_within_the_staleness_bound_
     WaitsForTheNextBatchEnv.batch_1_started = asyncio.Event()
     envs = SimpleNamespace(num_envs=8, step_timeout_s=60, max_failed_ratio=0.0)
     settings = RolloutSettings({"max_new_tokens": 4, "ignore_eos": True}, concurrency=8, max_total_tokens=CONTEXT,
-                               progress=False)
+                               progress=False, engine_timeout_s=60)
     service = RolloutService(router_url, tokenizer, make_env_factory(WaitsForTheNextBatchEnv), envs, settings,
-                             engine_timeout_s=60)
+                             served_version=lambda: 0)
     stream = NumberedBatches(4, tokenizer.encode("the old man walked"))
     waiting = concurrent.futures.ThreadPoolExecutor(1)
     try:
         # The engines stay at version 0: with max_staleness=1 batches 0 and 1 may start, batch 2 may not.
-        service.start_producer(stream, lambda: 0, max_queued=2, max_staleness=1, in_flight=2)
+        service.start_producer(stream, max_queued=2, max_staleness=1, in_flight=2)
         taken = waiting.submit(lambda: [service.next_batch(4, current_version=0, max_staleness=1)[0]
                                         for _ in range(2)]).result(timeout=120)  # one in flight: no batch 0
         assert [{t.sample["batch"] for t in batch.trajectories} for batch in taken] == [{0}, {1}]
@@ -624,3 +625,89 @@ def test_two_batches_in_flight_generate_side_by_side_within_the_staleness_bound_
     finally:
         service.close()
         waiting.shutdown()  # a next_batch still waiting ends with the producer
+
+
+class PidEnv(Env):
+    """Its reward is the id of the process that ran it; a sample with `fail` fails in `reset`."""
+
+    async def reset(self, sample: dict) -> None:
+        if sample.get("fail"):
+            raise ValueError("this env refuses the sample")
+        return None
+
+    async def step(self, action: Action) -> StepResult:
+        return StepResult(observation=None, reward=float(os.getpid()), done=True)
+
+
+def build_pid_service(router_url: str, tokenizer_dir: str, served_version):
+    """What the rollout process builds in the tests below (the job's is rl_core.ppo.runtime.build_rollout_service)."""
+    from types import SimpleNamespace
+
+    from rl_core.rollout.service import RolloutService
+
+    envs = SimpleNamespace(num_envs=4, step_timeout_s=60, max_failed_ratio=0.0)
+    settings = RolloutSettings({"max_new_tokens": 4, "ignore_eos": True}, concurrency=4, max_total_tokens=CONTEXT,
+                               progress=False, engine_timeout_s=60)
+    return RolloutService(router_url, AutoTokenizer.from_pretrained(tokenizer_dir), make_env_factory(PidEnv), envs,
+                          settings, served_version=served_version)
+
+
+def test_the_rollout_process_generates_beside_this_one_then_leaves_nothing(router_url, tiny_model_dir, tokenizer):
+    """async.rollout_process: the envs run in the child, the producer tags tokens with the version this
+    process sets in shared memory, an env's error comes back with its type and message, and close leaves
+    no process of the child's group."""
+    from rl_core.rollout.process import RolloutProcess, ServedVersion
+
+    served = ServedVersion()
+    rollout = RolloutProcess(build_pid_service, served)
+    child = rollout._process.pid
+    try:
+        rollout.start(router_url, str(tiny_model_dir))
+        prompt = tokenizer.encode("the old man walked")
+        with pytest.raises(TooManyEnvFailures, match="1 of 1 trajectories failed in their environment"):
+            rollout.collect([{"prompt_ids": prompt, "fail": True}], 0)  # max_failed_ratio=0: the rollout fails
+        served.set(3)
+        rollout.start_producer(NumberedBatches(4, prompt), 1, 1)
+        batch, dropped = rollout.next_batch(4, 3, 1)
+        assert dropped == 0 and {t.env_reward for t in batch.trajectories} == {float(child)} != {float(os.getpid())}
+        assert {t.min_version for t in batch.trajectories} == {3}  # read from shared memory, not asked for
+        assert rollout.resume_state["served"] >= 1
+    finally:
+        rollout.close()
+    assert not rollout._process.is_alive() and rollout._process.exitcode == 0
+    with pytest.raises(ProcessLookupError):
+        os.killpg(child, 0)  # the child led its group: nothing of it is left
+
+
+def test_the_rollout_process_dies_with_rank_0(tiny_model_dir, tmp_path):
+    """A rank 0 killed with SIGKILL runs no clean-up: the kernel's parent-death signal stops the child."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = ("import sys, time\n"
+              "from rl_core.rollout.process import RolloutProcess, ServedVersion\n"
+              "from tests.rollout.test_rollout import build_pid_service\n"
+              "if __name__ == '__main__':\n"
+              "    rollout = RolloutProcess(build_pid_service, ServedVersion())\n"
+              "    print(rollout._process.pid, flush=True)\n"
+              "    time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        child = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(child, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            os.killpg(child, signal.SIGKILL)
+            raise AssertionError("the rollout process outlived rank 0")
+    finally:
+        parent.kill()
