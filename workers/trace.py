@@ -7,9 +7,7 @@ and every HTTP call to an engine or the router show under their names in Perfett
 from __future__ import annotations
 
 import contextlib
-
-import torch.autograd.profiler as autograd_profiler
-from torch.profiler import record_function
+import sys
 
 
 def span(name: str):
@@ -19,6 +17,9 @@ def span(name: str):
     while any profiler runs): without a profiler, `record_function` alone would still be a dispatcher call
     each time (tens of microseconds per call on a busy CPU), on every /generate of every step.
     """
-    if getattr(autograd_profiler, "_is_profiler_enabled", True):
+    profiler = sys.modules.get("torch.autograd.profiler")  # not imported: no profiler runs in this process
+    if profiler is not None and getattr(profiler, "_is_profiler_enabled", True):
+        from torch.profiler import record_function
+
         return record_function(name)
     return contextlib.nullcontext()

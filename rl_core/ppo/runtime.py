@@ -13,17 +13,18 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable, Iterable, Iterator
+from types import SimpleNamespace
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from rl_core.distributed import on_rank0, rank_seed
 from rl_core.lifecycle import JobLifecycle, torch_threads
-from rl_core.ppo.config import EnvConfig, PPOConfig, RewardConfig, engine_dtype
+from rl_core.ppo.config import PPOConfig, engine_dtype
 from rl_core.rollout.process import RolloutProcess, ServedVersion
 from rl_core.rollout.rollout import RolloutSettings
-from rl_core.rollout.service import RolloutService
+from rl_core.rollout.service import build_service
 from workers.engines.client import EngineError
 from workers.engines.rank_engine import EngineSpec, RankEngine
 from workers.engines.weights import PROBE_TOLERANCE, WeightSyncError
@@ -66,7 +67,7 @@ class JobRuntime(JobLifecycle):
             if self.rank == 0 and self.cfg.trainer.mode == "async" and self.cfg.async_.rollout_process:
                 # Async mode: the rollout runs beside the trainer, in a process of its own so that their Python
                 # does not take turns on one GIL; started now, its imports overlap the engines' start.
-                self.service = RolloutProcess(build_rollout_service, self.served_version)
+                self.service = RolloutProcess(build_service, self.served_version)
         except BaseException:
             self.__exit__(*sys.exc_info())
             raise
@@ -230,11 +231,14 @@ class JobRuntime(JobLifecycle):
     def start_rollout_service(self, tokenizer, settings: RolloutSettings):
         """Rank 0: the envs, the reward functions and the rollout loop that sends `/generate` to the router;
         in the rollout process when there is one, else in a thread of this one."""
-        args = (self.cfg.env, self.cfg.reward, self.router_url, tokenizer, settings)
+        # The sections as plain attributes: unpickling the config's classes would import torch into the
+        # rollout process, which needs none of it (seconds of start-up and 200 MB).
+        args = (SimpleNamespace(**vars(self.cfg.env)), SimpleNamespace(**vars(self.cfg.reward)), self.router_url,
+                tokenizer, settings)
         if isinstance(self.service, RolloutProcess):
             self.service.start(*args)
         else:
-            self.service = build_rollout_service(*args, self.served_version)
+            self.service = build_service(*args, self.served_version)
         return self.service
 
     def _engine_call(self, coro, what: str):
@@ -294,44 +298,6 @@ class JobRuntime(JobLifecycle):
         self.served_version.set(version)
         dist.barrier()
         return stats
-
-
-def build_rollout_service(env: EnvConfig, reward: RewardConfig, router_url: str, tokenizer, settings: RolloutSettings,
-                          served_version: Callable[[], int]) -> RolloutService:
-    """Rank 0's rollout side, built where it runs (rank 0's process or the rollout process): its
-    executors and MCP servers are stopped with it."""
-    from envs.chat import ChatSetup
-    from envs.factory import make_env_factory
-    from envs.threads import make_executor
-
-    env_executor = make_executor(env.thread_pool_size)
-    closers = [lambda: env_executor.shutdown(wait=False, cancel_futures=True)]  # never wait on a stuck env call
-    try:
-        reward_fns = None
-        if reward.fns:
-            from rl_core.rewards import RewardFunctions
-
-            if reward.fn_processes > 0:
-                from rl_core.rewards.workers import ProcessExecutor
-
-                reward_executor = ProcessExecutor(reward.fn_processes)
-            else:
-                reward_executor = make_executor(env.thread_pool_size)
-            closers.append(lambda: reward_executor.shutdown(wait=False, cancel_futures=True))
-            reward_fns = RewardFunctions.from_config(reward.fns, reward.fn_timeout_s, reward_executor)
-        chat = ChatSetup.build(tokenizer, list(env.tools), env.tool_parser, env.reasoning_parser,
-                               dict(env.chat_template_kwargs), env.max_result_tokens,
-                               {"timeout_s": env.tool_timeout_s, "max_threads": env.thread_pool_size,
-                                "max_concurrent": env.tool_concurrency})
-        closers.append(chat.close)  # after the envs (no call is running): its MCP servers stop
-        env_factory = make_env_factory(env.cls, dict(env.kwargs), env_executor, chat)
-        service = RolloutService(router_url, tokenizer, env_factory, env, settings, reward_fns, served_version)
-    except BaseException:
-        for close in closers:
-            close()
-        raise
-    service.on_close += closers
-    return service
 
 
 def check_reachable(engines: list[tuple[str, str, dict]], timeout_s: float = 10.0) -> None:

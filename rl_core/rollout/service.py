@@ -14,8 +14,12 @@ import queue
 import threading
 from typing import Callable, Protocol
 
+from envs.chat import ChatSetup
+from envs.factory import make_env_factory
 from envs.pool import EnvPool
+from envs.threads import make_executor
 from rl_core.rewards import RewardFunctions
+from rl_core.rewards.workers import ProcessExecutor
 from rl_core.rollout.rollout import (GroupRule, KeepFn, RolloutParts, RolloutResult, RolloutSettings, rollout,
                                      rollout_until)
 from workers.engines.client import EngineClient
@@ -240,3 +244,33 @@ class RolloutService:
         await asyncio.gather(*running, return_exceptions=True)
         await self.client.close()
         await self.env_pool.close()
+
+
+def build_service(env, reward, router_url: str, tokenizer, settings: RolloutSettings,
+                  served_version: Callable[[], int]) -> RolloutService:
+    """A job's rollout side from its `env` and `reward` sections, built where it runs (rank 0's process or
+    the rollout process): the envs' and reward functions' executors and MCP servers stop with it."""
+    env_executor = make_executor(env.thread_pool_size)
+    closers = [lambda: env_executor.shutdown(wait=False, cancel_futures=True)]  # never wait on a stuck env call
+    try:
+        reward_fns = None
+        if reward.fns:
+            if reward.fn_processes > 0:
+                reward_executor = ProcessExecutor(reward.fn_processes)
+            else:
+                reward_executor = make_executor(env.thread_pool_size)
+            closers.append(lambda: reward_executor.shutdown(wait=False, cancel_futures=True))
+            reward_fns = RewardFunctions.from_config(reward.fns, reward.fn_timeout_s, reward_executor)
+        chat = ChatSetup.build(tokenizer, list(env.tools), env.tool_parser, env.reasoning_parser,
+                               dict(env.chat_template_kwargs), env.max_result_tokens,
+                               {"timeout_s": env.tool_timeout_s, "max_threads": env.thread_pool_size,
+                                "max_concurrent": env.tool_concurrency})
+        closers.append(chat.close)  # after the envs (no call is running): its MCP servers stop
+        env_factory = make_env_factory(env.cls, dict(env.kwargs), env_executor, chat)
+        service = RolloutService(router_url, tokenizer, env_factory, env, settings, reward_fns, served_version)
+    except BaseException:
+        for close in closers:
+            close()
+        raise
+    service.on_close += closers
+    return service
