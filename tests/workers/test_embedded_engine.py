@@ -155,7 +155,7 @@ def test_pause_blocks_new_requests_and_abort_mode_returns_partial_output(engine)
         frozen = (await engine_state(client))["tokens_generated"]
         await asyncio.sleep(0.2)
         assert (await engine_state(client))["tokens_generated"] == frozen  # held between steps
-        blocked = asyncio.create_task(client.generate([6], {"max_new_tokens": 2}))
+        blocked = asyncio.create_task(client.generate([6], {"max_new_tokens": 2, "ignore_eos": True}))
         await asyncio.sleep(0.3)
         assert not blocked.done()
         await client.pause_generation("abort")

@@ -185,7 +185,7 @@ def test_release_resume_and_push_in_a_session(engine, hf_model):
     async def body(client):
         await client.release_memory(["kv_cache", "weights"])
         try:
-            while_released = await client.generate([5], {"max_new_tokens": 2})
+            while_released = await client.generate([5], {"max_new_tokens": 2, "ignore_eos": True})
         except EngineError as err:
             while_released = err
         await client.resume_memory(["weights"])
@@ -260,7 +260,7 @@ def test_pause_in_place_holds_new_requests_until_continue(engine):
     async def body(client):
         running, = await started(client, engine.kind, "held")
         await client.pause_generation("in_place")
-        blocked = asyncio.create_task(client.generate([6], {"max_new_tokens": 2}))
+        blocked = asyncio.create_task(client.generate([6], {"max_new_tokens": 2, "ignore_eos": True}))
         await asyncio.sleep(1.0)
         assert not blocked.done(), "a /generate sent while paused must wait for /continue_generation"
         await client.continue_generation()
