@@ -102,19 +102,21 @@ class RolloutProcess:
         while True:
             while not self._conn.poll(1.0):
                 if not self._process.is_alive():
-                    raise RuntimeError(f"the rollout process (pid {self._process.pid}) exited with code "
-                                       f"{self._process.exitcode}; see the lines above for why")
+                    raise self._exited()
             try:
                 answered, ok, value = self._conn.recv()
             except EOFError:
                 self._process.join(5)
-                raise RuntimeError(f"the rollout process (pid {self._process.pid}) exited with code "
-                                   f"{self._process.exitcode}; see the lines above for why") from None
+                raise self._exited() from None
             if answered != number:  # the answer to a call a stop signal interrupted
                 continue
             if not ok:
                 raise value
             return value
+
+    def _exited(self) -> RuntimeError:
+        return RuntimeError(f"the rollout process (pid {self._process.pid}) exited with code "
+                            f"{self._process.exitcode}; see the lines above for why")
 
     def close(self, timeout_s: float = 30.0) -> None:
         """The child closes its service (producer, envs, reward workers, client) and exits; one that has not
