@@ -151,7 +151,8 @@ class StepTimer:
         return out
 
 
-def progress_bar(iterable=None, *, total: int | None = None, desc: str, enabled: bool = True, unit: str = "it"):
+def progress_bar(iterable=None, *, total: int | None = None, desc: str, enabled: bool = True, unit: str = "it",
+                 initial: int = 0):
     """A tqdm bar (rate and ETA) for a phase that takes more than a few seconds.
 
     On a terminal it redraws in place; in a log file (torchrun piping, nohup) it writes a line
@@ -163,7 +164,7 @@ def progress_bar(iterable=None, *, total: int | None = None, desc: str, enabled:
 
     interactive = sys.stderr.isatty()
     return tqdm(iterable, total=total, desc=desc, unit=unit, disable=not enabled, dynamic_ncols=interactive,
-                mininterval=0.5 if interactive else 30.0, file=sys.stderr)
+                mininterval=0.5 if interactive else 30.0, file=sys.stderr, initial=initial)
 
 
 def print_step(step: int, total: int, metrics: dict[str, float]) -> None:

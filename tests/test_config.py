@@ -49,7 +49,7 @@ def test_every_job_checks_the_trainer_section_with_the_same_lines(job):
 
     recipe, schema, validate, lines = {
         "ppo": ("ppo_sentiment.yaml", PPOConfig, validate_ppo, {**TRAINER_LINES, **CHECKPOINT_LINES}),
-        "rm": ("rm_sentiment.yaml", RMConfig, validate_rm, TRAINER_LINES),  # it saves no checkpoints
+        "rm": ("rm_sentiment.yaml", RMConfig, validate_rm, {**TRAINER_LINES, **CHECKPOINT_LINES}),
         "sft": ("sft_arithmetic.yaml", SFTConfig, validate_sft, {**TRAINER_LINES, **CHECKPOINT_LINES}),
         "dpo": ("dpo_sentiment.yaml", DPOConfig, validate_dpo, {**TRAINER_LINES, **CHECKPOINT_LINES}),
     }[job]
@@ -60,7 +60,7 @@ def test_every_job_checks_the_trainer_section_with_the_same_lines(job):
 
 
 @pytest.mark.parametrize("job", ["ppo", "rm", "sft", "dpo"])
-def test_profile_steps_are_step_numbers_where_a_job_traces_steps_and_refused_by_name_elsewhere(job):
+def test_profile_steps_are_step_numbers_within_the_run_in_every_job(job):
     from rl_core.dpo.config import DPOConfig
     from rl_core.dpo.config import validate as validate_dpo
     from rl_core.sft.config import SFTConfig
@@ -73,12 +73,8 @@ def test_profile_steps_are_step_numbers_where_a_job_traces_steps_and_refused_by_
     assert load_config(recipe, [], schema, validate).trainer.profile_steps == []
     with pytest.raises(ConfigError) as error:
         load_config(recipe, ["trainer.profile_steps=[0,2]"], schema, validate)
-    if job == "rm":
-        assert str(error.value) == ("trainer.profile_steps is a key of the PPO, SFT and DPO jobs; the reward-model job "
-                                    "traces no steps: drop the key")
-        return
     assert load_config(recipe, ["trainer.profile_steps=[2]"], schema, validate).trainer.profile_steps == [2]
-    # PPO knows its steps from the config (checked in tests/ppo/test_profile.py); SFT and DPO from the data.
+    # PPO knows its steps from the config (checked in tests/ppo/test_profile.py); SFT, DPO and RM from the data.
     bound = "1..64, the run's steps (trainer.total_episodes=4096 / algorithm.batch_size=64)" if job == "ppo" \
         else "1 or more"
     assert str(error.value) == (f"trainer.profile_steps=[0, 2] names step(s) [0] outside {bound}; list steps of the "

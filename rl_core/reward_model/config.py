@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rl_core.config import ModelRunConfig, TrainerConfig, choice, require, validate_checkpoint_keys
+from rl_core.config import (ModelRunConfig, TrainerConfig, choice, require, validate_checkpoint_keys,
+                            validate_profile_steps)
 from rl_core.optim import OPTIMIZER_NAMES
 from rl_core.preferences import FORMATS
 
@@ -80,7 +81,8 @@ class RMTrainerConfig(TrainerConfig):
     resume: str = "never"  # never | auto | <checkpoint dir>: continue the epoch from a checkpoint
     # A checkpoint that cannot be written (disk full, permissions): stop the job, or say so and train on.
     on_checkpoint_error: str = choice("stop", ("stop", "continue"))
-    # Here only to be refused by name (validate): the PPO, SFT and DPO jobs take it, this job traces no steps.
+    # Steps traced by torch.profiler into <run_dir>/profile/step_N/rankR.pt.trace.json (rl_core/profiling.py);
+    # within the epoch's steps, which the data sets (checked once it is read).
     profile_steps: list = field(default_factory=list)
 
 
@@ -99,9 +101,7 @@ def validate(cfg: RMConfig) -> None:
     tr, norm, data = cfg.train, cfg.normalize, cfg.data
     cfg.trainer.validate()
     validate_checkpoint_keys(cfg.trainer.save_every, cfg.trainer.keep_last)
-    require(not cfg.trainer.profile_steps,
-            "trainer.profile_steps is a key of the PPO, SFT and DPO jobs; the reward-model job traces no steps: "
-            "drop the key")
+    validate_profile_steps(cfg.trainer.profile_steps, None, "")
     cfg.model.validate(tr.packing)
     require(tr.batch_size > 0, f"config key 'train.batch_size' must be > 0, got {tr.batch_size}")
     require(tr.lr > 0, f"config key 'train.lr' must be > 0, got {tr.lr}")

@@ -28,8 +28,8 @@ from rl_core.config import save_config
 from rl_core.distributed import DataParallel, on_every_rank, seed_everything
 from rl_core.reward_model.config import RMConfig, check_lengths, validate
 from rl_core.reward_model.sampling import load_queries
-from rl_core.reward_model.training import (Log, ReferenceSamples, build_reward_model, export_reward_model,
-                                           fit_reward_model)
+from rl_core.reward_model.training import (Log, ReferenceSamples, Reporting, build_reward_model,
+                                           export_reward_model, fit_reward_model)
 from rl_core.preferences import load_preference_splits
 from workers.loading import check_model_path, context_length, load_causal_lm, load_tokenizer
 
@@ -63,7 +63,8 @@ def fit_and_export(cfg: RMConfig, dp: DataParallel, log: Log = print, labeler=No
     queries = load_queries(inputs["prompts"], cfg.normalize.text_key, tokenizer, cfg.normalize.query_length)
     model = build_reward_model(inputs["init_from"], tokenizer, seed, cfg.model.attn_implementation)
     reference = ReferenceSamples(policy, tokenizer, queries, cfg.normalize, dp)
-    metrics = fit_reward_model(model, reference, train, test, cfg, inputs["labeler"], log, progress)
+    metrics = fit_reward_model(model, reference, train, test, cfg, inputs["labeler"],
+                               Reporting(log, progress, metrics_rows=True))
     if progress is not None:
         progress.at(None, "export")
     run_dir = Path(cfg.trainer.run_dir)

@@ -6,20 +6,23 @@ after training."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from rl_core.checkpoint import Checkpointer
+from rl_core.cli import JobProgress
+from rl_core.config import validate_profile_steps
 from rl_core.distributed import DataParallel, rank_seed
-from rl_core.logger import progress_bar
+from rl_core.logger import MetricsLogger, open_run_logger, progress_bar
 from rl_core.optim import build_optimizer, linear_anneal_schedule
 from rl_core.rewards.lm_human_preferences import reward_gain_bias
 from rl_core.reward_model.config import NormalizeConfig, RMConfig, RMTrainConfig, RMTrainerConfig
 from rl_core.reward_model.losses import preference_correct, preference_loss, spearman
 from rl_core.reward_model.sampling import pick_queries, sample_truncated
+from rl_core.step_loop import JobSteps, run_steps
 from workers.fsdp import TrainableModel, full_state_dict, read_back, shard_model
 from workers.forward import ForwardSettings, raw_reward_scores, reward_scores
 from workers.layout import make_micro_batch, packing_layout
@@ -106,51 +109,80 @@ def heldout_metrics(model, worker: BatchWorker, examples: list, pad_id: int) -> 
 
 
 @dataclass
-class EpochCheckpoints:
-    """Checkpoints within the epoch: every `every` steps before the last, `save(step, totals)` (`totals`: the
-    loss and hits summed over ranks so far); `resumed`, such totals and their step, continues the epoch from
-    there: the same seeded order, the remaining minibatches, the same sums at the end."""
-    save: Callable[[int, dict], None]
-    every: int = 0
-    resumed: dict | None = None
+class Reporting:
+    """Where a reward-model fit reports: `log` its console lines; `progress` (a `rl_core.cli.JobProgress`) its phase
+    and step, for the line a stop signal ends with; `metrics_rows`: rank 0 writes each step's row (metrics.jsonl,
+    TensorBoard; the job's, not the offline builders')."""
+    log: Log = print
+    progress: JobProgress | None = None
+    metrics_rows: bool = False
 
 
-def train_one_epoch(trainable, worker: BatchWorker, examples: list, cfg: RMTrainConfig, trainer: RMTrainerConfig,
-                    pad_id: int, log: Log, checkpoints: EpochCheckpoints | None = None) -> dict[str, float]:
-    """One pass in `trainer.seed`'s order; the last incomplete minibatch is dropped (every step has batch_size
-    examples). Rank 0 shows a progress bar when `trainer.progress`."""
-    steps = len(examples) // cfg.batch_size
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(trainer.seed)).tolist()
-    resumed = checkpoints.resumed if checkpoints else None
-    start = resumed["step"] if resumed else 0
-    # The end's sums are over ranks: each rank carries an equal share of the totals a checkpoint holds.
-    loss_sum = resumed["loss_sum"] / worker.dp_size if resumed else 0.0
-    correct = resumed["correct"] / worker.dp_size if resumed else 0.0
+@dataclass
+class Epoch:
+    """The one epoch on the shared step loop: the seeded order, and the loss and hits summed over ranks so far
+    (`totals`, which a checkpoint holds so a resumed run ends with the same sums)."""
+    trainable: Any
+    worker: BatchWorker
+    examples: list
+    cfg: RMTrainConfig
+    pad_id: int
+    order: list[int]
+    totals: dict = field(default_factory=lambda: {"loss_sum": 0.0, "correct": 0.0})
 
-    def loss_fn(model, micro_batch):
-        loss, (losses, hits) = loss_and_sums(model, micro_batch)
-        return loss, {"loss_sum": losses, "correct": hits}
+    @property
+    def steps(self) -> int:  # the last incomplete minibatch is dropped: every step has batch_size comparisons
+        return len(self.examples) // self.cfg.batch_size
 
-    for step in progress_bar(range(start, steps), desc="[train_rm] training the reward model", unit="step",
-                             enabled=trainer.progress and worker.rank == 0):
-        minibatch = [examples[i] for i in order[step * cfg.batch_size:(step + 1) * cfg.batch_size]]
-        batch, units = collate(minibatch, pad_id)
-        metrics, _ = worker.forward_backward(trainable, batch, loss_fn, len(minibatch), units)
-        lr = trainable.current_lr()
-        metrics = read_back({**metrics, "grad_norm": [trainable.step()]})  # the step's one read from the device
-        grad_norm = metrics["grad_norm"][0]
-        loss_sum += sum(metrics["loss_sum"])
-        correct += sum(metrics["correct"])
-        if (step + 1) % cfg.log_every == 0 or step + 1 == steps:
-            seen = (step + 1) * cfg.batch_size / worker.dp_size  # this data-parallel group's share
-            log(f"[train_rm] step {step + 1}/{steps} lr {lr:.2e} grad_norm {grad_norm:.3f} "
-                f"loss {loss_sum / seen:.4f} acc {correct / seen:.3f} (rank {worker.rank} running means)")
-        if checkpoints and checkpoints.every and (step + 1) % checkpoints.every == 0 and step + 1 < steps:
-            loss_total, correct_total = worker.sum_over_ranks([loss_sum, correct])
-            checkpoints.save(step + 1, {"step": step + 1, "loss_sum": loss_total, "correct": correct_total})
-    loss_sum, correct = worker.sum_over_ranks([loss_sum, correct])
-    seen = steps * cfg.batch_size
-    return {"train_loss": loss_sum / seen, "train_accuracy": correct / seen, "train_steps": steps}
+    def one_step(self, step: int) -> dict[str, float]:
+        """Minibatch `step` of the order; its metrics over every rank."""
+        size = self.cfg.batch_size
+
+        def loss_fn(model, micro_batch):
+            loss, (losses, hits) = loss_and_sums(model, micro_batch)
+            return loss, {"loss_sum": losses, "correct": hits}
+
+        batch, units = collate([self.examples[i] for i in self.order[step * size:(step + 1) * size]], self.pad_id)
+        metrics, _ = self.worker.forward_backward(self.trainable, batch, loss_fn, size, units)
+        lr = self.trainable.current_lr()
+        metrics = read_back({**metrics, "grad_norm": [self.trainable.step()]})  # the step's one read from the device
+        loss_sum, correct = self.worker.sum_over_ranks([sum(metrics["loss_sum"]), sum(metrics["correct"])])
+        self.totals["loss_sum"] += loss_sum
+        self.totals["correct"] += correct
+        return {"train/loss": loss_sum / size, "train/accuracy": correct / size, "train/lr": lr,
+                "train/grad_norm": metrics["grad_norm"][0]}
+
+    def results(self) -> dict[str, float]:
+        seen = self.steps * self.cfg.batch_size
+        return {"train_loss": self.totals["loss_sum"] / seen, "train_accuracy": self.totals["correct"] / seen,
+                "train_steps": self.steps}
+
+
+def train_one_epoch(epoch: Epoch, trainer: RMTrainerConfig, start: int, save: Callable[[int], Path | None],
+                    logger: MetricsLogger | None, reporting: Reporting) -> dict[str, float]:
+    """Steps `start + 1 ..` of the epoch on the shared step loop (profiling, checkpoints every
+    `trainer.save_every` steps through `save`); rank 0's rows go to `logger`, a console line every
+    `train.log_every` steps to `reporting.log`."""
+    steps, every = epoch.steps, epoch.cfg.log_every
+    # A bar (with its ETA) on rank 0 as well: on a CPU the epoch can take minutes.
+    bar = progress_bar(total=steps, initial=start, desc="[train_rm] training the reward model", unit="step",
+                       enabled=trainer.progress and epoch.worker.rank == 0)
+
+    def log(step: int, metrics: dict) -> None:
+        bar.update()
+        if logger is not None:
+            logger.log(step, metrics)
+        if step % every == 0 or step == steps:
+            seen = step * epoch.cfg.batch_size
+            reporting.log(f"[train_rm] step {step}/{steps} lr {metrics['train/lr']:.2e} grad_norm "
+                          f"{metrics['train/grad_norm']:.3f} loss {epoch.totals['loss_sum'] / seen:.4f} acc "
+                          f"{epoch.totals['correct'] / seen:.3f} (running means)")
+
+    progress = reporting.progress or JobProgress(epoch.worker.rank)
+    with bar:
+        run_steps(JobSteps(one_step=epoch.one_step, log=log, save=save), start, steps, trainer, epoch.worker.rank,
+                  epoch.worker.device, progress)
+    return epoch.results()
 
 
 def _mark_invalid(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -218,19 +250,20 @@ def fresh_sample_check(model, reference: ReferenceSamples, worker: BatchWorker, 
 
 
 def fit_reward_model(model, reference: ReferenceSamples, train_examples: list, test_examples: list,
-                     cfg: RMConfig, labeler=None, log: Log = print, progress=None) -> dict:
+                     cfg: RMConfig, labeler=None, reporting: Reporting = Reporting()) -> dict:
     """Normalise on `reference`'s samples, train one epoch, normalise again, check on a fresh sample.
-    Returns metrics. `progress` (a `rl_core.cli.JobProgress`): told each phase, for the line a stop signal
-    ends with.
+    Returns metrics.
 
     ``reference.dp.sharded``: the model is sharded with FSDP2 over the default process group here;
     otherwise it trains as a plain module in this process.
     """
-    tokenizer, dp = reference.tokenizer, reference.dp
+    tokenizer, dp, tr = reference.tokenizer, reference.dp, cfg.trainer
     steps = len(train_examples) // cfg.train.batch_size
     if steps < 1:
         raise ValueError(f"the train set has {len(train_examples)} comparisons, fewer than one minibatch "
                          f"(train.batch_size={cfg.train.batch_size}); lower train.batch_size or add data")
+    validate_profile_steps(tr.profile_steps, steps, f"{len(train_examples)} comparisons / train.batch_size="
+                                                    f"{cfg.train.batch_size}, one epoch")
     prepare_for_run(model, cfg.model, trained=True)
     if dp.sharded:
         shard_model(model.to(dp.device), mixed_precision=cfg.model.mixed_precision)
@@ -244,21 +277,23 @@ def fit_reward_model(model, reference: ReferenceSamples, train_examples: list, t
         max_grad_norm=cfg.train.max_grad_norm,
         sharded=dp.sharded,
     )
-    # Bars (with ETAs) on rank 0: on a CPU each sampling or training phase can take minutes.
-    show = cfg.trainer.progress and dp.rank == 0
+    # Bars (with ETAs) on rank 0: on a CPU each sampling phase can take minutes.
+    show = tr.progress and dp.rank == 0
     bar = (lambda what: f"[train_rm] {what}") if show else (lambda what: None)
     worker = BatchWorker(dp.rank, dp.size, dp.device, cfg.train.max_tokens_per_device,
                          packing_layout(cfg.train.packing, cfg.model.attn_implementation),
                          settings=ForwardSettings.for_job(cfg.model, dp.size, dp.device))
-    tr = cfg.trainer
     checkpointer = Checkpointer(Path(tr.run_dir) / "checkpoints", dp.rank, keep_last=tr.keep_last,
                                 on_error=tr.on_checkpoint_error)
     # A checkpoint holds the weights, optimizer, schedule and RNG mid-epoch, and what came before training
     # (the first normalisation, the held-out baseline): a resumed run goes on from its step as if never stopped.
     start, saved = checkpointer.maybe_resume(tr.resume, {"reward_model": trainable})
-    phase = progress.at if progress is not None else (lambda step, name: None)
+    phase = reporting.progress.at if reporting.progress is not None else (lambda step, name: None)
+    epoch = Epoch(trainable, worker, train_examples, cfg.train, pad_id,
+                  torch.randperm(len(train_examples), generator=torch.Generator().manual_seed(tr.seed)).tolist())
     if start:
         gain_before, bias_before, before = saved["gain_before"], saved["bias_before"], saved["before"]
+        epoch.totals.update(saved["totals"])
         set_reward_gain_bias(model, gain_before, bias_before)
     else:
         # OpenAI: normalise before training too, so the loss sees rewards at unit scale from step one.
@@ -266,16 +301,19 @@ def fit_reward_model(model, reference: ReferenceSamples, train_examples: list, t
         gain_before, bias_before = normalize_reward(model, reference, worker, tr.seed,
                                                     bar("sampling to normalise before training"))
         before = heldout_metrics(model, worker, test_examples, pad_id)
-    log(f"[train_rm] {len(train_examples)} train / {len(test_examples)} held-out comparisons, {steps} steps "
-        f"on {dp.size} rank(s); held-out accuracy before training {before['accuracy']:.3f}")
+    reporting.log(f"[train_rm] {len(train_examples)} train / {len(test_examples)} held-out comparisons, {steps} "
+                  f"steps on {dp.size} rank(s); held-out accuracy before training {before['accuracy']:.3f}")
 
-    def save(step: int, epoch: dict) -> None:
-        checkpointer.save(step, {"reward_model": trainable}, {"gain_before": gain_before, "bias_before": bias_before,
-                                                             "before": before, **epoch})
+    def save(step: int) -> Path | None:
+        return checkpointer.save(step, {"reward_model": trainable}, {
+            "gain_before": gain_before, "bias_before": bias_before, "before": before, "totals": dict(epoch.totals)})
 
-    checkpoints = EpochCheckpoints(save, tr.save_every, {"step": start, **saved} if start else None)
-    phase(None, "training")
-    stats = train_one_epoch(trainable, worker, train_examples, cfg.train, cfg.trainer, pad_id, log, checkpoints)
+    logger = open_run_logger(cfg, start) if reporting.metrics_rows and dp.rank == 0 else None
+    try:
+        stats = train_one_epoch(epoch, tr, start, save, logger, reporting)
+    finally:
+        if logger is not None:
+            logger.close()
     phase(None, "evaluation and normalisation after training")
     after = heldout_metrics(model, worker, test_examples, pad_id)
     gain, bias = normalize_reward(model, reference, worker, tr.seed + 1, bar("sampling to normalise after training"))

@@ -25,8 +25,8 @@ from rl_core.rewards.lm_human_preferences import truncated_ids
 from rl_core.reward_model.config import LabelerConfig, RMConfig, check_lengths
 from rl_core.reward_model.sampling import load_queries, sample_responses
 from rl_core.distributed import DataParallel
-from rl_core.reward_model.training import (Log, ReferenceSamples, build_reward_model, export_reward_model,
-                                           fit_reward_model)
+from rl_core.reward_model.training import (Log, ReferenceSamples, Reporting, build_reward_model,
+                                           export_reward_model, fit_reward_model)
 from rl_core.preferences import load_preference_splits
 from rl_core.tiny.assets import file_lock, read_build_facts, settings_match, staged_directory, torch_threads
 from rl_core.tiny.labeler import get_labeler
@@ -222,7 +222,7 @@ def _train_tiny_reward_model(paths, task: str, settings: TinyRMSettings, out_dir
     model = build_reward_model(str(paths.model_dir), tokenizer, cfg.trainer.seed)
     quiet: Log = lambda *_: None  # noqa: E731 - the bootstrap logs one line, and its progress bars
     reference = ReferenceSamples(policy, tokenizer, queries, cfg.normalize, DataParallel())
-    metrics = fit_reward_model(model, reference, train, test, cfg, get_labeler(task), quiet)
+    metrics = fit_reward_model(model, reference, train, test, cfg, get_labeler(task), Reporting(quiet))
     export_reward_model(model, tokenizer, out_dir, DataParallel())
     return metrics
 

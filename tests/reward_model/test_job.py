@@ -59,8 +59,8 @@ def run_rm(overrides: list[str], cwd: Path) -> tuple[dict, str]:
 
 @pytest.fixture(scope="module")
 def rm_run(tiny_model_dir, tmp_path_factory):
-    """One 2-process torchrun of the job on tiny data, a checkpoint every 2 of its 6 steps; returns (metrics,
-    stdout, tmp dir, overrides)."""
+    """One 2-process torchrun of the job on tiny data, a checkpoint every 2 of its 6 steps, step 3 profiled; returns
+    (metrics, stdout, tmp dir, overrides)."""
     tmp = tmp_path_factory.mktemp("rm_job")
     _write_pairs(tmp / "train.jsonl", _pairs(0, 96))
     _write_pairs(tmp / "test.jsonl", _pairs(1, 32))
@@ -73,8 +73,12 @@ def rm_run(tiny_model_dir, tmp_path_factory):
         "train.batch_size=16", "train.lr=3e-3", "train.max_tokens_per_device=256", "trainer.save_every=2",
         "trainer.keep_last=0",
     ]
-    metrics, stdout = run_rm(overrides + [f"trainer.run_dir={tmp / 'run'}"], tmp)
+    metrics, stdout = run_rm(overrides + [f"trainer.run_dir={tmp / 'run'}", "trainer.profile_steps=[3]"], tmp)
     return metrics, stdout, tmp, overrides
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.timeout(200)
@@ -92,18 +96,39 @@ def test_two_rank_job_reports_and_learns(rm_run):
 
 
 @pytest.mark.timeout(200)
+def test_the_shared_step_loop_logs_each_step_once_and_traces_the_listed_one(rm_run):
+    """The job runs on every job's step loop (rl_core/step_loop.py): a metrics row per step, over both ranks, whose
+    losses and hits add up to the epoch's; the listed step traced on each rank."""
+    metrics, stdout, tmp, _ = rm_run
+    rows = metric_rows(tmp / "run")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+    assert sum(row["train/loss"] for row in rows) / 6 == pytest.approx(metrics["train_loss"], rel=1e-5)
+    assert sum(row["train/accuracy"] for row in rows) / 6 == pytest.approx(metrics["train_accuracy"], rel=1e-5)
+    assert all(row["train/grad_norm"] > 0 and row["perf/step_s"] > 0 for row in rows)
+    assert rows[0]["train/lr"] > rows[-1]["train/lr"] > 0  # OpenAI: annealed linearly towards zero over the epoch
+    profile = tmp / "run" / "profile"
+    assert sorted(p.relative_to(profile).as_posix() for p in profile.rglob("*.json")) == [
+        "step_3/rank0.pt.trace.json", "step_3/rank1.pt.trace.json"]
+    assert "profile of step 3" in stdout and (tmp / "run" / "tensorboard").is_dir()
+
+
+@pytest.mark.timeout(200)
 def test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_one(rm_run):
     """trainer.resume=auto from the step-2 checkpoint alone (as a run stopped at step 3 leaves it): the same
-    remaining minibatches, optimizer, schedule and pre-training normalisation, so the same results."""
+    remaining minibatches, optimizer, schedule and pre-training normalisation, so the same rows and results."""
     import shutil
 
     metrics, _, tmp, overrides = rm_run
     saved = sorted(path.name for path in (tmp / "run" / "checkpoints").iterdir())
-    assert saved == ["step_00000002", "step_00000004"], saved  # none at the last step: the export is the product
+    assert saved == ["step_00000002", "step_00000004", "step_00000006"], saved
     resumed_dir = tmp / "resumed"
     shutil.copytree(tmp / "run" / "checkpoints" / "step_00000002", resumed_dir / "checkpoints" / "step_00000002")
     resumed, resumed_stdout = run_rm(overrides + [f"trainer.run_dir={resumed_dir}", "trainer.resume=auto"], tmp)
     assert f"resumed from {resumed_dir / 'checkpoints' / 'step_00000002'} at step 2" in resumed_stdout
+    rows, resumed_rows = metric_rows(tmp / "run"), metric_rows(resumed_dir)
+    assert [row["step"] for row in resumed_rows] == [3, 4, 5, 6]
+    for row, again in zip(rows[2:], resumed_rows):
+        assert again["train/loss"] == pytest.approx(row["train/loss"], rel=1e-5, abs=1e-6)
     for key in ("train_loss", "train_accuracy", "heldout_accuracy", "heldout_loss", "heldout_accuracy_before",
                 "gain_before", "gain", "bias", "normalized_mean", "normalized_std", "spearman"):
         assert resumed[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
@@ -164,8 +189,8 @@ def test_validation_names_the_key_and_fix():
 
 @pytest.mark.timeout(200)
 def test_the_job_tells_its_progress_each_phase_for_the_stop_line(tiny_model_dir, tmp_path):
-    """A stop signal's line names where the job was (`run_main`): the reward-model job has no steps to count,
-    so it names its phases, in the order it runs them (one process, no process group)."""
+    """A stop signal's line names where the job was (`run_main`): the phases around the epoch, and each step of it
+    as every job's step loop tells them, in the order the job runs them (one process, no process group)."""
     from rl_core.cli import JobProgress
     from rl_core.config import load_config
     from rl_core.distributed import DataParallel
@@ -192,6 +217,6 @@ def test_the_job_tells_its_progress_each_phase_for_the_stop_line(tiny_model_dir,
         f"trainer.run_dir={tmp_path / 'run'}"], RMConfig, validate)
     progress = Recorded()
     fit_and_export(cfg, DataParallel(), log=lambda line: None, progress=progress)
-    assert progress.phases == [(None, "normalisation before training"), (None, "training"),
+    assert progress.phases == [(None, "normalisation before training"), (1, "update"), (2, "update"), (2, "export"),
                                (None, "evaluation and normalisation after training"), (None, "export")]
     assert progress.where() == "during export"
