@@ -298,10 +298,6 @@ class ManagedProcesses:
         self._owned.append((name, proc, Path(log_path)))
         return proc
 
-    @property
-    def pids(self) -> list[int]:
-        return [proc.pid for _, proc, _ in self._owned]
-
     def stop(self, proc: subprocess.Popen, reason: str = "stopped by its owner") -> None:
         """Stop one owned process and forget it."""
         for name, owned, log_path in self._owned:

@@ -5,7 +5,6 @@ process behind on any exit.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -25,11 +24,8 @@ from rl_core.ppo.config import PPOConfig, engine_dtype
 from rl_core.rollout.process import RolloutProcess, ServedVersion
 from rl_core.rollout.rollout import RolloutSettings
 from rl_core.rollout.service import build_service
-from workers.engines.client import EngineError
 from workers.engines.rank_engine import EngineSpec, RankEngine
-from workers.engines.weights import PROBE_TOLERANCE, WeightSyncError
 from workers.procs import ManagedProcesses, ProcessStartError, http_problem, node_address, stop_this_process
-from workers.trace import span
 
 ENGINE_START_TIMEOUT_S = 300.0
 
@@ -55,7 +51,6 @@ class JobRuntime(JobLifecycle):
         self.release_each_step = True
         self.service = None
         self.node_watch = None
-        self._loop = asyncio.new_event_loop()  # for this rank's own engine calls (release, push, check)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -78,23 +73,12 @@ class JobRuntime(JobLifecycle):
         try:
             if self.service is not None:  # the envs, reward workers and MCP servers with it
                 self.service.close()
-            # A stop signal can interrupt an engine call (a push, a release) mid-way: cancel it and let
-            # it unwind here, before its session closes, rather than in a closed loop at exit.
-            pending = asyncio.all_tasks(self._loop)
-            for task in pending:
-                task.cancel()
-            if pending:  # gather() of nothing would belong to another loop
-                self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             if self.engine is not None:
-                self._loop.run_until_complete(self.engine.close())
+                self.engine.close()
         finally:
             reason = "the job finished" if exc_type is None else f"the job is stopping ({exc_type.__name__})"
             self.procs.stop_all(reason)
-            self._loop.close()
             super().__exit__(exc_type, exc, tb)  # the process group, then the run directory
-
-    def run(self, coro, timeout: float | None = None):
-        return self._loop.run_until_complete(asyncio.wait_for(coro, timeout))
 
     # ------------------------------------------------------------------ engines and router
 
@@ -170,7 +154,7 @@ class JobRuntime(JobLifecycle):
         log_path = self.log_dir / f"engine-rank{self.rank}.log"
         deadline = ENGINE_START_TIMEOUT_S * (2 if ro.engine == "sglang" else 1)
         self.engine = RankEngine.launch(spec, log_path, self.procs, deadline, ro.weight_bucket_mb << 20,
-                                        timeout_s=ro.engine_timeout_s)
+                                        timeout_s=ro.engine_timeout_s, probe_tolerance=ro.weight_check_tolerance)
         gathered = [None] * self.world_size
         node = {"node": self.rank // max(self.local_world_size, 1), "host": socket.gethostname()}
         dist.all_gather_object(gathered, (self.engine.url, str(log_path), node))
@@ -241,14 +225,6 @@ class JobRuntime(JobLifecycle):
             self.service = build_service(*args, self.served_version)
         return self.service
 
-    def _engine_call(self, coro, what: str):
-        """Run a call on this rank's engine; a failure names the engine, its log and what was asked."""
-        try:
-            return self.run(coro, self.cfg.rollout.engine_timeout_s)
-        except (EngineError, WeightSyncError, asyncio.TimeoutError) as err:
-            raise RuntimeError(f"engine {self.engine.url} failed during {what}: {err or type(err).__name__}; "
-                               f"its log: {self.engine.log_path}") from err
-
     def release_engine_memory(self) -> float:
         """Every engine frees its KV cache and weights while the trainer runs (it must be idle: sync mode),
         when `release_each_step`. Returns the seconds it took (0 when it does not release).
@@ -256,45 +232,14 @@ class JobRuntime(JobLifecycle):
         The same call on CPU as on GPU, so a CI run with rollout.release_memory=always exercises the GPU
         control flow.
         """
-        if not self.release_each_step:
-            return 0.0
-        started = time.perf_counter()
-        self._engine_call(self.engine.release_memory(), "releasing memory")
-        return time.perf_counter() - started
+        return self.engine.release_memory() if self.release_each_step else 0.0
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                      probe_ids: list[int], trainer_logprobs: list[float], pause_in_place: bool) -> dict[str, float]:
-        """Push this rank's full weights into its engine, then check version and probe logprobs.
-
-        Collective (the tensors are gathered from every rank). `pause_in_place`: the engine pauses
-        its running requests for the push and continues them on the new weights (async partial
-        rollout); otherwise it must be idle (the collector saw to that).
-        """
+        """Every rank pushes its full weights into its engine, checked by version and probe logprobs
+        (`RankEngine.push`). Collective: the tensors are gathered from every rank."""
         dist.barrier()
-        tolerance = self.cfg.rollout.weight_check_tolerance or PROBE_TOLERANCE[self.engine.spec.dtype]
-
-        if self.engine.released and self.device.type == "cuda":
-            # The trainer's cached activation blocks would otherwise stay reserved while the engine takes
-            # its weights and KV cache back (OOM on resume; the memory plan counts on this).
-            torch.cuda.empty_cache()
-
-        async def push_and_check() -> dict[str, float]:
-            if pause_in_place:
-                await self.engine.pause_generation("in_place")
-            try:
-                with span("push"):  # resume weights, gather and send the buckets, flush, resume the KV cache
-                    stats = await self.engine.push_weights(named_tensors, version, flush_cache=not pause_in_place)
-            finally:
-                if pause_in_place:
-                    await self.engine.continue_generation()
-            with span("probe"):
-                probing = time.perf_counter()
-                stats["weight_sync/probe_gap"] = await self.engine.check_weights(version, probe_ids,
-                                                                             trainer_logprobs, tolerance)
-                stats["weight_sync/probe_s"] = time.perf_counter() - probing
-            return stats
-
-        stats = self._engine_call(push_and_check(), f"the weight push of version {version}")
+        stats = self.engine.push(named_tensors, version, probe_ids, trainer_logprobs, pause_in_place)
         self.served_version.set(version)
         dist.barrier()
         return stats

@@ -14,6 +14,7 @@ is released, so the caller drains or pauses first.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import subprocess
 import time
@@ -22,9 +23,11 @@ from typing import Any, Iterable
 
 import torch
 
-from workers.engines.client import EngineClient
-from workers.engines.weights import WeightPusher, check_pushed_weights, sglang_encode_bucket
+from workers.engines.client import EngineClient, EngineError
+from workers.engines.weights import (PROBE_TOLERANCE, WeightPusher, WeightSyncError, check_pushed_weights,
+                                     sglang_encode_bucket)
 from workers.procs import ManagedProcesses, free_port, stop_process, wait_http_ok
+from workers.trace import span
 
 RELEASE_TAGS = ("kv_cache", "weights")
 RESUME_BEFORE_PUSH = ("weights",)
@@ -105,30 +108,32 @@ def start_engine(spec: EngineSpec, log_path: Path, processes: ManagedProcesses, 
 
 
 class RankEngine:
-    """This rank's engine process and the HTTP calls the job makes to it.
-
-    Methods are coroutines for the rank's own event loop; the client session lives on that loop.
-    """
+    """This rank's engine as the trainer drives it, the one place that does (release, push, probe, health):
+    blocking calls, each run on the engine's own event loop within `timeout_s`; a failure names the engine,
+    its log and what was asked."""
 
     def __init__(self, spec: EngineSpec, url: str, log_path: Path, pusher: WeightPusher,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, probe_tolerance: float | None = None):
         self.spec = spec
         self.url = url
         self.log_path = log_path
         self.pusher = pusher
         self.timeout_s = timeout_s
+        # Mean |logprob gap| on the probe that still counts as the trainer's weights (None: the dtype's).
+        self.probe_tolerance = probe_tolerance or PROBE_TOLERANCE[spec.dtype]
         self.released = False
-        self._client: EngineClient | None = None
+        self._loop = asyncio.new_event_loop()
+        self._client: EngineClient | None = None  # its session lives on `_loop`
 
     @classmethod
     def launch(cls, spec: EngineSpec, log_path: Path, processes: ManagedProcesses, deadline_s: float,
-               bucket_bytes: int, timeout_s: float = 300.0) -> "RankEngine":
+               bucket_bytes: int, timeout_s: float = 300.0, probe_tolerance: float | None = None) -> "RankEngine":
         url = start_engine(spec, log_path, processes, deadline_s).url
         # CUDA buckets for SGLang need its own pickler (IPC handles keyed by GPU UUID); CPU buckets
         # travel the same way to both engines (shared-memory files), without importing sglang.
         encode = sglang_encode_bucket if spec.kind == "sglang" and spec.device.startswith("cuda") else None
         pusher = WeightPusher(getattr(torch, spec.dtype), bucket_bytes, spec.tp_size, encode)
-        return cls(spec, url, log_path, pusher, timeout_s)
+        return cls(spec, url, log_path, pusher, timeout_s, probe_tolerance)
 
     @property
     def client(self) -> EngineClient:
@@ -136,20 +141,51 @@ class RankEngine:
             self._client = EngineClient(self.url, timeout_s=self.timeout_s)
         return self._client
 
-    async def release_memory(self) -> None:
-        """Free KV cache and weights for training (the engine must be idle)."""
-        await self.client.release_memory(RELEASE_TAGS)
+    def release_memory(self) -> float:
+        """Free KV cache and weights for training (the engine must be idle); returns the seconds it took."""
+        started = time.perf_counter()
+        self._call(self.client.release_memory(RELEASE_TAGS), "releasing memory")
         self.released = True
+        return time.perf_counter() - started
 
-    async def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                           flush_cache: bool = True) -> dict[str, Any]:
-        """Resume released weights, stream the new ones in, resume the KV cache; returns timings."""
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, probe_ids: list[int],
+             trainer_logprobs: list[float], pause_in_place: bool) -> dict[str, float]:
+        """Stream the trainer's weights in as `version` (resuming released memory around it), then fail fast unless
+        the engine serves `version` with the trainer's logprobs on the probe. Returns timings and the probe's gap.
+
+        `pause_in_place`: the engine pauses its running requests for the push and continues them on the new
+        weights (async partial rollout); otherwise it must be idle (the collector saw to that)."""
+        if self.released and self.spec.device.startswith("cuda"):
+            # The trainer's cached activation blocks would otherwise stay reserved while the engine takes
+            # its weights and KV cache back (OOM on resume; the memory plan counts on this).
+            torch.cuda.empty_cache()
+
+        async def push_and_check() -> dict[str, float]:
+            if pause_in_place:
+                await self.client.pause_generation("in_place")
+            try:
+                with span("push"):  # resume weights, gather and send the buckets, flush, resume the KV cache
+                    stats = await self._push(named_tensors, str(version), flush_cache=not pause_in_place)
+            finally:
+                if pause_in_place:
+                    await self.client.continue_generation()
+            with span("probe"):
+                probing = time.perf_counter()
+                stats["weight_sync/probe_gap"] = await check_pushed_weights(self.client, str(version), probe_ids,
+                                                                            trainer_logprobs, self.probe_tolerance)
+                stats["weight_sync/probe_s"] = time.perf_counter() - probing
+            return stats
+
+        return self._call(push_and_check(), f"the weight push of version {version}")
+
+    async def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str,
+                    flush_cache: bool) -> dict[str, Any]:
         resume_s = 0.0  # timed apart from the push: on a GPU the memory saver's remapping is its own cost
         if self.released:
             started = time.perf_counter()
             await self.client.resume_memory(RESUME_BEFORE_PUSH)
             resume_s += time.perf_counter() - started
-        stats = await self.pusher.push(self.client, named_tensors, str(version), flush_cache)
+        stats = await self.pusher.push(self.client, named_tensors, version, flush_cache)
         if self.released:
             started = time.perf_counter()
             await self.client.resume_memory(RESUME_AFTER_PUSH)
@@ -157,18 +193,22 @@ class RankEngine:
             self.released = False
         return {**stats, "weight_sync/resume_s": resume_s}
 
-    async def check_weights(self, version: int, probe_ids: list[int], trainer_logprobs: list[float],
-                            tolerance: float) -> float:
-        """Fail fast unless the engine now serves `version` with the trainer's logprobs."""
-        return await check_pushed_weights(self.client, str(version), probe_ids, trainer_logprobs, tolerance)
+    def _call(self, coro, what: str):
+        try:
+            return self._loop.run_until_complete(asyncio.wait_for(coro, self.timeout_s))
+        except (EngineError, WeightSyncError, asyncio.TimeoutError) as err:
+            raise RuntimeError(f"engine {self.url} failed during {what}: {err or type(err).__name__}; "
+                               f"its log: {self.log_path}") from err
 
-    async def pause_generation(self, mode: str) -> None:
-        await self.client.pause_generation(mode)
-
-    async def continue_generation(self) -> None:
-        await self.client.continue_generation()
-
-    async def close(self) -> None:
+    def close(self) -> None:
+        """A stop signal can interrupt a call (a push, a release) mid-way: cancel it and let it unwind here,
+        before its session closes, rather than in a closed loop at exit."""
+        pending = asyncio.all_tasks(self._loop)
+        for task in pending:
+            task.cancel()
+        if pending:  # gather() of nothing would belong to another loop
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         if self._client is not None:
-            await self._client.close()
+            self._loop.run_until_complete(self._client.close())
             self._client = None
+        self._loop.close()
