@@ -20,24 +20,22 @@ from rl_core.checkpoint import Checkpointer, export_hf, finished_run
 from rl_core.cli import JobEntry, JobProgress, run_job
 from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank, on_rank0, rank_seed,
                                  seed_everything)
-from rl_core.errors import JobError
 from rl_core.logger import MetricsLogger, StepTimer, open_run_logger, print_step
-from rl_core.ppo.collect import AsyncCollector, SyncCollector, make_collector
+from rl_core.ppo.collect import BatchSource, make_collector
 from rl_core.ppo.config import PPOConfig, old_logprobs_max_gap, release_mode, rollout_settings
 from rl_core.ppo.validation import check_models, validate
 from rl_core.ppo.memory import decide, plan_job_memory, report_plan
 from rl_core.ppo.evaluation import evaluate, print_eval
 from rl_core.ppo import algorithms as alg
 from rl_core.ppo.models import PPOModels
-from rl_core.ppo.step import (Experience, StepSettings, apply_group_rule, compute_advantages, ppo_epochs,
-                              forward_passes, reward_model_scores, score_metrics, task_scores)
+from rl_core.ppo.step import (Experience, StepSettings, compute_advantages, ppo_epochs, forward_passes,
+                              reward_model_scores, score_metrics, task_scores)
 from rl_core.rewards import load_reward_fn
 from rl_core.ppo.runtime import JobRuntime
 from rl_core.rollout.prompts import eval_samples, prompt_samples
 from rl_core.rollout.service import RolloutService
 from rl_core.step_loop import JobSteps, run_steps
 from workers import layout, loading
-from workers.engines.client import EngineError
 from workers.engines.weights import probe_token_ids
 from workers.forward import ForwardSettings
 from workers.memory_plan import MemoryPlan, detect_device
@@ -88,7 +86,7 @@ def ppo_step(job: Job, rt: JobRuntime, step: int, progress: JobProgress) -> dict
     timer = StepTimer()
     progress.at(step + 1, "rollout")
     with timer("rollout"):  # 1. rollout through the router (rank 0), broadcast to every rank
-        trajectories, metrics = collect_batch(job.collector, rt, cfg.algorithm, step)
+        trajectories, metrics = job.collector.batch(step)
     progress.at(step + 1, "scoring")
     with timer("inference"):
         if job.collector.engines_idle_while_training:  # 2. sync mode: engines free their KV cache and weights
@@ -143,7 +141,7 @@ class Job:
     worker: BatchWorker  # every model's micro-batches on this rank
     settings: StepSettings
     kl_ctl: object  # alg.AdaptiveKLController or alg.FixedKLController
-    collector: SyncCollector | AsyncCollector
+    collector: BatchSource  # the step's batch, sync or async
     checkpointer: Checkpointer
     probe: list[int]  # token ids whose logprobs engine and trainer must agree on after each push
     start_step: int
@@ -231,7 +229,7 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
         job.logger = open_run_logger(cfg, start_step)  # rows after the checkpoint's step are dropped
         job.service = rt.start_rollout_service(tokenizer, rollout_settings(cfg.rollout, max_positions,
                                                                            cfg.trainer.progress))
-        collector.start(job.service)
+        collector.start(job.service, rt.dead_engines)
     return job
 
 
@@ -264,30 +262,6 @@ def save_checkpoint(job: Job, step: int, rank: int) -> Path | None:
     if rank == 0:
         state = {"kl_controller": job.kl_ctl.state_dict(), "prompts": job.collector.resume_state()}
     return job.checkpointer.save(step, job.models.trained(), state)
-
-
-def collect_batch(collector, rt: JobRuntime, algo, version: int) -> tuple[list, dict]:
-    """Rank 0 collects one batch (sync: generate now; async: take fresh-enough queued ones); all ranks get it."""
-    trajectories, metrics = None, {}
-    if rt.rank == 0:
-        try:
-            result, dropped = collector.collect(version)
-        except EngineError as err:
-            dead = rt.dead_engines()
-            if not dead:
-                raise
-            raise JobError(f"rollout failed: {'; '.join(dead)}; see that log (trainer.resume=auto continues from "
-                           f"the last checkpoint) [{err}]") from err
-        trajectories, metrics = result.trajectories, dict(result.metrics)
-        if algo.advantage_estimator != "gae":
-            trajectories, group_stats = apply_group_rule(trajectories, algo.group_size, algo.incomplete_groups)
-            metrics.update(group_stats)
-        metrics["async/dropped_stale"] = dropped
-        metrics["async/staleness_max"] = max((version - t.min_version for t in trajectories), default=0)
-    trajectories, metrics = broadcast_object((trajectories, metrics))
-    if not trajectories:
-        raise JobError("the rollout produced no usable trajectory (every env failed); see rank 0's log")
-    return trajectories, metrics
 
 
 def step_metrics(timer: StepTimer, trajectories: list, step: int, job: Job) -> dict[str, float]:
