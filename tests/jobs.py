@@ -1,13 +1,28 @@
-"""Running a job through torchrun from a test."""
+"""Running a job through torchrun from a test, and reading what it logged."""
 
+import json
 import os
 import select
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Iterator
 
 import pytest
+
+
+def torchrun(module: str, config: str, *args: str, ranks: int = 2) -> list[str]:
+    """The command line of a standalone torchrun of the job `module` (rl_core.train, rl_core.train_sft, ...) on
+    `ranks` processes, with its recipe and `key=value` overrides."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--standalone",
+            "-m", module, "--config", config, *args]
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """The rows of a run's metrics.jsonl, in order."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def output_lines(proc: subprocess.Popen, deadline: float | None = None) -> Iterator[str]:

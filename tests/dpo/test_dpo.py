@@ -4,15 +4,13 @@ exports, and one rank and two give the same losses."""
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from rl_core.dpo.training import dpo_losses, to_pairs
 from rl_core.preferences import TokenizedPreference
-from tests.jobs import run_to_end
+from tests.jobs import read_metrics, run_to_end, torchrun
 
 
 def test_the_loss_is_log_2_at_the_reference_and_follows_the_implicit_reward_margin():
@@ -69,14 +67,8 @@ def dpo_job(tmp_path_factory):
 
 
 def run_dpo(overrides, run_dir, *extra, ranks=2):
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--standalone",
-            "-m", "rl_core.train_dpo", "--config", "dpo_sentiment.yaml", *overrides, f"trainer.run_dir={run_dir}",
-            *extra]
-    return run_to_end(argv, timeout=300)
-
-
-def metrics(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return run_to_end(torchrun("rl_core.train_dpo", "dpo_sentiment.yaml", *overrides, f"trainer.run_dir={run_dir}",
+                               *extra, ranks=ranks), timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +85,7 @@ def test_dpo_starts_at_log_2_learns_and_one_rank_matches_two(dpo_job, two_ranks,
     from transformers import AutoModelForCausalLM
 
     two, output = two_ranks
-    rows = metrics(two)
+    rows = read_metrics(two)
     assert [r["step"] for r in rows] == list(range(9))
     first, last = rows[0], rows[-1]
     assert first["eval/loss"] == pytest.approx(math.log(2), abs=1e-5)  # the policy starts as the reference
@@ -108,14 +100,14 @@ def test_dpo_starts_at_log_2_learns_and_one_rank_matches_two(dpo_job, two_ranks,
     one = tmp_path / "one"
     run_dpo(dpo_job, one, "train.max_steps=8", "eval.every=4", ranks=1)
     two_losses = [r["train/loss"] for r in rows[1:]]
-    assert [r["train/loss"] for r in metrics(one)[1:]] == pytest.approx(two_losses, rel=1e-4, abs=1e-5)
+    assert [r["train/loss"] for r in read_metrics(one)[1:]] == pytest.approx(two_losses, rel=1e-4, abs=1e-5)
 
 
 @pytest.mark.timeout(600)
 def test_dpo_with_lora_adapters_learns_against_the_frozen_base(dpo_job, tmp_path):
     run_dir = tmp_path / "lora"
     run_dpo(dpo_job, run_dir, "train.max_steps=8", "model.lora.rank=4", "model.lora.alpha=8", "train.lr=1e-2")
-    rows = metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert rows[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-5)  # adapters start at zero
     assert rows[-1]["eval/loss"] < rows[0]["eval/loss"] and rows[-1]["eval/reward_margin"] > 0
     assert (run_dir / "final" / "model.safetensors").exists()  # merged by default

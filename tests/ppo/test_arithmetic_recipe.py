@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from tests.ppo.test_job import read_metrics, run_job, wait_gone
+from tests.jobs import read_metrics
+from tests.ppo.test_job import run_job, wait_gone
 
 
 def run_arithmetic_job(job, run_dir, *extra):

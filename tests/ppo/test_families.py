@@ -23,8 +23,8 @@ import time
 import pytest
 
 from rl_core.tiny.families import FAMILIES, save_family_model
-from tests.jobs import run_to_end
-from tests.ppo.test_job import read_metrics, torchrun_argv, wait_gone
+from tests.jobs import read_metrics, run_to_end
+from tests.ppo.test_job import torchrun_argv, wait_gone
 from tests.sglang_env import ENGINE_KINDS, require_sglang_python
 
 # Prompts of about 30 tokens + 20 generated: a window of 16 is crossed by every sequence, while

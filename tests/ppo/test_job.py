@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import run_to_end
+from tests.jobs import read_metrics, run_to_end, torchrun
 from tests.ppo.conftest import ASYNC_RUN, SYNC_RUN
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,17 +21,12 @@ REQUIRED_METRICS = ("step", "reward/score_mean", "reward/total_mean", "kl/mean",
 
 
 def torchrun_argv(overrides, config="ppo_sentiment.yaml", ranks=2):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--standalone",
-            "-m", "rl_core.train", "--config", config, *overrides]
+    return torchrun("rl_core.train", config, *overrides, ranks=ranks)
 
 
 def run_job(small_job, run_dir, *extra, timeout=420, config="ppo_sentiment.yaml"):
     overrides = small_job["overrides"] + [f"trainer.run_dir={run_dir}", *extra]
     return run_to_end(torchrun_argv(overrides, config), timeout)
-
-
-def read_metrics(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def project_processes(marker: str) -> list[int]:

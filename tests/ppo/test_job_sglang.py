@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.ppo.test_job import read_metrics, run_job, torchrun_argv, wait_gone
+from tests.jobs import read_metrics
+from tests.ppo.test_job import run_job, torchrun_argv, wait_gone
 from tests.sglang_env import CONTROL_PATHS, engine_calls, require_sglang_python
 
 # 2 steps with what decides the engine calls set as in the shared runs (tests/ppo/conftest.py), which train on;

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from tests.ppo.test_job import read_metrics, run_job
+from tests.jobs import read_metrics
+from tests.ppo.test_job import run_job
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.target_modules=[c_attn,c_proj,c_fc]"]
 

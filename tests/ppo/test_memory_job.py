@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from tests.ppo.test_job import STEP, engine_calls, read_metrics, run_job
+from tests.jobs import read_metrics
+from tests.ppo.test_job import STEP, engine_calls, run_job
 
 SHORT = ("trainer.total_episodes=16", "trainer.export_hf=false")  # 2 steps
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.ppo.test_job import REPO, read_metrics, wait_gone
+from tests.jobs import read_metrics
+from tests.ppo.test_job import REPO, wait_gone
 
 
 def netns(*args, check=True) -> subprocess.CompletedProcess:

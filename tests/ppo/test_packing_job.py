@@ -3,7 +3,8 @@ tokens split over both ranks (model.sequence_parallel=2): the same step as padde
 
 import pytest
 
-from tests.ppo.test_job import read_metrics, run_job
+from tests.jobs import read_metrics
+from tests.ppo.test_job import run_job
 
 SAME = ("policy/loss", "value/loss", "policy/approx_kl", "policy/clipfrac", "kl/mean", "reward/score_mean",
         "policy/entropy", "value/vf_clipfrac", "policy/grad_norm", "value/grad_norm")

@@ -11,7 +11,7 @@ import pytest
 from rl_core.config import ConfigError, load_config
 from rl_core.ppo.config import PPOConfig
 from rl_core.ppo.validation import validate
-from tests.ppo.test_job import read_metrics
+from tests.jobs import read_metrics
 
 
 def ppo(*overrides):

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import output_lines
-from tests.ppo.test_job import read_metrics, torchrun_argv
+from tests.jobs import output_lines, read_metrics
+from tests.ppo.test_job import torchrun_argv
 
 
 # A traceback through the framework's own code (torchrun's own frames are torch's business).

@@ -20,7 +20,7 @@ import pytest
 
 from rl_core.cli import TEST_HOLD_ENV
 from tests.ppo.test_reliability import OUR_TRACEBACK, Job
-from tests.ppo.test_job import read_metrics
+from tests.jobs import read_metrics
 
 STOP_WITHIN_S = 10.0
 HINT = "trainer.resume=auto continues from the last checkpoint"

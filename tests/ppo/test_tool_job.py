@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import run_to_end
-from tests.ppo.test_job import read_metrics, torchrun_argv, wait_gone
+from tests.jobs import read_metrics, run_to_end
+from tests.ppo.test_job import torchrun_argv, wait_gone
 from tests.sglang_env import require_sglang_python
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "envs" / "chat_templates" / "tools_in_system.jinja"

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.jobs import read_metrics, torchrun
+
 REPO = Path(__file__).resolve().parents[2]
 OPENINGS = ["the old man walked to the market", "she looked at the garden", "the children went to the river",
             "he opened the door", "the teacher sat by the window", "we walked home in the rain"]
@@ -48,9 +50,7 @@ def _env() -> dict:
 
 def run_rm(overrides: list[str], cwd: Path) -> tuple[dict, str]:
     """A 2-process torchrun of the job; its result line (the last printed) and stdout."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "rl_core.train_rm", "--config", "rm_sentiment.yaml", *overrides]
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=150,
+    proc = subprocess.run(torchrun("rl_core.train_rm", "rm_sentiment.yaml", *overrides), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=150,
                           start_new_session=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = [line for line in proc.stdout.splitlines() if line.strip()][-1]
@@ -77,9 +77,6 @@ def rm_run(tiny_model_dir, tmp_path_factory):
     return metrics, stdout, tmp, overrides
 
 
-def metric_rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
 
 @pytest.mark.timeout(200)
 def test_two_rank_job_reports_and_learns(rm_run):
@@ -100,7 +97,7 @@ def test_the_shared_step_loop_logs_each_step_once_and_traces_the_listed_one(rm_r
     """The job runs on every job's step loop (rl_core/step_loop.py): a metrics row per step, over both ranks, whose
     losses and hits add up to the epoch's; the listed step traced on each rank."""
     metrics, stdout, tmp, _ = rm_run
-    rows = metric_rows(tmp / "run")
+    rows = read_metrics(tmp / "run")
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
     assert sum(row["train/loss"] for row in rows) / 6 == pytest.approx(metrics["train_loss"], rel=1e-5)
     assert sum(row["train/accuracy"] for row in rows) / 6 == pytest.approx(metrics["train_accuracy"], rel=1e-5)
@@ -125,7 +122,7 @@ def test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_one(rm_run):
     shutil.copytree(tmp / "run" / "checkpoints" / "step_00000002", resumed_dir / "checkpoints" / "step_00000002")
     resumed, resumed_stdout = run_rm(overrides + [f"trainer.run_dir={resumed_dir}", "trainer.resume=auto"], tmp)
     assert f"resumed from {resumed_dir / 'checkpoints' / 'step_00000002'} at step 2" in resumed_stdout
-    rows, resumed_rows = metric_rows(tmp / "run"), metric_rows(resumed_dir)
+    rows, resumed_rows = read_metrics(tmp / "run"), read_metrics(resumed_dir)
     assert [row["step"] for row in resumed_rows] == [3, 4, 5, 6]
     for row, again in zip(rows[2:], resumed_rows):
         assert again["train/loss"] == pytest.approx(row["train/loss"], rel=1e-5, abs=1e-6)

@@ -3,12 +3,10 @@ the loss-scaling rule (the same losses on one rank as on two)."""
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.jobs import run_to_end
+from tests.jobs import read_metrics, run_to_end, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +26,8 @@ def sft_job(tmp_path_factory):
 
 
 def run_sft(overrides, run_dir, *extra, ranks=2, timeout=300):
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--standalone",
-            "-m", "rl_core.train_sft", "--config", "sft_arithmetic.yaml", *overrides,
-            f"trainer.run_dir={run_dir}", *extra]
-    return run_to_end(argv, timeout)
-
-
-def metrics(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return run_to_end(torchrun("rl_core.train_sft", "sft_arithmetic.yaml", *overrides, f"trainer.run_dir={run_dir}",
+                               *extra, ranks=ranks), timeout)
 
 
 @pytest.mark.timeout(600)
@@ -45,7 +37,7 @@ def test_sft_learns_evaluates_checkpoints_and_exports(sft_job, tmp_path):
     run_dir = tmp_path / "sft"
     output = run_sft(sft_job, run_dir, "train.max_steps=12", "eval.every=6", "trainer.save_every=6",
                      "eval.reward_fn=rl_core.rewards.math:answer_reward")
-    rows = metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(13))
     evaluated = [r for r in rows if "eval/loss" in r]
     assert [r["step"] for r in evaluated] == [0, 6, 12]
@@ -82,18 +74,18 @@ def test_one_rank_and_two_ranks_train_the_same_and_a_resumed_run_continues_exact
     two, _ = two_ranks
     one = tmp_path / "one"
     run_sft(sft_job, one, "train.max_steps=6", ranks=1)
-    two_losses = [r["train/loss"] for r in metrics(two) if "train/loss" in r]
-    one_losses = [r["train/loss"] for r in metrics(one) if "train/loss" in r]
+    two_losses = [r["train/loss"] for r in read_metrics(two) if "train/loss" in r]
+    one_losses = [r["train/loss"] for r in read_metrics(one) if "train/loss" in r]
     assert len(two_losses) == 6 and two_losses == pytest.approx(one_losses, rel=1e-4, abs=1e-5)
 
     # A run stopped after its step-3 checkpoint, made by copying the shared run's checkpoint and rows
     # through step 3 (manifests hold relative paths) instead of launching a 3-step run.
     resumed = tmp_path / "resumed"
     shutil.copytree(two / "checkpoints" / "step_00000003", resumed / "checkpoints" / "step_00000003")
-    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics(two) if r["step"] <= 3))
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read_metrics(two) if r["step"] <= 3))
     output = run_sft(sft_job, resumed, "train.max_steps=6", "trainer.save_every=3", "trainer.resume=auto")
     assert f"resumed from {resumed / 'checkpoints' / 'step_00000003'} at step 3" in output
-    rows = metrics(resumed)
+    rows = read_metrics(resumed)
     assert [r["step"] for r in rows] == list(range(7))  # each step logged once
     assert [r["train/loss"] for r in rows[4:]] == pytest.approx(two_losses[3:], rel=1e-5, abs=1e-6)  # the resumed steps
 
@@ -110,7 +102,7 @@ def test_lora_trains_only_adapters_and_exports_the_adapter_or_the_merged_model(s
     adapter_dir = tmp_path / "adapter"
     run_sft(sft_job, adapter_dir, *lora, "model.lora.export=adapter")
     # held-out rows, the same before and after (a step's train loss is its own batch's)
-    heldout = [r["eval/loss"] for r in metrics(adapter_dir) if "eval/loss" in r]
+    heldout = [r["eval/loss"] for r in read_metrics(adapter_dir) if "eval/loss" in r]
     assert len(heldout) == 2 and heldout[-1] < heldout[0]
     adapter = load_file(adapter_dir / "final" / "adapter_model.safetensors")
     lora_b = [t for name, t in adapter.items() if "lora_B" in name]
@@ -134,7 +126,7 @@ def test_lora_trains_only_adapters_and_exports_the_adapter_or_the_merged_model(s
 def test_packed_training_follows_the_padded_losses(sft_job, two_ranks, tmp_path):
     (padded, _), packed = two_ranks, tmp_path / "packed"  # the padded run is the shared one
     run_sft(sft_job, packed, "train.max_steps=6", "train.packing=true")
-    padded_rows, packed_rows = metrics(padded)[1:], metrics(packed)[1:]
+    padded_rows, packed_rows = read_metrics(padded)[1:], read_metrics(packed)[1:]
     assert len(packed_rows) == len(padded_rows) == 6
     assert [r["train/loss"] for r in packed_rows] == pytest.approx([r["train/loss"] for r in padded_rows], rel=1e-4)
     for packed_row, padded_row in zip(packed_rows, padded_rows):
@@ -186,9 +178,8 @@ def test_a_damaged_checkpoint_is_skipped_on_auto_and_refused_by_name_with_one_li
     written = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[: written // 2])  # an interrupted copy, say
 
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-            "-m", "rl_core.train_sft", "--config", "sft_arithmetic.yaml", *sft_job, f"trainer.run_dir={run_dir}",
-            "train.max_steps=6", "eval.every=0", f"trainer.resume={newest}"]
+    argv = torchrun("rl_core.train_sft", "sft_arithmetic.yaml", *sft_job, f"trainer.run_dir={run_dir}",
+                    "train.max_steps=6", "eval.every=0", f"trainer.resume={newest}")
     refused = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     errors = [line for line in refused.stderr.splitlines() if line.startswith("[rank") and "error:" in line]
     assert refused.returncode != 0 and errors == [
@@ -202,7 +193,7 @@ def test_a_damaged_checkpoint_is_skipped_on_auto_and_refused_by_name_with_one_li
     assert output.count("skipping checkpoint") == 1 and f"skipping checkpoint {newest}: {shard} has" in output
     assert f"resumed from {run_dir / 'checkpoints' / 'step_00000003'} at step 3" in output
     assert "metrics.jsonl: dropped 3 rows logged after step 3" in output
-    assert [r["step"] for r in metrics(run_dir) if "train/loss" in r] == [1, 2, 3, 4, 5, 6]  # 4 to 6 trained again
+    assert [r["step"] for r in read_metrics(run_dir) if "train/loss" in r] == [1, 2, 3, 4, 5, 6]  # 4 to 6 trained again
 
 
 @pytest.mark.timeout(600)
@@ -223,9 +214,8 @@ def test_profile_steps_trace_the_listed_steps_on_each_rank_and_steps_beyond_the_
         assert any(e["name"].startswith("aten::") for e in inside) and any("FSDP::" in e["name"] for e in inside)
         assert any(e["name"] == "Optimizer.step#AdamW.step" for e in inside), sorted({e["name"] for e in inside})
     # The run's length comes from the data: a step beyond it stops with one line once the rows are read.
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--standalone",
-            "-m", "rl_core.train_sft", "--config", "sft_arithmetic.yaml", *sft_job,
-            f"trainer.run_dir={tmp_path / 'refused'}", "train.max_steps=3", "trainer.profile_steps=[2,4]"]
+    argv = torchrun("rl_core.train_sft", "sft_arithmetic.yaml", *sft_job, f"trainer.run_dir={tmp_path / 'refused'}",
+                    "train.max_steps=3", "trainer.profile_steps=[2,4]", ranks=1)
     refused = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     errors = [line for line in refused.stderr.splitlines() if line.startswith("[rank") and "error:" in line]
     assert refused.returncode != 0 and len(errors) == 1, refused.stderr[-3000:]
@@ -274,7 +264,7 @@ def test_sigterm_mid_step_stops_within_seconds_and_resume_continues_then_says_no
 
     output = run_sft(sft_job, run_dir, *common, "trainer.resume=auto")
     assert f"resumed from {run_dir / 'checkpoints' / 'step_00000002'} at step 2" in output
-    assert [r["step"] for r in metrics(run_dir)] == list(range(7))  # each step once (step 0: the evaluation)
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(7))  # each step once (step 0: the evaluation)
 
     final_written = (run_dir / "final" / "config.json").stat().st_mtime_ns
     rows = (run_dir / "metrics.jsonl").read_text()
@@ -308,9 +298,9 @@ def test_a_checkpoint_that_cannot_be_written_stops_or_with_continue_is_said_and_
                       capture_output=True).returncode != 0:
         pytest.skip("mounting a tmpfs needs root (CI runs as root)")
     try:
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                "-m", "rl_core.train_sft", "--config", "sft_arithmetic.yaml", *sft_job, f"trainer.run_dir={run_dir}",
-                "train.max_steps=4", "trainer.save_every=2", "eval.every=0", f"trainer.on_checkpoint_error={on_error}"]
+        argv = torchrun("rl_core.train_sft", "sft_arithmetic.yaml", *sft_job, f"trainer.run_dir={run_dir}",
+                        "train.max_steps=4", "trainer.save_every=2", "eval.every=0",
+                        f"trainer.on_checkpoint_error={on_error}")
         done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
         output = done.stdout + done.stderr
         # rank 0's own line (torchrun's summary repeats it after "traceback :")
@@ -319,7 +309,7 @@ def test_a_checkpoint_that_cannot_be_written_stops_or_with_continue_is_said_and_
         leftovers = sorted(p.name for p in disk.iterdir())
     finally:
         subprocess.run(["umount", str(disk)], check=True)
-    rows = metrics(run_dir)
+    rows = read_metrics(run_dir)
     if on_error == "stop":
         assert done.returncode != 0 and len(failed) == 1, output[-3000:]
         assert failed[0].startswith(f"[rank 0] error: checkpoint step_00000002 could not be written to {disk}: "
