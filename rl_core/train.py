@@ -7,6 +7,6 @@ from workers.procs import follow_launcher
 if __name__ == "__main__":
     follow_launcher()  # first, before seconds of imports: a torchrun killed meanwhile still stops this rank
     from rl_core.ppo.job import main
-    from rl_core.tiny.prepare import resolve_ppo_assets
+    from rl_core.offline_names import offline_resolver
 
-    main(sys.argv[1:], prepare=resolve_ppo_assets)
+    main(sys.argv[1:], prepare=offline_resolver("ppo"))

@@ -8,7 +8,6 @@ from workers.procs import follow_launcher
 if __name__ == "__main__":
     follow_launcher()  # first, before seconds of imports: a torchrun killed meanwhile still stops this rank
     from rl_core.reward_model.job import main
-    from rl_core.tiny.labeler import get_labeler
-    from rl_core.tiny.prepare import resolve_rm_assets
+    from rl_core.offline_names import offline_labeler, offline_resolver
 
-    main(sys.argv[1:], prepare=resolve_rm_assets, get_labeler=get_labeler)
+    main(sys.argv[1:], prepare=offline_resolver("rm"), get_labeler=offline_labeler)

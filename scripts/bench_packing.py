@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 
 def make_rows(path: Path, count: int, seed: int) -> None:
-    from rl_core.tiny.corpus import generate_paragraphs
+    from offline.corpus import generate_paragraphs
 
     rng = random.Random(seed)
     words = " ".join(generate_paragraphs(4000, seed=seed)).split()
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rows", type=int, default=2048)
     args = parser.parse_args()
-    from rl_core.tiny.assets import ensure_tiny_assets
+    from offline.assets import ensure_tiny_assets
 
     model = ensure_tiny_assets(log=lambda *_: None).model_dir
     with tempfile.TemporaryDirectory(prefix="bench_packing_") as tmp:

@@ -66,7 +66,7 @@ CORPUS = ["the old man walked to the market and felt happy.", "she smiled at the
 
 def bench_model(name: str, workdir: Path, context: int) -> str:
     """A model directory: the tiny assets policy, a random-init 86M GPT-2, or a given path."""
-    from rl_core.tiny.assets import count_parameters, ensure_tiny_assets, init_tiny_gpt2
+    from offline.assets import count_parameters, ensure_tiny_assets, init_tiny_gpt2
     from workers.loading import load_tokenizer
 
     if name not in ("tiny", "gpt2-86m"):
@@ -86,7 +86,7 @@ def bench_model(name: str, workdir: Path, context: int) -> str:
 def router_model(workdir: Path, context: int) -> str:
     """A 2-layer, width-64 GPT-2 with its own 300-token vocabulary: decode steps are cheap, so the
     router comparison measures scheduling, not the model."""
-    from rl_core.tiny.assets import init_tiny_gpt2, train_tokenizer
+    from offline.assets import init_tiny_gpt2, train_tokenizer
 
     out = workdir / "router_model"
     tokenizer = train_tokenizer(CORPUS, out, vocab_size=300)

@@ -75,7 +75,7 @@ SETTINGS = {
 def build_models(setting: Setting, workdir: Path) -> tuple[Path, str, Path]:
     """The bench policy (and a random-init reward model) on the tiny assets' tokenizer."""
     sys.path.insert(0, str(REPO))
-    from rl_core.tiny.assets import count_parameters, ensure_tiny_assets, init_tiny_gpt2
+    from offline.assets import count_parameters, ensure_tiny_assets, init_tiny_gpt2
     from workers.loading import init_reward_model, load_tokenizer
 
     paths = ensure_tiny_assets()

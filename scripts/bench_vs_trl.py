@@ -346,7 +346,7 @@ def build_gpu86m_assets(size: str, pool: int, prompt_tokens: int, workdir: Path)
     """The random-init policy (`size`) on the tiny tokenizer and `pool` prompts of exactly `prompt_tokens`
     tokens: windows of the tiny sentiment prompts cut at that many tokens, kept when their text encodes
     back to the same ids, so both sides read the same tokens without padding."""
-    from rl_core.tiny.assets import count_parameters, ensure_tiny_assets, init_tiny_gpt2
+    from offline.assets import count_parameters, ensure_tiny_assets, init_tiny_gpt2
     from workers.loading import load_tokenizer
 
     paths = ensure_tiny_assets()
@@ -616,7 +616,7 @@ def main() -> None:
     else:
         from rl_core.config import load_config
         from rl_core.ppo.config import PPOConfig
-        from rl_core.tiny.arithmetic import ensure_arithmetic_assets
+        from offline.arithmetic import ensure_arithmetic_assets
 
         if args.lr is None:  # TRL's learning rate is the one the project side runs with
             args.lr = load_config("grpo_arithmetic.yaml", [], PPOConfig).algorithm.lr

@@ -7,7 +7,7 @@
 The repository ships `assets/` (tiny policy and tokenizer, sentiment prompts, preferences and
 reward model, the arithmetic chat policy and problems, the tool-calling policy and problems; about 29 MB), built by
 this project's code
-(`rl_core/tiny/`), so a fresh clone trains at once. `--check` rebuilds all of it in a temporary
+(`offline/`), so a fresh clone trains at once. `--check` rebuilds all of it in a temporary
 directory (about 25 minutes on 2 cores, half of it the tool-calling policy's fine-tuning) and compares every file's sha256 with
 `assets/checksums.json`; the builds fix their seeds and thread counts, so the same torch build on
 the same kind of CPU reproduces them bit for bit (another CPU or torch may round differently, a
@@ -32,8 +32,8 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rl_core.tiny.assets import default_assets_root  # noqa: E402
-from rl_core.tiny.prepare import SUMS_FILE, asset_digests, build_all  # noqa: E402
+from offline.assets import default_assets_root  # noqa: E402
+from offline.prepare import SUMS_FILE, asset_digests, build_all  # noqa: E402
 
 
 def check(root: Path, keep: bool) -> int:

@@ -38,7 +38,7 @@ def build_large_policy(workdir: Path, tiny_model_dir: Path) -> Path:
     """A random-init GPT-2 of about 86M parameters on the tiny tokenizer."""
     from transformers import AutoTokenizer
 
-    from rl_core.tiny.assets import count_parameters, init_tiny_gpt2
+    from offline.assets import count_parameters, init_tiny_gpt2
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = init_tiny_gpt2(tokenizer, n_layer=12, n_embd=768, n_head=12, n_positions=256, seed=0)
@@ -139,8 +139,8 @@ def main() -> None:
     if not torch.cuda.is_available() and not args.force_cpu:
         print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); nothing to check")
         return
-    from rl_core.tiny.assets import ensure_tiny_assets
-    from rl_core.tiny.reward_model import ensure_tiny_reward_model
+    from offline.assets import ensure_tiny_assets
+    from offline.reward_model import ensure_tiny_reward_model
 
     paths = ensure_tiny_assets()
     reward_model = ensure_tiny_reward_model(paths)

@@ -67,7 +67,7 @@ def main(argv: list[str]) -> None:
     threading.setprofile(calls.hook)  # threads started from here on: the rollout loop, env and reward threads
     sys.setprofile(calls.hook)
     import rl_core.ppo.job as ppo_job
-    from rl_core.tiny.prepare import resolve_ppo_assets
+    from rl_core.offline_names import offline_resolver
 
     one_step = ppo_job.ppo_step
 
@@ -82,7 +82,7 @@ def main(argv: list[str]) -> None:
 
     ppo_job.ppo_step = recorded_step  # train() looks the step up by name at each call
     with tempfile.TemporaryDirectory(prefix="step-reading-") as run_dir:
-        ppo_job.main([*(argv or DEFAULT), f"trainer.run_dir={run_dir}"], prepare=resolve_ppo_assets)
+        ppo_job.main([*(argv or DEFAULT), f"trainer.run_dir={run_dir}"], prepare=offline_resolver("ppo"))
 
 
 if __name__ == "__main__":

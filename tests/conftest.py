@@ -23,7 +23,7 @@ TINY_TEXTS = [
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Directory with a random 2-layer GPT-2 and a byte-level BPE tokenizer (pad != eos)."""
-    from rl_core.tiny.assets import init_tiny_gpt2, train_tokenizer
+    from offline.assets import init_tiny_gpt2, train_tokenizer
 
     out = tmp_path_factory.mktemp("tiny_model")
     tokenizer = train_tokenizer(TINY_TEXTS, out, vocab_size=300)

@@ -178,8 +178,8 @@ def test_cli_exits_with_one_line_and_no_traceback(module):
     ("rl_core.train_dpo", "dpo_sentiment.yaml", "data.max_length=96"),
 ])
 def test_sequences_longer_than_the_models_context_stop_at_parse_time(tmp_path, module, recipe, lengths):
-    from rl_core.tiny.arithmetic import ensure_arithmetic_assets
-    from rl_core.tiny.families import save_family_model
+    from offline.arithmetic import ensure_arithmetic_assets
+    from offline.families import save_family_model
 
     # A Llama with 64 positions: the recipe's sequences (84 and 96 tokens) do not fit it.
     tokenizer_dir = ensure_arithmetic_assets(log=lambda *_: None).model_dir
@@ -196,8 +196,8 @@ def test_sequences_longer_than_the_models_context_stop_at_parse_time(tmp_path, m
 
 def test_a_mistral_window_sglang_would_ignore_is_refused_at_parse_time(tmp_path):
     from rl_core.ppo.validation import check_models
-    from rl_core.tiny.arithmetic import ensure_arithmetic_assets
-    from rl_core.tiny.families import save_family_model
+    from offline.arithmetic import ensure_arithmetic_assets
+    from offline.families import save_family_model
 
     tokenizer_dir = ensure_arithmetic_assets(log=lambda *_: None).model_dir
     short = save_family_model("mistral", tokenizer_dir, tmp_path / "short", sliding_window=32)

@@ -24,7 +24,7 @@ RELEASE_CHOICES = ("auto", "always", "never", True, False)
 
 @dataclass
 class ModelConfig(ModelRunConfig):
-    # "tiny" = the offline assets (rl_core/tiny); otherwise any HF causal LM path or hub name.
+    # "tiny" = the offline assets (assets/, rl_core/offline_names.py); otherwise any HF causal LM path or hub name.
     path: str = "tiny"
     tokenizer_path: Optional[str] = None  # null = model.path
     dtype: str = choice("float32", DTYPES)  # master weights; under mixed precision they stay fp32

@@ -293,7 +293,7 @@ def fit_reward_model(model, reference: ReferenceSamples, train_examples: list, t
                   torch.randperm(len(train_examples), generator=torch.Generator().manual_seed(tr.seed)).tolist())
     if start:
         gain_before, bias_before, before = saved["gain_before"], saved["bias_before"], saved["before"]
-        epoch.totals.update(saved["totals"])
+        epoch.totals.update(loss_sum=saved["loss_sum"], correct=saved["correct"])
         set_reward_gain_bias(model, gain_before, bias_before)
     else:
         # OpenAI: normalise before training too, so the loss sees rewards at unit scale from step one.
@@ -306,7 +306,7 @@ def fit_reward_model(model, reference: ReferenceSamples, train_examples: list, t
 
     def save(step: int) -> Path | None:
         return checkpointer.save(step, {"reward_model": trainable}, {
-            "gain_before": gain_before, "bias_before": bias_before, "before": before, "totals": dict(epoch.totals)})
+            "gain_before": gain_before, "bias_before": bias_before, "before": before, **epoch.totals})
 
     logger = open_run_logger(cfg, start) if reporting.metrics_rows and dp.rank == 0 else None
     try:

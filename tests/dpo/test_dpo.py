@@ -50,8 +50,8 @@ def test_reward_model_evaluation_rows_must_fit_the_micro_batch_they_are_scored_i
 
 @pytest.fixture(scope="module")
 def dpo_job(tmp_path_factory):
-    from rl_core.tiny.assets import ensure_tiny_assets
-    from rl_core.tiny.reward_model import ensure_tiny_preferences, ensure_tiny_reward_model
+    from offline.assets import ensure_tiny_assets
+    from offline.reward_model import ensure_tiny_preferences, ensure_tiny_reward_model
 
     quiet = lambda *_: None  # noqa: E731
     tiny = ensure_tiny_assets(tmp_path_factory.mktemp("dpo_assets"), small=True, log=quiet)

@@ -34,7 +34,7 @@ def multiply(a: int, b: int) -> int:
 @pytest.fixture(scope="module")
 def chat_tokenizer_dir():
     """The shipped chat tokenizer (the arithmetic recipe's; built on first use if missing)."""
-    from rl_core.tiny.arithmetic import ensure_arithmetic_assets
+    from offline.arithmetic import ensure_arithmetic_assets
 
     return str(ensure_arithmetic_assets(log=lambda *_: None).model_dir)
 

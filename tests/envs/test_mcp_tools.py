@@ -259,7 +259,7 @@ def test_bad_entries_are_one_line_at_config_validation():
 def test_the_recipe_calculator_served_over_mcp_renders_the_recipe_prompt_token_for_token():
     """envs/examples/calc_mcp_server.py serves the tool recipe's `calc`: the shipped policy must read the
     same prompt ids whichever way the tool is listed, and a bad expression must come back with its reason."""
-    from rl_core.tiny.assets import default_assets_root
+    from offline.assets import default_assets_root
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(default_assets_root() / "tools-arithmetic-sft" / "tokenizer")

@@ -7,7 +7,7 @@ import pytest
 def small_job(tmp_path_factory):
     """Small offline assets and a randomly initialised reward model (the plumbing, not the learning): built
     once for every PPO job test (about 8 s each time); the jobs only read them."""
-    from rl_core.tiny.assets import ensure_tiny_assets
+    from offline.assets import ensure_tiny_assets
     from workers.loading import init_reward_model, load_tokenizer
 
     root = tmp_path_factory.mktemp("train_assets")

@@ -15,7 +15,7 @@ def run_arithmetic_job(job, run_dir, *extra):
 
 @pytest.fixture(scope="module")
 def arithmetic_job(tmp_path_factory):
-    from rl_core.tiny.arithmetic import ensure_arithmetic_assets
+    from offline.arithmetic import ensure_arithmetic_assets
 
     root = tmp_path_factory.mktemp("arithmetic_assets")
     paths = ensure_arithmetic_assets(root, small=True, log=lambda *_: None)

@@ -1,4 +1,4 @@
-"""Every model family users train (rl_core/tiny/families.py) through the arithmetic GRPO recipe, as a user
+"""Every model family users train (offline/families.py) through the arithmetic GRPO recipe, as a user
 runs it: torchrun, one step, on the embedded engine (2 CPU ranks) and on real SGLang (1 rank).
 
 Each family is a tiny random model built here from its `transformers` config with the recipe's chat
@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from rl_core.tiny.families import FAMILIES, save_family_model
+from offline.families import FAMILIES, save_family_model
 from tests.jobs import read_metrics, run_to_end
 from tests.ppo.test_job import torchrun_argv, wait_gone
 from tests.sglang_env import ENGINE_KINDS, require_sglang_python
@@ -44,7 +44,7 @@ CASES = [(family, engine) for family in FAMILIES for engine in ENGINE_KINDS]
 @pytest.fixture(scope="module")
 def arithmetic():
     """The shipped chat tokenizer and problems (built on first use if missing)."""
-    from rl_core.tiny.arithmetic import ensure_arithmetic_assets
+    from offline.arithmetic import ensure_arithmetic_assets
 
     return ensure_arithmetic_assets(log=lambda *_: None)
 

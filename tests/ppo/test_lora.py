@@ -14,7 +14,7 @@ LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.target_modules=[c
 
 def test_merged_weights_equal_peft_merge_and_unload(tmp_path):
     from rl_core.config import LoraSettings
-    from rl_core.tiny.assets import ensure_tiny_assets
+    from offline.assets import ensure_tiny_assets
     from workers.lora import merged_weights, with_lora
     from workers.loading import load_causal_lm
 

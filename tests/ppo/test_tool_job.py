@@ -30,7 +30,7 @@ def tool_chat_assets(tmp_path_factory):
     """The shipped arithmetic policy's problems, and its tokenizer with a template that renders tools."""
     from transformers import AutoTokenizer
 
-    from rl_core.tiny.arithmetic import ensure_arithmetic_assets
+    from offline.arithmetic import ensure_arithmetic_assets
 
     arithmetic = ensure_arithmetic_assets(log=lambda *_: None)
     tokenizer = AutoTokenizer.from_pretrained(arithmetic.model_dir)

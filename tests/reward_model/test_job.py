@@ -22,7 +22,7 @@ NEGATIVE = ["and felt sad and angry.", "and cried in the terrible storm.", "and 
 
 def _write_pairs(path: Path, pairs: list[tuple[str, str, str]]) -> None:
     """Pairwise rows labelled by the sentiment labeler (which of the two it prefers)."""
-    from rl_core.tiny.labeler import SentimentLabeler
+    from offline.labeler import SentimentLabeler
 
     labeler = SentimentLabeler()
     with path.open("w") as handle:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from rl_core.sft.data import SFTDataError, encode_messages, encode_prompt_response, encode_rows
-from rl_core.tiny.arithmetic import CHAT_TEMPLATE
+from offline.arithmetic import CHAT_TEMPLATE
 from workers.loading import load_tokenizer
 
 

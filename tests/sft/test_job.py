@@ -11,7 +11,7 @@ from tests.jobs import read_metrics, run_to_end, torchrun
 
 @pytest.fixture(scope="module")
 def sft_job(tmp_path_factory):
-    from rl_core.tiny.arithmetic import ensure_arithmetic_assets, ensure_arithmetic_sft_data
+    from offline.arithmetic import ensure_arithmetic_assets, ensure_arithmetic_sft_data
 
     root = tmp_path_factory.mktemp("sft_assets")
     # The small arithmetic policy: a 2-layer model with a context for whole problems (the small
@@ -140,9 +140,9 @@ def test_the_arithmetic_recipe_policy_is_what_the_sft_job_exports(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from rl_core.tiny.arithmetic import (SMALL_SETTINGS, ensure_arithmetic_assets, ensure_arithmetic_sft_data,
+    from offline.arithmetic import (SMALL_SETTINGS, ensure_arithmetic_assets, ensure_arithmetic_sft_data,
                                          starting_policy)
-    from rl_core.tiny.assets import ensure_tiny_assets
+    from offline.assets import ensure_tiny_assets
 
     root = tmp_path / "assets"
     built = ensure_arithmetic_assets(root, small=True, log=lambda *_: None).model_dir

@@ -6,7 +6,7 @@ from pathlib import Path
 def save_small_gpt2(tiny_model_dir, out: Path, *, n_layer: int, n_embd: int, n_positions: int) -> str:
     from transformers import AutoTokenizer
 
-    from rl_core.tiny.assets import init_tiny_gpt2
+    from offline.assets import init_tiny_gpt2
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.save_pretrained(out)

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from rl_core.tiny.families import FAMILIES, save_family_model
+from offline.families import FAMILIES, save_family_model
 from workers.decode import DecodeSettings, decode
 from workers.loading import load_causal_lm, load_tokenizer
 

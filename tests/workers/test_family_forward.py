@@ -5,7 +5,7 @@ sliding windows shorter than the sequences), and with the LM head in chunks, gra
 import pytest
 import torch
 
-from rl_core.tiny.families import FAMILIES, save_family_model
+from offline.families import FAMILIES, save_family_model
 from workers.forward import ForwardSettings, MicroBatch, token_logprobs_and_entropy
 from workers.layout import make_micro_batch, pack
 from workers.loading import load_causal_lm

@@ -97,7 +97,7 @@ def _worker(rank: int, model_dirs: dict, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory, tiny_model_dir):
-    from rl_core.tiny.families import save_family_model
+    from offline.families import save_family_model
 
     root = tmp_path_factory.mktemp("sp_models")
     return {family: save_family_model(family, tiny_model_dir, root / family, **overrides)

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from rl_core.tiny.assets import (FORMAT_VERSION, _is_built, _quiet_transformers_progress,
+from offline.assets import (FORMAT_VERSION, _is_built, _quiet_transformers_progress,
                                  default_assets_root, ensure_tiny_assets, file_lock, init_tiny_gpt2, staged_directory,
                                  torch_threads)
-from rl_core.tiny.corpus import NAMES_HE, NAMES_SHE
+from offline.corpus import NAMES_HE, NAMES_SHE
 
 # A plain-text chat template: "User: ...\nAssistant: ...<eos>\n". The tiny tokenizer has no role
 # tokens, and a template that renders as readable text keeps the samples table readable too.
@@ -163,7 +163,7 @@ class _LinesToLog(io.TextIOBase):
         *lines, self.pending = self.pending.split("\n")
         with contextlib.redirect_stdout(self.stdout):  # a `log` that prints must not write back here
             for line in filter(str.strip, lines):
-                self.log(f"[rl_core.tiny] {self.label}: {line}")
+                self.log(f"[offline] {self.label}: {line}")
         return len(text)
 
 
@@ -188,7 +188,7 @@ def _fine_tune(settings: ArithmeticSettings, base_model_dir: Path, sft_data: Pat
     from rl_core.sft.job import train
 
     cfg = sft_recipe(settings)
-    log(f"[rl_core.tiny] arithmetic policy: the SFT job ({SFT_RECIPE}: {cfg.train.max_steps} steps of "
+    log(f"[offline] arithmetic policy: the SFT job ({SFT_RECIPE}: {cfg.train.max_steps} steps of "
         f"{cfg.train.batch_size} rows) in this process")
     with tempfile.TemporaryDirectory(prefix=".sft-run-", dir=out_dir.parent) as scratch, torch_threads(2), \
             _quiet_transformers_progress(), contextlib.redirect_stdout(_LinesToLog(log, sys.stdout)):
@@ -231,7 +231,7 @@ def ensure_arithmetic_assets(root: str | Path | None = None, *, small: bool = Fa
         if _is_built(paths.model_dir, expected_policy) and _is_built(paths.data_dir, expected):
             return paths
         started = time.perf_counter()
-        log(f"[rl_core.tiny] building the arithmetic recipe's policy and problems under {paths.root}; "
+        log(f"[offline] building the arithmetic recipe's policy and problems under {paths.root}; "
             f"cached for later runs")
         with staged_directory(paths.data_dir) as staging:
             for path, count, seed in ((paths.train_file, settings.train_problems, settings.seed + 1),
@@ -244,7 +244,7 @@ def ensure_arithmetic_assets(root: str | Path | None = None, *, small: bool = Fa
                 facts = _fine_tune(settings, base.model_dir, sft_data, staging, log)
                 facts["seconds"] = round(time.perf_counter() - started, 1)
                 (staging / "build.json").write_text(json.dumps({"settings": expected_policy, **facts}, indent=2))
-        log(f"[rl_core.tiny] arithmetic assets built in {time.perf_counter() - started:.0f} s")
+        log(f"[offline] arithmetic assets built in {time.perf_counter() - started:.0f} s")
     return paths
 
 
@@ -275,7 +275,7 @@ def ensure_arithmetic_sft_data(root: str | Path | None = None, *, small: bool = 
     with file_lock(paths.root / ".arithmetic-sft.lock"):
         if _is_built(directory, expected):
             return directory
-        log(f"[rl_core.tiny] writing the arithmetic SFT rows under {directory}")
+        log(f"[offline] writing the arithmetic SFT rows under {directory}")
         with staged_directory(directory) as staging:
             chat_tokenizer(base.model_dir).save_pretrained(staging / "tokenizer")
             corpus = make_problems(settings.sft_problems, settings.seed, settings.max_operand, settings.sub_frac,

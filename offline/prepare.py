@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from rl_core.tiny import ARITHMETIC, TOOLS_ARITHMETIC, TOOLS_ARITHMETIC_SFT
+from offline import ARITHMETIC, TOOLS_ARITHMETIC, TOOLS_ARITHMETIC_SFT
 from workers.loading import check_model_path
 
 Log = Callable[[str], None]
@@ -29,25 +29,25 @@ def resolve_ppo_assets(cfg, log: Log):
                   ("model.tokenizer_path", cfg.model.tokenizer_path)), ("tiny", ARITHMETIC, TOOLS_ARITHMETIC))
     named = (cfg.model.path, cfg.reward.model_path, cfg.data.train_path, cfg.data.eval_path)
     if "tiny" in named:
-        from rl_core.tiny.assets import ensure_tiny_assets
+        from offline.assets import ensure_tiny_assets
 
         tiny = ensure_tiny_assets(log=log, progress=cfg.trainer.progress)
         cfg.model.path = str(tiny.model_dir) if cfg.model.path == "tiny" else cfg.model.path
         cfg.data.train_path = str(tiny.train_prompts) if cfg.data.train_path == "tiny" else cfg.data.train_path
         cfg.data.eval_path = str(tiny.test_prompts) if cfg.data.eval_path == "tiny" else cfg.data.eval_path
         if cfg.reward.model_path == "tiny":
-            from rl_core.tiny.reward_model import ensure_tiny_reward_model
+            from offline.reward_model import ensure_tiny_reward_model
 
             cfg.reward.model_path = str(ensure_tiny_reward_model(tiny, log=log, progress=cfg.trainer.progress))
     if ARITHMETIC in named:
-        from rl_core.tiny.arithmetic import ensure_arithmetic_assets
+        from offline.arithmetic import ensure_arithmetic_assets
 
         arithmetic = ensure_arithmetic_assets(log=log)
         cfg.model.path = str(arithmetic.model_dir) if cfg.model.path == ARITHMETIC else cfg.model.path
         cfg.data.train_path = str(arithmetic.train_file) if cfg.data.train_path == ARITHMETIC else cfg.data.train_path
         cfg.data.eval_path = str(arithmetic.eval_file) if cfg.data.eval_path == ARITHMETIC else cfg.data.eval_path
     if TOOLS_ARITHMETIC in named:
-        from rl_core.tiny.tools_arithmetic import ensure_tools_arithmetic_assets
+        from offline.tools_arithmetic import ensure_tools_arithmetic_assets
 
         tools = ensure_tools_arithmetic_assets(log=log)
         cfg.model.path = str(tools.model_dir) if cfg.model.path == TOOLS_ARITHMETIC else cfg.model.path
@@ -61,8 +61,8 @@ def resolve_rm_assets(cfg, log: Log):
     _check_given((("model.policy_path", cfg.model.policy_path), ("model.init_from", cfg.model.init_from)), ("tiny",))
     if "tiny" not in (cfg.model.policy_path, cfg.data.train_path, cfg.normalize.prompts_path):
         return cfg
-    from rl_core.tiny.assets import ensure_tiny_assets
-    from rl_core.tiny.reward_model import ensure_tiny_preferences, preference_files
+    from offline.assets import ensure_tiny_assets
+    from offline.reward_model import ensure_tiny_preferences, preference_files
 
     tiny = ensure_tiny_assets(log=log, progress=cfg.trainer.progress)
     if cfg.data.train_path == "tiny":
@@ -88,10 +88,10 @@ def build_all(root, log: Log, progress: bool = False, small: bool = False):
     """Every asset the recipes name, built (or reused) under `root`: tiny policy, prompts,
     sentiment preferences and reward model, arithmetic policy, problems and SFT rows, the tool-calling
     policy, its problems and SFT rows (`small`: the tests' quick versions)."""
-    from rl_core.tiny.arithmetic import ensure_arithmetic_assets, ensure_arithmetic_sft_data
-    from rl_core.tiny.assets import ensure_tiny_assets
-    from rl_core.tiny.reward_model import ensure_tiny_reward_model
-    from rl_core.tiny.tools_arithmetic import ensure_tools_arithmetic_assets
+    from offline.arithmetic import ensure_arithmetic_assets, ensure_arithmetic_sft_data
+    from offline.assets import ensure_tiny_assets
+    from offline.reward_model import ensure_tiny_reward_model
+    from offline.tools_arithmetic import ensure_tools_arithmetic_assets
 
     tiny = ensure_tiny_assets(root, small=small, log=log, progress=progress)
     ensure_tiny_reward_model(tiny, log=log, small=small, progress=progress)
@@ -129,22 +129,22 @@ def _without_timings(value):
 
 def resolve_sft_assets(cfg, log: Log):
     """An SFT config whose model, tokenizer and data paths name no offline asset any more."""
-    from rl_core.tiny.arithmetic import ARITHMETIC_SFT
+    from offline.arithmetic import ARITHMETIC_SFT
 
     _check_given((("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path)),
                  ("tiny", ARITHMETIC, ARITHMETIC_SFT, TOOLS_ARITHMETIC_SFT))
     if cfg.model.path == ARITHMETIC:  # the arithmetic chat policy, fine-tuned further (sft_tools_arithmetic.yaml)
-        from rl_core.tiny.arithmetic import ensure_arithmetic_assets
+        from offline.arithmetic import ensure_arithmetic_assets
 
         cfg.model.path = str(ensure_arithmetic_assets(log=log).model_dir)
     if "tiny" in (cfg.model.path, cfg.model.tokenizer_path):
-        from rl_core.tiny.assets import ensure_tiny_assets
+        from offline.assets import ensure_tiny_assets
 
         tiny = ensure_tiny_assets(log=log, progress=cfg.trainer.progress)
         cfg.model.path = str(tiny.model_dir) if cfg.model.path == "tiny" else cfg.model.path
         cfg.model.tokenizer_path = str(tiny.model_dir) if cfg.model.tokenizer_path == "tiny" else cfg.model.tokenizer_path
     if ARITHMETIC_SFT in (cfg.model.tokenizer_path, cfg.data.train_path, cfg.data.eval_path):
-        from rl_core.tiny.arithmetic import ensure_arithmetic_sft_data
+        from offline.arithmetic import ensure_arithmetic_sft_data
 
         data = ensure_arithmetic_sft_data(log=log)
         if cfg.model.tokenizer_path == ARITHMETIC_SFT:
@@ -152,7 +152,7 @@ def resolve_sft_assets(cfg, log: Log):
         cfg.data.train_path = str(data / "train.jsonl") if cfg.data.train_path == ARITHMETIC_SFT else cfg.data.train_path
         cfg.data.eval_path = str(data / "eval.jsonl") if cfg.data.eval_path == ARITHMETIC_SFT else cfg.data.eval_path
     if TOOLS_ARITHMETIC_SFT in (cfg.model.tokenizer_path, cfg.data.train_path, cfg.data.eval_path):
-        from rl_core.tiny.tools_arithmetic import ensure_tools_arithmetic_sft_data
+        from offline.tools_arithmetic import ensure_tools_arithmetic_sft_data
 
         data = ensure_tools_arithmetic_sft_data(log=log)
         if cfg.model.tokenizer_path == TOOLS_ARITHMETIC_SFT:
@@ -172,8 +172,8 @@ def resolve_dpo_assets(cfg, log: Log):
              cfg.data.test_path, cfg.eval.reward_model_path)
     if "tiny" not in named:
         return cfg
-    from rl_core.tiny.assets import ensure_tiny_assets
-    from rl_core.tiny.reward_model import ensure_tiny_preferences, ensure_tiny_reward_model, preference_files
+    from offline.assets import ensure_tiny_assets
+    from offline.reward_model import ensure_tiny_preferences, ensure_tiny_reward_model, preference_files
 
     tiny = ensure_tiny_assets(log=log, progress=cfg.trainer.progress)
     for section, key in (("model", "path"), ("model", "tokenizer_path"), ("model", "reference_path")):

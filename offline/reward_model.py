@@ -5,7 +5,7 @@ samples are cut at the first period at or after token 16 (OpenAI's rejection sam
 rater sees what the PPO job's reward model will score), and the task's lexicon labeler judges
 pairs of them; ties are left out. The reward model is then trained by the same code as
 `python -m rl_core.train_rm`, in this process without torch.distributed (the PPO job calls this
-on rank 0 alone). Every build is cached, locked and written atomically (rl_core/tiny/assets.py).
+on rank 0 alone). Every build is cached, locked and written atomically (offline/assets.py).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from rl_core.distributed import DataParallel
 from rl_core.reward_model.training import (Log, ReferenceSamples, Reporting, build_reward_model,
                                            export_reward_model, fit_reward_model)
 from rl_core.preferences import load_preference_splits
-from rl_core.tiny.assets import file_lock, read_build_facts, settings_match, staged_directory, torch_threads
-from rl_core.tiny.labeler import get_labeler
+from offline.assets import file_lock, read_build_facts, settings_match, staged_directory, torch_threads
+from offline.labeler import get_labeler
 from workers.loading import context_length, load_causal_lm, load_tokenizer, single_token_id
 
 RM_BUILD_FORMAT = 2
@@ -144,12 +144,12 @@ def _sample_and_label(paths, task: str, settings: TinyRMSettings, progress: bool
         repeated = [query for query in queries for _ in range(draws)]
         responses = sample_responses(policy, tokenizer, repeated, settings.response_length, settings.temperature,
                                      seed=settings.seed + offset, batch_size=256,
-                                     desc=f"[rl_core.tiny] sampling {split} continuations" if progress else None)
+                                     desc=f"[offline] sampling {split} continuations" if progress else None)
         pairs = _labelled_pairs(queries, responses, draws, settings, truncate_id, every_pair=split == "train")
         texts = [(index, tokenizer.decode(a), tokenizer.decode(b)) for index, a, b in pairs]
         staging = out.with_name(f".{out.name}.{os.getpid()}")
         written = _write_pairs(staging, tokenizer.batch_decode(queries), texts, labeler,
-                               f"[rl_core.tiny] labelling {split} pairs" if progress else None)
+                               f"[offline] labelling {split} pairs" if progress else None)
         os.replace(staging, out)
         counts[split], counts[f"{split}_ties_left_out"] = written["written"], written["ties"]
         if written["written"] == 0:
@@ -181,7 +181,7 @@ def ensure_tiny_preferences(paths, task: str = "sentiment", log: Log = print, sm
     if not settings_match(marker, _preference_settings(paths, task, settings)):
         with file_lock(paths.root / f".{task}-rm.lock"):
             if not settings_match(marker, _preference_settings(paths, task, settings)):
-                log(f"[rl_core.tiny] labelling tiny {task} preferences under {marker.parent}; cached")
+                log(f"[offline] labelling tiny {task} preferences under {marker.parent}; cached")
                 _build_preferences(paths, task, settings, progress)
     return train_file, test_file
 
@@ -266,7 +266,7 @@ def ensure_tiny_reward_model(paths, log: Log = print, task: str = "sentiment", s
     with file_lock(paths.root / f".{task}-rm.lock"):
         if settings_match(final / "build.json", expected):
             return final
-        log(f"[rl_core.tiny] building the tiny {task} reward model under {final} from offline labels; "
+        log(f"[offline] building the tiny {task} reward model under {final} from offline labels; "
             f"cached for later runs")
         started = time.perf_counter()
         # One thread: the model is too small to gain from more, and on a shared CPU (ranks,

@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from rl_core.tiny.assets import default_assets_root
-from rl_core.tiny.prepare import SUMS_FILE, asset_digests, build_all
+from offline.assets import default_assets_root
+from offline.prepare import SUMS_FILE, asset_digests, build_all
 
 
 class WouldBuild(Exception):

@@ -52,8 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from rl_core.tiny.arithmetic import _LinesToLog, _recorded, recipe_settings
-from rl_core.tiny.assets import (_is_built, _quiet_transformers_progress, default_assets_root, ensure_tiny_assets,
+from offline.arithmetic import _LinesToLog, _recorded, recipe_settings
+from offline.assets import (_is_built, _quiet_transformers_progress, default_assets_root, ensure_tiny_assets,
                                  file_lock, init_tiny_gpt2, staged_directory, torch_threads)
 
 TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")  # hermes tags, one token each
@@ -88,7 +88,7 @@ class ToolsArithmeticSettings:
     sft_problems: int = 20000
     # The fine-tuning itself is the SFT recipe, SFT_RECIPE, with these `key=value` overrides.
     sft_overrides: tuple[str, ...] = ()
-    # Start from the arithmetic recipe's chat policy (rl_core/tiny/arithmetic.py: it already reads a question
+    # Start from the arithmetic recipe's chat policy (offline/arithmetic.py: it already reads a question
     # and copies its numbers, "7 + 5 = 12"), its embeddings grown by the two tag tokens; False = a fresh
     # 2-layer model with room for whole conversations (the small test assets' policy has 64 positions).
     from_base_policy: bool = True
@@ -246,7 +246,7 @@ def ensure_tools_arithmetic_sft_data(root: str | Path | None = None, *, small: b
     with file_lock(paths.root / ".tools-arithmetic-sft.lock"):
         if _is_built(paths.sft_dir, expected):
             return paths.sft_dir
-        log(f"[rl_core.tiny] writing the tool-calling SFT rows under {paths.sft_dir}")
+        log(f"[offline] writing the tool-calling SFT rows under {paths.sft_dir}")
         with staged_directory(paths.sft_dir) as staging:
             tokenizer = chat_tokenizer(base.model_dir)
             tokenizer.save_pretrained(staging / "tokenizer")
@@ -275,7 +275,7 @@ def _fine_tune(settings: ToolsArithmeticSettings, base_model_dir: Path, sft_data
     from rl_core.sft.job import train
 
     cfg = sft_recipe(settings)
-    log(f"[rl_core.tiny] tool-calling policy: the SFT job ({SFT_RECIPE}: {cfg.train.max_steps} steps of "
+    log(f"[offline] tool-calling policy: the SFT job ({SFT_RECIPE}: {cfg.train.max_steps} steps of "
         f"{cfg.train.batch_size} rows) in this process")
     with tempfile.TemporaryDirectory(prefix=".sft-run-", dir=out_dir.parent) as scratch, torch_threads(SFT_THREADS), \
             _quiet_transformers_progress(), contextlib.redirect_stdout(_LinesToLog(log, sys.stdout, "tool-calling policy")):
@@ -311,7 +311,7 @@ def ensure_tools_arithmetic_assets(root: str | Path | None = None, *, small: boo
     base = ensure_tiny_assets(paths.root, small=small, log=log)
     start = base.model_dir  # the tokenizer's source; a fresh model when not from_base_policy
     if settings.from_base_policy:
-        from rl_core.tiny.arithmetic import ensure_arithmetic_assets
+        from offline.arithmetic import ensure_arithmetic_assets
 
         start = ensure_arithmetic_assets(paths.root, small=small, log=log).model_dir
     sft_data = ensure_tools_arithmetic_sft_data(paths.root, small=small, log=log)
@@ -319,7 +319,7 @@ def ensure_tools_arithmetic_assets(root: str | Path | None = None, *, small: boo
         if _is_built(paths.model_dir, expected_policy) and _is_built(paths.data_dir, expected):
             return paths
         started = time.perf_counter()
-        log(f"[rl_core.tiny] building the tool-calling recipe's policy and problems under {paths.root}; "
+        log(f"[offline] building the tool-calling recipe's policy and problems under {paths.root}; "
             "cached for later runs")
         with staged_directory(paths.data_dir) as staging:
             _write_jsonl(staging / paths.train_file.name,
@@ -331,5 +331,5 @@ def ensure_tools_arithmetic_assets(root: str | Path | None = None, *, small: boo
                 facts = _fine_tune(settings, start, sft_data, staging, log)
                 facts["seconds"] = round(time.perf_counter() - started, 1)
                 (staging / "build.json").write_text(json.dumps({"settings": expected_policy, **facts}, indent=2))
-        log(f"[rl_core.tiny] tool-calling assets built in {time.perf_counter() - started:.0f} s")
+        log(f"[offline] tool-calling assets built in {time.perf_counter() - started:.0f} s")
     return paths

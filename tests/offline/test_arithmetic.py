@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rl_core.rewards.math import answer_reward
-from rl_core.tiny.arithmetic import CHAT_TEMPLATE, make_problem, make_problems
+from offline.arithmetic import CHAT_TEMPLATE, make_problem, make_problems
 
 
 @pytest.fixture

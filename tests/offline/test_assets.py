@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rl_core.tiny.assets import AssetPaths, default_assets_root, ensure_tiny_assets, read_build_facts
-from rl_core.tiny.corpus import generate_paragraphs, story_openings
+from offline.assets import AssetPaths, default_assets_root, ensure_tiny_assets, read_build_facts
+from offline.corpus import generate_paragraphs, story_openings
 
 
 def _quiet(_message: str) -> None:
@@ -42,8 +42,8 @@ def test_first_call_builds_everything_and_logs_one_line_then_its_progress(first_
     assert paths.built == ("policy", "prompts")
     assert str(paths.root) in lines[0] and "building" in lines[0]
     progress = lines[1:]  # every 10% of the pretraining: what a rank waiting for this build shows
-    assert progress and all(line.startswith("[rl_core.tiny] pretraining the tiny policy: step ") for line in progress)
-    assert progress[-1].startswith("[rl_core.tiny] pretraining the tiny policy: step 12/12 loss")
+    assert progress and all(line.startswith("[offline] pretraining the tiny policy: step ") for line in progress)
+    assert progress[-1].startswith("[offline] pretraining the tiny policy: step 12/12 loss")
     logged = len(lines)
     assert ensure_tiny_assets(paths.root, small=True, log=lines.append).built == ()
     assert len(lines) == logged  # a cached build says nothing

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rl_core.tiny.labeler import DescriptivenessLabeler, SentimentLabeler, get_labeler
+from offline.labeler import DescriptivenessLabeler, SentimentLabeler, get_labeler
 
 POSITIVE = "and she smiled, happy and grateful for the wonderful day."
 NEGATIVE = "and she cried, miserable and angry about the terrible day."

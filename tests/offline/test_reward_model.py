@@ -15,8 +15,8 @@ FIRST_RUN_BARS = ("pretraining the tiny policy", "sampling train continuations",
 
 @pytest.mark.timeout(200)
 def test_tiny_reward_model_is_built_once_and_cached_and_shows_progress(tmp_path, capsys):
-    from rl_core.tiny.assets import ensure_tiny_assets
-    from rl_core.tiny.reward_model import ensure_tiny_reward_model
+    from offline.assets import ensure_tiny_assets
+    from offline.reward_model import ensure_tiny_reward_model
     from workers.loading import load_reward_model
 
     paths = ensure_tiny_assets(tmp_path, small=True, log=lambda *_: None)
@@ -39,7 +39,7 @@ def test_tiny_reward_model_is_built_once_and_cached_and_shows_progress(tmp_path,
 
 
 def test_labelled_pairs_keep_samples_with_a_period_and_cut_there():
-    from rl_core.tiny.reward_model import TinyRMSettings, _labelled_pairs
+    from offline.reward_model import TinyRMSettings, _labelled_pairs
 
     dot = 9
     settings = TinyRMSettings(group_size=3, truncate_after=2)
@@ -55,8 +55,8 @@ def test_labelled_pairs_keep_samples_with_a_period_and_cut_there():
 
 
 def test_written_pairs_leave_out_ties_and_follow_the_labeler(tmp_path):
-    from rl_core.tiny.labeler import get_labeler
-    from rl_core.tiny.reward_model import _write_pairs as write_labelled
+    from offline.labeler import get_labeler
+    from offline.reward_model import _write_pairs as write_labelled
 
     pairs = [(0, " He was very sad and hurt.", " He was so happy and proud."),
              (0, " He sat down.", " He walked on."),  # both neutral: a tie, left out

@@ -1,6 +1,6 @@
 """Offline tiny assets: a byte-level BPE tokenizer, a small pretrained GPT-2 and prompt files.
 
-Nothing here touches a hub. Everything is generated from a seed (`rl_core/tiny/corpus.py`), built once
+Nothing here touches a hub. Everything is generated from a seed (`offline/corpus.py`), built once
 and cached on disk; real users point `model.path` at `gpt2` or a local checkpoint instead.
 These assets exist so the whole framework runs, learns and is tested on a CPU.
 
@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Iterator
 
 from rl_core.lifecycle import torch_threads  # noqa: F401 - the builders import it from here
 from rl_core.staging import staged_directory
-from rl_core.tiny.corpus import generate_paragraphs, story_openings
+from offline.corpus import generate_paragraphs, story_openings
 
 PAD_TOKEN = "[PAD]"
 EOS_TOKEN = "<|endoftext|>"
@@ -90,7 +90,7 @@ class AssetPaths:
 def default_assets_root() -> Path:
     """`$RL_CORE_ASSETS` if set, else `<repo>/assets` (gitignored)."""
     configured = os.environ.get(ASSETS_ENV_VAR)
-    return Path(configured) if configured else Path(__file__).resolve().parents[2] / "assets"
+    return Path(configured) if configured else Path(__file__).resolve().parents[1] / "assets"
 
 
 # --- tokenizer and model primitives ----------------------------------------------------------
@@ -206,7 +206,7 @@ def pretrain_tiny_gpt2(model, tokenizer, texts: list[str], settings: TinyAssetSe
     offsets = torch.arange(seq_len)
     losses = []
     model.train()
-    bar = progress_bar(total=steps, desc="[rl_core.tiny] pretraining the tiny policy", unit="step", enabled=progress)
+    bar = progress_bar(total=steps, desc="[offline] pretraining the tiny policy", unit="step", enabled=progress)
     with torch_threads(num_threads), bar:
         for step in range(steps):
             for group in optimizer.param_groups:
@@ -234,7 +234,7 @@ def _component_settings(settings: TinyAssetSettings, component: str) -> dict:
     return {"format": FORMAT_VERSION, "component": component, **dataclasses.asdict(settings)}
 
 
-# The three pieces of a cached build (also used by the tiny reward model in rl_core/tiny/reward_model.py):
+# The three pieces of a cached build (also used by the tiny reward model in offline/reward_model.py):
 # a marker file written last records the settings, a file lock makes concurrent builders wait,
 # and a staging directory is renamed into place only when its build finished.
 
@@ -281,7 +281,7 @@ def _build_policy(paths: AssetPaths, settings: TinyAssetSettings, progress: bool
                              "shrink n_layer/n_embd/vocab_size")
         losses = pretrain_tiny_gpt2(model, tokenizer, texts, settings, progress=progress,
                                     log_every=max(1, settings.steps // 10),  # what a waiting rank shows
-                                    log=lambda line: log(f"[rl_core.tiny] pretraining the tiny policy: {line}"))
+                                    log=lambda line: log(f"[offline] pretraining the tiny policy: {line}"))
         with _quiet_transformers_progress():
             model.save_pretrained(staging)
         tail = losses[-max(1, len(losses) // 20):]
@@ -353,7 +353,7 @@ def ensure_tiny_assets(root: str | Path | None = None, *, small: bool = False,
         if not missing:  # another process built them while we waited for the lock
             return paths
         kind = "small test" if small else "tiny offline"
-        log(f"[rl_core.tiny] building {kind} assets ({', '.join(missing)}) under {paths.root} "
+        log(f"[offline] building {kind} assets ({', '.join(missing)}) under {paths.root} "
             f"with seed {settings.seed}; cached for later runs")
         if "policy" in missing:
             _build_policy(paths, settings, progress, log)

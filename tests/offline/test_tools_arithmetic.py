@@ -15,7 +15,7 @@ from envs.tools import Toolbox, hermes_tool_calls
 from envs.turns import TurnParser
 from rl_core.rewards.math import answer_reward
 from rl_core.sft.data import encode_messages
-from rl_core.tiny.tools_arithmetic import (SMALL_SETTINGS, TOOL_PATHS, chat_tokenizer, demonstration,
+from offline.tools_arithmetic import (SMALL_SETTINGS, TOOL_PATHS, chat_tokenizer, demonstration,
                                            demonstrations, held_out_pairs, prompt_row, sample_pairs, tool_call,
                                            tool_schemas, tools_line)
 

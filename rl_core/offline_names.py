@@ -1,0 +1,56 @@
+"""The offline names a recipe may give instead of a path or hub name, and where they are resolved.
+
+"tiny", "tiny-arithmetic", "tiny-arithmetic-sft", "tiny-tools-arithmetic" and "tiny-tools-arithmetic-sft" name
+the offline assets the repository ships (`assets/`), which the builders beside this package (`offline/`) build
+where they are missing. A job's entry point resolves them before the job starts (every rank, before any process
+group exists); a config that names none imports no builder, so the jobs run on real checkpoints without them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Iterator
+
+from rl_core.config import to_dict
+
+OFFLINE_NAMES = frozenset({"tiny", "tiny-arithmetic", "tiny-arithmetic-sft", "tiny-tools-arithmetic",
+                           "tiny-tools-arithmetic-sft"})
+# Each job's builder side: the config with every offline name replaced by the path of what it names.
+RESOLVERS = {"ppo": "offline.prepare:resolve_ppo_assets", "sft": "offline.prepare:resolve_sft_assets",
+             "dpo": "offline.prepare:resolve_dpo_assets", "rm": "offline.prepare:resolve_rm_assets"}
+# The offline raters `labeler.name` names (the reward-model job's fresh-sample check).
+LABELERS = "offline.labeler:get_labeler"
+
+
+def _load(import_path: str) -> Any:
+    module, _, name = import_path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _strings(value) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
+
+
+def names_offline_assets(cfg) -> bool:
+    """Whether any value of the job's config is an offline name."""
+    return not OFFLINE_NAMES.isdisjoint(_strings(to_dict(cfg)))
+
+
+def offline_resolver(job: str) -> Callable:
+    """`prepare(cfg, log)` for `job` (ppo, sft, dpo, rm): `cfg` as it is when it names no offline asset, else with
+    each name replaced by its built path (`log` reports a build)."""
+    def prepare(cfg, log):
+        return _load(RESOLVERS[job])(cfg, log) if names_offline_assets(cfg) else cfg
+    return prepare
+
+
+def offline_labeler(name: str):
+    """The offline rater `name` (labeler.name of the reward-model job)."""
+    return _load(LABELERS)(name)

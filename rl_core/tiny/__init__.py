@@ -1,4 +1,0 @@
-ARITHMETIC = "tiny-arithmetic"  # config value naming the arithmetic recipe's offline assets (rl_core/tiny/arithmetic.py)
-# config values naming the tool-calling recipe's offline policy and problems, and its SFT rows (rl_core/tiny/tools_arithmetic.py)
-TOOLS_ARITHMETIC = "tiny-tools-arithmetic"
-TOOLS_ARITHMETIC_SFT = "tiny-tools-arithmetic-sft"
