@@ -12,21 +12,14 @@ from __future__ import annotations
 from typing import Callable
 
 from offline import ARITHMETIC, TOOLS_ARITHMETIC, TOOLS_ARITHMETIC_SFT
-from workers.loading import check_model_path
+from rl_core.offline_names import check_model_paths
 
 Log = Callable[[str], None]
 
 
-def _check_given(pairs: tuple[tuple[str, str | None], ...], offline_names: tuple[str, ...]) -> None:
-    for key, value in pairs:
-        if value is not None and value not in offline_names:
-            check_model_path(value, key, need_config=key != "model.tokenizer_path")
-
-
 def resolve_ppo_assets(cfg, log: Log):
     """A PPO config whose model, reward-model and data paths name no offline asset any more."""
-    _check_given((("model.path", cfg.model.path), ("reward.model_path", cfg.reward.model_path),
-                  ("model.tokenizer_path", cfg.model.tokenizer_path)), ("tiny", ARITHMETIC, TOOLS_ARITHMETIC))
+    check_model_paths(cfg, "ppo", ("tiny", ARITHMETIC, TOOLS_ARITHMETIC))
     named = (cfg.model.path, cfg.reward.model_path, cfg.data.train_path, cfg.data.eval_path)
     if "tiny" in named:
         from offline.assets import ensure_tiny_assets
@@ -58,7 +51,7 @@ def resolve_ppo_assets(cfg, log: Log):
 
 def resolve_rm_assets(cfg, log: Log):
     """A reward-model config whose policy, preference and prompt paths name no offline asset any more."""
-    _check_given((("model.policy_path", cfg.model.policy_path), ("model.init_from", cfg.model.init_from)), ("tiny",))
+    check_model_paths(cfg, "rm", ("tiny",))
     if "tiny" not in (cfg.model.policy_path, cfg.data.train_path, cfg.normalize.prompts_path):
         return cfg
     from offline.assets import ensure_tiny_assets
@@ -131,8 +124,7 @@ def resolve_sft_assets(cfg, log: Log):
     """An SFT config whose model, tokenizer and data paths name no offline asset any more."""
     from offline.arithmetic import ARITHMETIC_SFT
 
-    _check_given((("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path)),
-                 ("tiny", ARITHMETIC, ARITHMETIC_SFT, TOOLS_ARITHMETIC_SFT))
+    check_model_paths(cfg, "sft", ("tiny", ARITHMETIC, ARITHMETIC_SFT, TOOLS_ARITHMETIC_SFT))
     if cfg.model.path == ARITHMETIC:  # the arithmetic chat policy, fine-tuned further (sft_tools_arithmetic.yaml)
         from offline.arithmetic import ensure_arithmetic_assets
 
@@ -166,8 +158,7 @@ def resolve_sft_assets(cfg, log: Log):
 def resolve_dpo_assets(cfg, log: Log):
     """A DPO config whose policy, preference and reward-model paths name no offline asset any more:
     "tiny" is the tiny policy, its sentiment preferences and the tiny sentiment reward model."""
-    _check_given((("model.path", cfg.model.path), ("model.reference_path", cfg.model.reference_path),
-                  ("eval.reward_model_path", cfg.eval.reward_model_path)), ("tiny",))
+    check_model_paths(cfg, "dpo", ("tiny",))
     named = (cfg.model.path, cfg.model.tokenizer_path, cfg.model.reference_path, cfg.data.train_path,
              cfg.data.test_path, cfg.eval.reward_model_path)
     if "tiny" not in named:

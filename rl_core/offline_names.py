@@ -12,6 +12,7 @@ import importlib
 from typing import Any, Callable, Iterator
 
 from rl_core.config import to_dict
+from workers.loading import check_model_path
 
 OFFLINE_NAMES = frozenset({"tiny", "tiny-arithmetic", "tiny-arithmetic-sft", "tiny-tools-arithmetic",
                            "tiny-tools-arithmetic-sft"})
@@ -20,6 +21,11 @@ RESOLVERS = {"ppo": "offline.prepare:resolve_ppo_assets", "sft": "offline.prepar
              "dpo": "offline.prepare:resolve_dpo_assets", "rm": "offline.prepare:resolve_rm_assets"}
 # The offline raters `labeler.name` names (the reward-model job's fresh-sample check).
 LABELERS = "offline.labeler:get_labeler"
+# The model paths each job's config gives: checked before anything is built or loaded, so a typo costs seconds.
+MODEL_KEYS = {"ppo": ("model.path", "reward.model_path", "model.tokenizer_path"),
+              "sft": ("model.path", "model.tokenizer_path"),
+              "dpo": ("model.path", "model.reference_path", "eval.reward_model_path"),
+              "rm": ("model.policy_path", "model.init_from")}
 
 
 def _load(import_path: str) -> Any:
@@ -43,11 +49,24 @@ def names_offline_assets(cfg) -> bool:
     return not OFFLINE_NAMES.isdisjoint(_strings(to_dict(cfg)))
 
 
+def check_model_paths(cfg, job: str, offline: tuple[str, ...] = ()) -> None:
+    """One line naming the key when a model path `job`'s config gives (other than the `offline` names its
+    resolver builds) is not a model directory or hub name."""
+    for key in MODEL_KEYS[job]:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is not None and value not in offline:
+            check_model_path(value, key, need_config=key != "model.tokenizer_path")
+
+
 def offline_resolver(job: str) -> Callable:
-    """`prepare(cfg, log)` for `job` (ppo, sft, dpo, rm): `cfg` as it is when it names no offline asset, else with
-    each name replaced by its built path (`log` reports a build)."""
+    """`prepare(cfg, log)` for `job` (ppo, sft, dpo, rm): `cfg` with its model paths checked, and each offline name
+    replaced by the path of what it names (built if missing; `log` reports a build)."""
     def prepare(cfg, log):
-        return _load(RESOLVERS[job])(cfg, log) if names_offline_assets(cfg) else cfg
+        if names_offline_assets(cfg):
+            return _load(RESOLVERS[job])(cfg, log)  # which checks the paths given beside the names
+        check_model_paths(cfg, job)
+        return cfg
     return prepare
 
 
