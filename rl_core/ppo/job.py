@@ -159,7 +159,9 @@ class Job:
         """Held-out trajectories -> (reward-model scores, rejected), or None without a reward model."""
         if self.models.reward_model is None:
             return None
-        return lambda trajectories: reward_model_scores(trajectories, self.models, self.worker, self.settings.scoring)
+        return lambda trajectories: reward_model_scores(
+            Experience.from_trajectories(trajectories, self.tokenizer.pad_token_id), self.models, self.worker,
+            self.settings.scoring)
 
     def eval_due(self, step: int) -> bool:
         every = self.cfg.eval.every

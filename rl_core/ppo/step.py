@@ -26,7 +26,6 @@ from rl_core.ppo import algorithms as alg
 from rl_core.ppo.config import AlgorithmConfig, PPOConfig, RewardConfig
 from rl_core.ppo.models import PPOModels
 from rl_core.ppo.turns import turn_credit, turn_index
-from rl_core.rewards.lm_human_preferences import truncated_ids
 from rl_core.rollout.trajectory import TokenSequence, Trajectory
 from workers import forward, layout
 from workers.balance import minibatch_indices
@@ -174,40 +173,47 @@ def forward_passes(exp: Experience, models: PPOModels, worker: BatchWorker, sett
     batch.setdefault("ref_logprobs", batch["old_logprobs"].clone())  # no KL: KL 0
     batch.setdefault("values", torch.zeros_like(batch["old_logprobs"]))
     with span("reward model scores"):
-        exp.scores, exp.rejected = reward_model_scores(exp.trajectories, models, worker, settings.scoring)
+        exp.scores, exp.rejected = reward_model_scores(exp, models, worker, settings.scoring)
 
 
-def reward_model_scores(trajectories: list[Trajectory], models: PPOModels, worker: BatchWorker,
+def reward_model_scores(exp: Experience, models: PPOModels, worker: BatchWorker,
                         scoring: Scoring) -> tuple[torch.Tensor, torch.Tensor]:
     """Reward-model score of each trajectory (0 without a reward model) and whether it gets the
     rejection penalty instead. Collective when there is a reward model."""
-    scores = torch.zeros(len(trajectories))
-    rejected = torch.zeros(len(trajectories), dtype=torch.bool)
+    scores = torch.zeros(len(exp.trajectories))
+    rejected = torch.zeros(len(exp.trajectories), dtype=torch.bool)
     if models.reward_model is None:
         return scores, rejected
-    rm_ids, rejected = reward_model_inputs(trajectories, scoring.truncate_id, scoring.truncate_after)
-    # OpenAI detail: the reward model reads query + response, and its score is the last token's.
-    rm_batch = make_micro_batch([{"input_ids": ids, "action_mask": [0] * len(ids)} for ids in rm_ids],
-                                models.pad_token_id)
-    return worker.gather(rm_batch, lambda b: (forward.reward_scores(models.reward_model, b),))[0], rejected
+    rows, rejected = reward_model_rows(exp, scoring.truncate_id, scoring.truncate_after)
+    return worker.gather(rows, lambda b: (forward.reward_scores(models.reward_model, b),))[0], rejected
 
 
-def reward_model_inputs(trajectories: list[Trajectory], truncate_token: int | None,
-                        truncate_after: int) -> tuple[list[list[int]], torch.Tensor]:
-    """Query+response ids the reward model scores, and which rows get the rejection penalty.
+def reward_model_rows(exp: Experience, truncate_token: int | None,
+                      truncate_after: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The rows the reward model scores, taken from the step's batch, and which trajectories get the
+    rejection penalty.
 
-    OpenAI rejection sampling: the response is cut after the first `truncate_token` at or after
-    index `truncate_after`; the reward model reads query + truncated response, and a response
-    with no such token gets a fixed penalty instead of its score. The policy still trains on the
-    full sampled response.
+    OpenAI details: the reward model reads query + response (each trajectory's last sequence, whose
+    response is its final run of action tokens) and its score is the last token's. Rejection sampling
+    cuts the response through its first `truncate_token` at response index >= `truncate_after` (here: the
+    attention mask ends there); a response with no such token is read whole and gets a fixed penalty
+    instead of its score. The policy still trains on the full sampled response.
     """
-    inputs, rejected = [], []
-    for traj in trajectories:
-        context, response = traj.final_response()
-        kept = None if truncate_token is None else truncated_ids(response, truncate_token, truncate_after)
-        rejected.append(truncate_token is not None and kept is None)
-        inputs.append(list(context) + list(response if kept is None else kept))
-    return inputs, torch.tensor(rejected, dtype=torch.bool)
+    last = torch.tensor([seqs[-1] for seqs in exp.traj_seqs])
+    rows = {key: exp.batch[key][last] for key in ("input_ids", "attention_mask", "position_ids")}
+    rows["action_mask"] = torch.zeros_like(rows["input_ids"])  # the reward model trains nothing
+    if truncate_token is None:
+        return rows, torch.zeros(len(last), dtype=torch.bool)
+    real, acting = rows["attention_mask"].bool(), exp.batch["action_mask"][last].bool()
+    positions = torch.arange(real.shape[1]).expand_as(real)
+    end = torch.where(real, positions, -1).amax(dim=1, keepdim=True) + 1  # the sequence's end
+    start = torch.where(~acting & (positions < end), positions, -1).amax(dim=1, keepdim=True) + 1  # its response's
+    cut_at = (rows["input_ids"] == truncate_token) & (positions >= start + truncate_after) & (positions < end)
+    first = torch.where(cut_at, positions, real.shape[1]).amin(dim=1, keepdim=True)
+    rejected = ~cut_at.any(dim=1)
+    keep_until = torch.where(rejected[:, None], end, first + 1)
+    rows["attention_mask"] = rows["attention_mask"] * (positions < keep_until)
+    return rows, rejected
 
 
 def score_metrics(exp: Experience, old_from_engine: bool = False) -> dict[str, float]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rl_core.ppo.config import AlgorithmConfig, KLConfig
-from rl_core.ppo.step import Experience, compute_advantages, reward_model_inputs
+from rl_core.ppo.step import Experience, compute_advantages, reward_model_rows
 from rl_core.rollout.trajectory import TokenSequence, Trajectory
 
 
@@ -99,7 +99,25 @@ def test_reward_model_reads_the_last_sequence_cut_at_the_truncation_token():
     late = TokenSequence()
     late.extend_context([7, 8])
     late.extend_action([5, 5, 5], [0.0] * 3, [0] * 3)
-    inputs, rejected = reward_model_inputs([Trajectory([seq], {}), Trajectory([late], {})], truncate_token=9,
-                                           truncate_after=2)
-    assert inputs[0] == [8, 5, 9, 6, 9] and not rejected[0]  # cut through the first 9 at index >= 2
-    assert inputs[1] == [7, 8, 5, 5, 5] and rejected[1]  # no 9 at all: full response, penalised later
+    first_turn, last_turn = TokenSequence(), TokenSequence()  # two turns: the last sequence's final response
+    first_turn.extend_context([3])
+    first_turn.extend_action([9, 9], [0.0] * 2, [0] * 2)
+    last_turn.extend_context([3, 9, 9, 4])
+    last_turn.extend_action([6, 1, 9, 2], [0.0] * 4, [0] * 4)
+    early = TokenSequence()  # the truncation token only before index 2 of the response: rejected
+    early.extend_context([7])
+    early.extend_action([9, 5, 5, 1], [0.0] * 4, [0] * 4)
+    exp = Experience.from_trajectories([Trajectory([seq], {}), Trajectory([late], {}),
+                                        Trajectory([first_turn, last_turn], {}), Trajectory([early], {})])
+    rows, rejected = reward_model_rows(exp, truncate_token=9, truncate_after=2)
+    read = [row[mask.bool()].tolist() for row, mask in zip(rows["input_ids"], rows["attention_mask"])]
+    assert read[0] == [8, 5, 9, 6, 9] and not rejected[0]  # cut through the first 9 at response index >= 2
+    assert read[1] == [7, 8, 5, 5, 5] and rejected[1]  # no 9 at all: full response, penalised later
+    assert read[2] == [3, 9, 9, 4, 6, 1, 9] and not rejected[2]  # the earlier turn's 9s are not the response's
+    assert read[3] == [7, 9, 5, 5, 1] and rejected[3]
+    # the kept tokens keep their positions (a left pad is no position), and nothing in the rows trains
+    assert rows["position_ids"][0][rows["attention_mask"][0].bool()].tolist() == [0, 1, 2, 3, 4]
+    assert not rows["action_mask"].any()
+    unchanged, none_rejected = reward_model_rows(exp, truncate_token=None, truncate_after=0)
+    assert torch.equal(unchanged["attention_mask"], exp.batch["attention_mask"][[0, 1, 3, 4]])
+    assert not none_rejected.any()
