@@ -181,27 +181,34 @@ def _fine_tune(settings: ArithmeticSettings, base_model_dir: Path, sft_data: Pat
                log: Callable[[str], None]) -> dict:
     """Run the SFT job in this process on the SFT rows (no torch.distributed: safe before or inside
     any job's process group) and move its exported model into `out_dir`. Returns the facts to record."""
-    import shutil
     import tempfile
-
-    from rl_core.distributed import DataParallel
-    from rl_core.sft.job import train
 
     cfg = sft_recipe(settings)
     log(f"[offline] arithmetic policy: the SFT job ({SFT_RECIPE}: {cfg.train.max_steps} steps of "
         f"{cfg.train.batch_size} rows) in this process")
     with tempfile.TemporaryDirectory(prefix=".sft-run-", dir=out_dir.parent) as scratch, torch_threads(2), \
             _quiet_transformers_progress(), contextlib.redirect_stdout(_LinesToLog(log, sys.stdout)):
-        cfg.model.path = str(starting_policy(settings, base_model_dir, Path(scratch) / "init"))
-        cfg.model.tokenizer_path = str(sft_data / "tokenizer")
-        cfg.data.train_path, cfg.data.eval_path = str(sft_data / "train.jsonl"), None  # GRPO's step 0 evaluates it
-        cfg.eval.every, cfg.trainer.save_every, cfg.trainer.export_hf = 0, 0, True
-        cfg.trainer.run_dir = str(Path(scratch) / "run")
-        train(cfg, DataParallel())
-        metrics = Path(cfg.trainer.run_dir) / "metrics.jsonl"
-        losses = [row["train/loss"] for row in map(json.loads, metrics.read_text().splitlines()) if "train/loss" in row]
-        for item in (Path(cfg.trainer.run_dir) / "final").iterdir():
-            shutil.move(str(item), out_dir / item.name)
+        start = starting_policy(settings, base_model_dir, Path(scratch) / "init")
+        return run_sft(cfg, start, sft_data, out_dir, Path(scratch) / "run")
+
+
+def run_sft(cfg, start: Path, sft_data: Path, out_dir: Path, run_dir: Path) -> dict:
+    """The SFT job `cfg` in this process (no torch.distributed) from the model at `start` on `sft_data`'s rows
+    and tokenizer, its exported model moved into `out_dir`; the first and final loss, for the build record."""
+    import shutil
+
+    from rl_core.distributed import DataParallel
+    from rl_core.sft.job import train
+
+    cfg.model.path, cfg.model.tokenizer_path = str(start), str(sft_data / "tokenizer")
+    cfg.data.train_path, cfg.data.eval_path = str(sft_data / "train.jsonl"), None  # GRPO's step 0 evaluates it
+    cfg.eval.every, cfg.trainer.save_every, cfg.trainer.export_hf = 0, 0, True
+    cfg.trainer.run_dir = str(run_dir)
+    train(cfg, DataParallel())
+    metrics = run_dir / "metrics.jsonl"
+    losses = [row["train/loss"] for row in map(json.loads, metrics.read_text().splitlines()) if "train/loss" in row]
+    for item in (run_dir / "final").iterdir():
+        shutil.move(str(item), out_dir / item.name)
     tail = losses[-max(1, len(losses) // 10):]
     return {"first_loss": losses[0], "final_loss": sum(tail) / len(tail)}
 

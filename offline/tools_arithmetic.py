@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from offline.arithmetic import _LinesToLog, _recorded, recipe_settings
+from offline.arithmetic import _LinesToLog, _recorded, recipe_settings, run_sft
 from offline.assets import (_is_built, _quiet_transformers_progress, default_assets_root, ensure_tiny_assets,
                                  file_lock, init_tiny_gpt2, staged_directory, torch_threads)
 
@@ -268,11 +268,7 @@ def _fine_tune(settings: ToolsArithmeticSettings, base_model_dir: Path, sft_data
                log: Callable[[str], None]) -> dict:
     """The SFT job in this process (no torch.distributed) from `base_model_dir` (the arithmetic policy; with
     `from_base_policy=False` only its tokenizer is used), its exported model moved into `out_dir`."""
-    import shutil
     import tempfile
-
-    from rl_core.distributed import DataParallel
-    from rl_core.sft.job import train
 
     cfg = sft_recipe(settings)
     log(f"[offline] tool-calling policy: the SFT job ({SFT_RECIPE}: {cfg.train.max_steps} steps of "
@@ -284,18 +280,7 @@ def _fine_tune(settings: ToolsArithmeticSettings, base_model_dir: Path, sft_data
             start = Path(scratch) / "init"
             init_tiny_gpt2(chat_tokenizer(base_model_dir), n_layer=2, n_embd=32, n_head=2, n_positions=128,
                            seed=settings.seed).save_pretrained(start)
-        cfg.model.path = str(start)
-        cfg.model.tokenizer_path = str(sft_data / "tokenizer")
-        cfg.data.train_path, cfg.data.eval_path = str(sft_data / "train.jsonl"), None
-        cfg.eval.every, cfg.trainer.save_every, cfg.trainer.export_hf = 0, 0, True
-        cfg.trainer.run_dir = str(Path(scratch) / "run")
-        train(cfg, DataParallel())
-        metrics = Path(cfg.trainer.run_dir) / "metrics.jsonl"
-        losses = [row["train/loss"] for row in map(json.loads, metrics.read_text().splitlines()) if "train/loss" in row]
-        for item in (Path(cfg.trainer.run_dir) / "final").iterdir():
-            shutil.move(str(item), out_dir / item.name)
-    tail = losses[-max(1, len(losses) // 10):]
-    return {"first_loss": losses[0], "final_loss": sum(tail) / len(tail)}
+        return run_sft(cfg, start, sft_data, out_dir, Path(scratch) / "run")
 
 
 def ensure_tools_arithmetic_assets(root: str | Path | None = None, *, small: bool = False,
