@@ -1,5 +1,5 @@
 """Prompt datasets: loading and validation. The prompt path goes on in `rl_core/prompt_encoding.py`
-(a row's prompt to token ids) and `rl_core/prompt_loader.py` (seeded, resumable batches).
+(a row's prompt to token ids) and `rl_core/rollout/prompts.py` (seeded, resumable batches).
 
 A prompt is plain text, or a chat (a list of `{role, content}` messages) rendered with the
 tokenizer's own chat template; the prompt column is named by the caller or found among

@@ -7,7 +7,7 @@ import pytest
 
 from rl_core.data import PromptDataError, load_prompt_dataset
 from rl_core.prompt_encoding import QueryProcessor
-from rl_core.prompt_loader import PromptLoader
+from rl_core.rollout.prompts import PromptLoader
 
 TEXTS = ["The old man walked to the market.", "She smiled at the sun.", "It was a sad day."]
 

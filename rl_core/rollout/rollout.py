@@ -34,9 +34,8 @@ from envs.base import Action, Observation
 from envs.pool import EnvFailure, EnvLease, EnvPool
 from rl_core.rewards import RewardFnError, RewardFunctions
 from rl_core.rollout.first_turns import FirstTurnWave, Seat
-from rl_core.rollout.generation import parse_generation
 from rl_core.rollout.metrics import check_reward_failures, rollout_metrics
-from rl_core.rollout.trajectory import Trajectory, TrajectoryBuilder
+from rl_core.rollout.trajectory import Trajectory, TrajectoryBuilder, parse_generation
 from workers.engines.client import max_input_length, max_output_length
 
 logger = logging.getLogger(__name__)
