@@ -1,5 +1,5 @@
 """Run outputs on rank 0: metrics.jsonl (one line per step), TensorBoard, optional wandb, sample
-tables, the one-line console summary of a step, and the step timer.
+tables, the one-line console summary of a step (a step's phase times: `workers/trace.py:StepTimer`).
 
 A resumed run continues the files of the run it resumes, which may have logged steps past its
 last checkpoint before it stopped: those rows are dropped when the logger opens (and TensorBoard
@@ -8,16 +8,12 @@ purges them), so every step appears exactly once and matches the weights that pr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import time
 from pathlib import Path
-from typing import Iterator
 
 from rl_core.config import save_config, to_dict
-from workers.trace import span
 
 
 def open_run_logger(cfg, resume_step: int) -> "MetricsLogger":
@@ -125,30 +121,6 @@ def truncate_jsonl(path: Path, last_step: int, one_per_step: bool) -> int:
 def _cell(value) -> str:
     text = f"{value:.3f}" if isinstance(value, float) else str(value)
     return text.replace("|", "\\|").replace("\n", " ")
-
-
-class StepTimer:
-    """Wall time of each phase of one step: ``with timer("rollout"): ...``, then ``timer.metrics()``.
-    Each phase is also a range of its name in a profiled step's trace."""
-
-    def __init__(self):
-        self.started = time.perf_counter()
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            with span(phase):
-                yield
-        finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
-
-    def metrics(self) -> dict[str, float]:
-        """``perf/<phase>_s`` for every phase, and ``perf/step_s`` from the timer's creation."""
-        out = {f"perf/{phase}_s": seconds for phase, seconds in self.seconds.items()}
-        out["perf/step_s"] = time.perf_counter() - self.started
-        return out
 
 
 def progress_bar(iterable=None, *, total: int | None = None, desc: str, enabled: bool = True, unit: str = "it",

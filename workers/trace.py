@@ -2,12 +2,15 @@
 and every HTTP call to an engine or the router show under their names in Perfetto or TensorBoard.
 
 `span(name)` is a no-op unless a profiler is running, so code can name its ranges unconditionally.
+`StepTimer` times a step's phases for the log, each phase a span.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import time
+from typing import Iterator
 
 
 def span(name: str):
@@ -23,3 +26,27 @@ def span(name: str):
 
         return record_function(name)
     return contextlib.nullcontext()
+
+
+class StepTimer:
+    """Wall time of each phase of one step: ``with timer("rollout"): ...``, then ``timer.metrics()``.
+    Each phase is also a range of its name in a profiled step's trace."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            with span(phase):
+                yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        """``perf/<phase>_s`` for every phase, and ``perf/step_s`` from the timer's creation."""
+        out = {f"perf/{phase}_s": seconds for phase, seconds in self.seconds.items()}
+        out["perf/step_s"] = time.perf_counter() - self.started
+        return out

@@ -7,6 +7,8 @@ schema: the settings the job derives from it (sampling parameters, dtypes, the o
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -321,6 +323,18 @@ def release_mode(ro: RolloutConfig) -> str:
 
 
 OLD_LOGPROBS_MAX_GAP = {"float32": 1e-3, "bfloat16": 1e-2, "float16": 1e-2}
+
+
+def engine_old_logprobs_max_gap(cfg: PPOConfig) -> float:
+    """`algorithm.old_logprobs` as a bound on the last push's probe gap (max over ranks): at or under it, a
+    step's pi_old is the engine's sampling logprobs (inf: always, -inf: never). In sync mode the batch was
+    sampled by the weights just pushed, so when the probe shows engine and trainer agree, recomputing pi_old is
+    a forward pass that reproduces the engine's numbers; otherwise (async: stale engines; a gap from precision
+    or kernels) the trainer recomputes and rollout_correction weighs the gap."""
+    algo = cfg.algorithm
+    if algo.old_logprobs == "auto":
+        return old_logprobs_max_gap(cfg) if cfg.trainer.mode == "sync" else -math.inf
+    return math.inf if algo.old_logprobs == "engine" else -math.inf
 
 
 def old_logprobs_max_gap(cfg: PPOConfig) -> float:

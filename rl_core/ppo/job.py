@@ -20,9 +20,9 @@ from rl_core.checkpoint import Checkpointer, export_hf, finished_run
 from rl_core.cli import JobEntry, JobProgress, run_job
 from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank, on_rank0, rank_seed,
                                  seed_everything)
-from rl_core.logger import MetricsLogger, StepTimer, open_run_logger, print_step
+from rl_core.logger import MetricsLogger, open_run_logger, print_step
 from rl_core.ppo.collect import BatchSource, make_collector
-from rl_core.ppo.config import PPOConfig, old_logprobs_max_gap, release_mode, rollout_settings
+from rl_core.ppo.config import PPOConfig, release_mode, rollout_settings
 from rl_core.ppo.validation import check_models, validate
 from rl_core.ppo.memory import decide, plan_job_memory, report_plan
 from rl_core.ppo.evaluation import evaluate, print_eval
@@ -39,7 +39,7 @@ from workers import layout, loading
 from workers.engines.weights import probe_token_ids
 from workers.forward import ForwardSettings
 from workers.memory_plan import MemoryPlan, detect_device
-from workers.trace import span
+from workers.trace import StepTimer, span
 from workers.worker import BatchWorker
 
 
@@ -96,7 +96,7 @@ def ppo_step(job: Job, rt: JobRuntime, step: int, progress: JobProgress) -> dict
         # 3. the step's batch as [N, T] tensors, once; old/ref logprobs, values, reward-model scores.
         #    pi_old is the engine's own logprobs when they are the trainer's (sync, probe gap within
         #    algorithm.old_logprobs_max_gap): no recompute
-        old_from_engine = old_logprobs_from_engine(cfg, job.probe_gap)
+        old_from_engine = settings.old_logprobs_from_engine(job.probe_gap)
         exp = Experience.from_trajectories(trajectories, job.tokenizer.pad_token_id)
         with span("forward passes"), rt.threads_beside_decoding():  # async: the engine decodes the next batch
             forward_passes(exp, models, worker, settings, old_from_engine)
@@ -150,7 +150,7 @@ class Job:
     held_out: tuple | None = None
     logger: MetricsLogger | None = None
     service: RolloutService | None = None
-    probe_gap: float = float("inf")  # the last push's, max over ranks (see old_logprobs_from_engine)
+    probe_gap: float = float("inf")  # the last push's, max over ranks (see StepSettings.old_logprobs_from_engine)
     memory_plan: MemoryPlan | None = None  # its memory_plan/* go into this run's first logged step
     sample_rows: list | None = None  # the last step's sample table, for its log row
     eval_rows: list | None = None  # the last evaluation's sample table, for its log row
@@ -244,17 +244,6 @@ def push_weights(rt: JobRuntime, job: Job, version: int) -> dict[str, float]:
         stats = rt.sync_weights(models.actor_weights(), version, job.probe, trainer_logprobs, collector.pauses_in_place)
     job.probe_gap = max_over_ranks(stats["weight_sync/probe_gap"])  # every rank decides the same
     return stats
-
-
-def old_logprobs_from_engine(cfg: PPOConfig, probe_gap: float) -> bool:
-    """`algorithm.old_logprobs`: whether this step's pi_old is the engine's sampling logprobs. In sync mode
-    the batch was sampled by the weights just pushed, so when the probe shows engine and trainer agree,
-    recomputing pi_old is a forward pass that reproduces the engine's numbers; otherwise (async: stale
-    engines; a gap from precision or kernels) the trainer recomputes and rollout_correction weighs the gap."""
-    algo = cfg.algorithm
-    if algo.old_logprobs == "auto":
-        return cfg.trainer.mode == "sync" and probe_gap <= old_logprobs_max_gap(cfg)
-    return algo.old_logprobs == "engine"
 
 
 def save_checkpoint(job: Job, step: int, rank: int) -> Path | None:

@@ -23,7 +23,7 @@ import torch
 
 from rl_core.distributed import metrics_over_ranks
 from rl_core.ppo import algorithms as alg
-from rl_core.ppo.config import AlgorithmConfig, PPOConfig, RewardConfig
+from rl_core.ppo.config import AlgorithmConfig, PPOConfig, RewardConfig, engine_old_logprobs_max_gap
 from rl_core.ppo.models import PPOModels
 from rl_core.ppo.turns import turn_credit, turn_index
 from rl_core.rollout.trajectory import TokenSequence, Trajectory
@@ -62,12 +62,17 @@ class StepSettings:
     temperature: float  # OpenAI detail: logprobs at the sampling temperature, as the engine sampled
     norm_length: int  # Dr. GRPO's constant loss normaliser: the generation budget of a trajectory
     seed: int
+    engine_old_logprobs_max_gap: float  # pi_old is the engine's logprobs when the probe gap is within it
+
+    def old_logprobs_from_engine(self, probe_gap: float) -> bool:
+        return probe_gap <= self.engine_old_logprobs_max_gap
 
     @classmethod
     def from_config(cls, cfg: PPOConfig, truncate_id: int | None) -> "StepSettings":
         ro = cfg.rollout
         return cls(cfg.algorithm, Scoring.from_config(cfg.reward, cfg.algorithm, ro.response_length, truncate_id),
-                   ro.temperature, ro.response_length * ro.max_turns, cfg.trainer.seed)
+                   ro.temperature, ro.response_length * ro.max_turns, cfg.trainer.seed,
+                   engine_old_logprobs_max_gap(cfg))
 
 
 # --------------------------------------------------------------------------- 1. the batch

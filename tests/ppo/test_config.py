@@ -138,7 +138,10 @@ def test_old_logprobs_come_from_the_engine_within_the_precision_in_use():
     """A bf16 engine and trainer differ by ~2e-3 nats from rounding alone (H200, gpu86m): with a float32
     threshold of 1e-3 every step recomputed pi_old for nothing."""
     from rl_core.ppo.config import old_logprobs_max_gap
-    from rl_core.ppo.job import old_logprobs_from_engine
+    from rl_core.ppo.config import engine_old_logprobs_max_gap
+
+    def old_logprobs_from_engine(cfg, probe_gap):
+        return probe_gap <= engine_old_logprobs_max_gap(cfg)
 
     fp32, bf16 = ppo(), ppo("model.mixed_precision=bf16")
     mixed = ppo("rollout.dtype=bfloat16")  # fp32 trainer, bf16 engine

@@ -139,7 +139,10 @@ def test_recomputed_old_logprobs_are_the_engines_in_sync_mode(slow_prepare_run):
 
 def test_old_logprobs_come_from_the_engine_only_when_they_are_the_trainers():
     from rl_core.ppo.config import PPOConfig
-    from rl_core.ppo.job import old_logprobs_from_engine
+    from rl_core.ppo.config import engine_old_logprobs_max_gap
+
+    def old_logprobs_from_engine(cfg, probe_gap):
+        return probe_gap <= engine_old_logprobs_max_gap(cfg)
 
     cfg = PPOConfig()
     assert cfg.algorithm.old_logprobs == "auto" and cfg.trainer.mode == "sync"
