@@ -100,7 +100,6 @@ class PromptEncoder:
         self.chat_template, self.system_prompt = chat_template, system_prompt
         self.query_processor = query_processor
         self.template_kwargs = dict(template_kwargs or {})
-        self.too_long = 0  # prompts skipped for length by this encoder
 
     def messages(self, prompt: str | list) -> list[dict] | None:
         """The chat to render, or None for a prompt used as plain text."""
@@ -140,8 +139,7 @@ class PromptEncoder:
                 raise PromptDataError(f"the prompt has {len(ids)} tokens, more than data.max_prompt_length="
                                       f"{self.max_length}: raise data.max_prompt_length or set "
                                       "data.on_long_prompt=skip to skip (and count) such prompts")
-            if self.on_long == "skip":
-                self.too_long += 1
+            if self.on_long == "skip":  # the prompt loader counts it
                 return None
             ids = ids[:self.max_length]
         return list(ids) or None
