@@ -8,7 +8,6 @@ schema: the settings the job derives from it (sampling parameters, dtypes, the o
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
