@@ -43,7 +43,7 @@ def test_a_ppo_step_reads_the_device_back_three_times(process_group, tiny_model_
     # max_tokens small enough for several micro-batches per minibatch
     worker = BatchWorker(0, 1, torch.device("cpu"), max_tokens=40, layout=layout)
     settings = StepSettings(algo, Scoring.from_config(RewardConfig(), algo, 12), temperature=0.7, norm_length=12,
-                            seed=0)
+                            seed=0, engine_old_logprobs_max_gap=-float("inf"))
     kl_ctl = alg.AdaptiveKLController(algo.kl.init_coef, algo.kl.target, algo.kl.horizon)
     exp = Experience.from_trajectories([trajectory(4 + i % 3, 6 + i % 5, i) for i in range(8)])
     before = [p.detach().clone() for p in models.actor.model.parameters()]
