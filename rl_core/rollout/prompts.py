@@ -121,7 +121,6 @@ class PromptLoader:
                                 skipped=state["skipped"], order=self._order(state["epoch"]))
 
 
-
 class PromptSamples:
     """Prompt batches as rollout samples. Queries go to the engine unpadded: with position ids
     from the exclusive cumsum of the mask, OpenAI's fixed-length left padding changes no logit,
