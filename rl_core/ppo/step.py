@@ -26,6 +26,7 @@ from rl_core.ppo import algorithms as alg
 from rl_core.ppo.config import AlgorithmConfig, PPOConfig, RewardConfig, engine_old_logprobs_max_gap
 from rl_core.ppo.models import PPOModels
 from rl_core.ppo.turns import turn_credit, turn_index
+from rl_core.rewards.lm_human_preferences import truncation_ends
 from rl_core.rollout.trajectory import TokenSequence, Trajectory
 from workers import forward, layout
 from workers.balance import minibatch_indices
@@ -213,10 +214,7 @@ def reward_model_rows(exp: Experience, truncate_token: int | None,
     positions = torch.arange(real.shape[1]).expand_as(real)
     end = torch.where(real, positions, -1).amax(dim=1, keepdim=True) + 1  # the sequence's end
     start = torch.where(~acting & (positions < end), positions, -1).amax(dim=1, keepdim=True) + 1  # its response's
-    cut_at = (rows["input_ids"] == truncate_token) & (positions >= start + truncate_after) & (positions < end)
-    first = torch.where(cut_at, positions, real.shape[1]).amin(dim=1, keepdim=True)
-    rejected = ~cut_at.any(dim=1)
-    keep_until = torch.where(rejected[:, None], end, first + 1)
+    keep_until, rejected = truncation_ends(rows["input_ids"], start, end, truncate_token, truncate_after)
     rows["attention_mask"] = rows["attention_mask"] * (positions < keep_until)
     return rows, rejected
 

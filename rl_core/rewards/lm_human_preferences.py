@@ -19,6 +19,18 @@ def truncated_ids(response: Sequence[int], truncate_token: int, truncate_after: 
     return None
 
 
+def truncation_ends(ids: torch.Tensor, response_start: torch.Tensor, response_end: torch.Tensor,
+                    truncate_token: int, truncate_after: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`truncated_ids` for a batch of rows at once: each row's response is `ids[start:end]` (`[b, 1]` bounds).
+    Returns (`[b, 1]` end of what the reward model reads: through the first `truncate_token` at response index
+    `>= truncate_after`, else the whole response, `[b]` True where there is no such token)."""
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    cut_at = (ids == truncate_token) & (positions >= response_start + truncate_after) & (positions < response_end)
+    first = torch.where(cut_at, positions, ids.shape[1]).amin(dim=1, keepdim=True)
+    rejected = ~cut_at.any(dim=1)
+    return torch.where(rejected[:, None], response_end, first + 1), rejected
+
+
 def reward_gain_bias(scores: torch.Tensor, target_mean: float = 0.0, target_std: float = 1.0) -> tuple[float, float]:
     """Affine ``(gain, bias)`` so that ``gain * scores + bias`` has the target mean/std (biased std, as TF)."""
     scores = scores.detach().double().flatten()
