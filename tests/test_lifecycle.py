@@ -2,15 +2,21 @@
 directory is free for the next job, and a job that finished closes its process group (a real gloo
 group of one)."""
 
+import contextlib
+import gc
 import os
+import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from rl_core.cli import JobProgress
 from rl_core.config import TrainerConfig
 from rl_core.lifecycle import JobLifecycle
 from rl_core.run_dir import RunDirInUse, RunDirLock
+from rl_core.step_loop import JobSteps, run_steps
 from workers.procs import free_port
 
 
@@ -115,3 +121,35 @@ def test_a_ppo_rank_on_a_gpu_keeps_one_cpu_thread_for_its_bookkeeping(one_rank, 
             assert rt.device.type == "cuda" and torch.get_num_threads() == rt.trainer_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+class _Cycle:
+    """An object in a reference cycle: only Python's collector frees it."""
+
+    def __init__(self):
+        self.me = self
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["finished", "failed"])
+def test_the_steps_run_with_the_setup_objects_out_of_full_collections(tmp_path, fails):
+    setup = {"cycle": _Cycle()}  # built before the first step, held by the job
+    cycle = weakref.ref(setup["cycle"])
+    freed_in_a_step = []
+
+    def one_step(step):
+        setup.pop("cycle", None)  # the job drops it during a step
+        gc.collect()  # a full collection: it does not walk what existed before the steps
+        freed_in_a_step.append(cycle() is None)
+        if fails:
+            raise RuntimeError("a failing step")
+        return {}
+
+    steps = JobSteps(one_step=one_step, log=lambda step, metrics: None, save=lambda step: None)
+    trainer = SimpleNamespace(profile_steps=[], run_dir=str(tmp_path), save_every=0)
+    with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
+        run_steps(steps, 0, 2, trainer, 0, torch.device("cpu"), JobProgress())
+    assert freed_in_a_step == [False] * (1 if fails else 2)
+    # However the loop ended, the collector has everything back (a job's clean-up collects FSDP's cycles).
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert cycle() is None

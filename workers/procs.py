@@ -13,7 +13,9 @@ torchrun puts each rank in its own session, so killing torchrun alone would leav
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
+import gc
 import os
 import random
 import re
@@ -27,7 +29,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 PR_SET_PDEATHSIG = 1
 
@@ -79,6 +81,25 @@ def exit_now(code: int) -> None:
         except OSError:  # the reading end of the pipe (torchrun, the launcher) may be gone
             pass
     os._exit(code)
+
+
+@contextlib.contextmanager
+def setup_objects_frozen() -> Iterator[None]:
+    """Python's full garbage collections skip every object that exists on entry, until exit.
+
+    A job's process builds its long-lived objects once (imported modules, the model, the optimizer, the
+    tokenizer: about 450,000 objects in a PPO rank on the tiny model, more with CUDA and SGLang's imports);
+    a full collection walks them all, and one came every few steps: 0.2 s of a 1.3 s gpu86m step on CPU,
+    stalling the rollout's event loop or a train step whichever it hit. Frozen (`gc.freeze`), the walk covers
+    only what the steps made. Reference counting still frees what the job drops; only a cycle made before
+    entry and dropped after it waits for exit, where `gc.unfreeze` hands everything back to the collector
+    (the clean-up's own collections, e.g. FSDP's cycles before the process group is destroyed, need it)."""
+    gc.collect()  # what setup left as garbage goes now, not into the frozen set
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def stop_this_process(line: str, grace_s: float = 15.0) -> None:

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from workers.procs import exit_now, set_parent_death_signal
+from workers.procs import exit_now, set_parent_death_signal, setup_objects_frozen
 
 _SPAWN = multiprocessing.get_context("spawn")  # rank 0 runs threads, which a forked child must not inherit
 _START, _CLOSE = "start", "close"
@@ -192,16 +192,18 @@ def _serve(conn, build: Callable[..., Any], served_version: ServedVersion) -> No
                 except OSError:
                     return  # rank 0 is gone
 
-    threading.Thread(target=run_calls, name="rollout-calls", daemon=True).start()
     number = None
-    try:
-        while True:
-            number, name, args = conn.recv()
-            if name == _CLOSE:
-                break
-            calls.put((number, name, args))
-    except (EOFError, OSError):
-        number = None  # rank 0 is gone: close and leave
+    # Frozen until the close: the service's own clean-up (its reward pool's queues) needs the collector.
+    with setup_objects_frozen():
+        threading.Thread(target=run_calls, name="rollout-calls", daemon=True).start()
+        try:
+            while True:
+                number, name, args = conn.recv()
+                if name == _CLOSE:
+                    break
+                calls.put((number, name, args))
+        except (EOFError, OSError):
+            number = None  # rank 0 is gone: close and leave
     try:
         service.close()
     finally:

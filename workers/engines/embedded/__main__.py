@@ -13,7 +13,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 from workers.engines import ENGINE_KEEPALIVE_S
 from workers.engines.embedded.runner import ModelRunner
 from workers.engines.embedded.server import LOG, EmbeddedEngine
-from workers.procs import exit_now
+from workers.procs import exit_now, setup_objects_frozen
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,8 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     LOG.info("serving %s on http://%s:%d (%s, %s)", args.model_path, args.host, args.port, args.device, args.dtype)
     # One access line per request, in uvicorn's shape ('"POST /path HTTP/1.1" 200'), as SGLang's log
     # has: the two engines' logs are records of the same calls, which the tests compare.
-    web.run_app(engine.build_app(), host=args.host, port=args.port, access_log=logging.getLogger("aiohttp.access"),
-                access_log_format='%a "%r" %s', print=None, shutdown_timeout=1.0, keepalive_timeout=ENGINE_KEEPALIVE_S)
+    with setup_objects_frozen():  # the model and torch's modules: no full collection between decode steps walks them
+        web.run_app(engine.build_app(), host=args.host, port=args.port, access_log=logging.getLogger("aiohttp.access"),
+                    access_log_format='%a "%r" %s', print=None, shutdown_timeout=1.0,
+                    keepalive_timeout=ENGINE_KEEPALIVE_S)
     # Stopped (SIGTERM: aiohttp closed its connections and the app): the job waits for this process,
     # so skip Python's slow teardown of torch and the model (workers.procs.exit_now).
     exit_now(0)
