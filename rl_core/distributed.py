@@ -96,10 +96,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _alone() -> bool:
+    """No process group, or a world of one: a collective would only copy what this rank has."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+
+
 def broadcast_object(obj, src: int = 0):
     """Rank `src`'s object on every rank (pickled over the process group); the object itself in a world of one,
     where pickling a step's 256 trajectories would cost ~20 ms for nothing."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _alone():
         return obj
     holder = [obj]
     dist.broadcast_object_list(holder, src=src)
@@ -108,7 +113,7 @@ def broadcast_object(obj, src: int = 0):
 
 def max_over_ranks(value: float) -> float:
     """The largest of every rank's `value` (collective); the value itself without a process group."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _alone():
         return value
     tensor = torch.tensor([value], dtype=torch.float64, device=device_for_rank())  # nccl needs it on the GPU
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
@@ -118,7 +123,7 @@ def max_over_ranks(value: float) -> float:
 def metrics_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
     """Every rank's `metrics` (the same keys on each) as one set (collective): `*_max` the largest,
     `*_min` the smallest, the rest the mean over ranks. The metrics unchanged without a process group."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _alone():
         return metrics
     keys = sorted(metrics)
     values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device_for_rank())

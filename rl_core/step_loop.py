@@ -46,31 +46,36 @@ def run_steps(job: JobSteps, start_step: int, total_steps: int, trainer, rank: i
               progress: JobProgress) -> None:
     """Steps `start_step + 1 .. total_steps` as logged; `trainer`: the job's trainer section (save_every,
     profile_steps, run_dir)."""
-    failed_saves = 0
     # Everything built before the first step lives all job long: full collections skip it (see the helper).
     with setup_objects_frozen():
-        for step in range(start_step, total_steps):
-            progress.at(step + 1, job.first_phase)
-            with profile_step(trainer.profile_steps, step + 1, trainer.run_dir, rank, device) as profiled:
-                started = time.perf_counter()  # inside: not the profiler's start nor the trace's export
-                with span("train step"):
-                    metrics = job.one_step(step)
-                metrics.setdefault("perf/step_s", time.perf_counter() - started)
-            metrics.update(profiled)  # a profiled step's device reads and kernel-level ops
-            if device.type == "cuda":  # the trainer's own peak, beside the memory plan's estimate (no device sync)
-                metrics["memory/trainer_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                torch.cuda.reset_peak_memory_stats(device)
-            if failed_saves:
-                metrics["checkpoint/failed"] = failed_saves
-            if job.evaluate is not None and job.eval_due(step + 1):  # not in perf/step_s
-                progress.at(step + 1, "evaluation")
-                started = time.perf_counter()
-                metrics.update(job.evaluate(step + 1))
-                metrics["perf/eval_s"] = time.perf_counter() - started
-            job.log(step + 1, metrics)
-            # Saved after the step is logged: a run killed in between resumes from the previous checkpoint
-            # and logs this step again (the resumed logger drops the extra row), so no step goes missing.
-            if trainer.save_every and (step + 1) % trainer.save_every == 0:
-                progress.at(step + 1, "checkpoint")
-                failed_saves += job.save(step + 1) is None
+        _steps(job, start_step, total_steps, trainer, rank, device, progress)
     progress.at(total_steps, "export")
+
+
+def _steps(job: JobSteps, start_step: int, total_steps: int, trainer, rank: int, device,
+           progress: JobProgress) -> None:
+    failed_saves = 0
+    for step in range(start_step, total_steps):
+        progress.at(step + 1, job.first_phase)
+        with profile_step(trainer.profile_steps, step + 1, trainer.run_dir, rank, device) as profiled:
+            started = time.perf_counter()  # inside: the profiler's start and the trace's export are not the step's
+            with span("train step"):
+                metrics = job.one_step(step)
+            metrics.setdefault("perf/step_s", time.perf_counter() - started)
+        metrics.update(profiled)  # a profiled step's device reads and kernel-level ops
+        if device.type == "cuda":  # the trainer's own peak, beside the memory plan's estimate (no device sync)
+            metrics["memory/trainer_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            torch.cuda.reset_peak_memory_stats(device)
+        if failed_saves:
+            metrics["checkpoint/failed"] = failed_saves
+        if job.evaluate is not None and job.eval_due(step + 1):  # not in perf/step_s
+            progress.at(step + 1, "evaluation")
+            started = time.perf_counter()
+            metrics.update(job.evaluate(step + 1))
+            metrics["perf/eval_s"] = time.perf_counter() - started
+        job.log(step + 1, metrics)
+        # Saved after the step is logged: a run killed in between resumes from the previous checkpoint
+        # and logs this step again (the resumed logger drops the extra row), so no step goes missing.
+        if trainer.save_every and (step + 1) % trainer.save_every == 0:
+            progress.at(step + 1, "checkpoint")
+            failed_saves += job.save(step + 1) is None
