@@ -87,6 +87,21 @@ def test_one_row_is_every_real_token_with_restarting_positions_and_no_mask():
     assert not packs_into_one_row("sdpa") and not packs_into_one_row(None)
 
 
+@pytest.mark.parametrize("layout", ["padded", "rows", "shared prompts"])
+def test_the_trainers_forwards_build_no_kv_cache(tiny_model_dir, layout):
+    """A config that says use_cache (GPT-2's does) made the trainer's every forward copy each layer's keys and
+    values into a cache nothing reads; the inputs the trainer runs the model on turn it off."""
+    policy = load_causal_lm(tiny_model_dir)
+    policy.config.use_cache = True
+    batch = make_micro_batch(grouped_ppo_rows(), pad_token_id=0)
+    if layout != "padded":
+        batch = pack(batch, share_prompts=layout == "shared prompts")
+    with torch.no_grad():
+        out = policy(**model_inputs(batch, policy.config))
+        assert policy(**{**model_inputs(batch, policy.config), "use_cache": True}).past_key_values is not None
+    assert out.past_key_values is None
+
+
 # one_row runs through sdpa here: transformers builds the block-diagonal mask from the restarting position ids,
 # the same boundaries its flash path hands the varlen kernel (checked on a GPU by scripts/gpu_check.sh).
 @pytest.mark.parametrize("temperature, share_prompts, one_row",
