@@ -87,25 +87,29 @@ def sample(logits: torch.Tensor, rows: RowSampling, steps: torch.Tensor) -> tupl
         tokens = logits.argmax(-1)
         return tokens, logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
     scaled = logits / rows.temperature[:, None]
-    log_norm = torch.logsumexp(scaled, -1, keepdim=True)
-    probs = torch.exp(scaled - log_norm)
+    # logsumexp's own steps, kept: the unnormalised weights are all sampling needs (it targets a share of their
+    # total), which saves two passes over the [B, V] logits per decode step (a tenth of the engine's CPU time).
+    top = scaled.amax(-1, keepdim=True)
+    weights = (scaled - top).exp_()
+    log_norm = weights.sum(-1, keepdim=True).log_() + top
     uniform = rows.uniforms.gather(1, steps[:, None])
     if rows.any_filter:
-        tokens = _sample_filtered(probs, rows, uniform)
+        tokens = _sample_filtered(weights, rows, uniform)
     else:
-        cdf = probs.cumsum(-1)
+        cdf = weights.cumsum(-1)
         tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(-1)
-        tokens = tokens.clamp_max(probs.shape[-1] - 1)  # only when rounding put the target past the total
+        tokens = tokens.clamp_max(weights.shape[-1] - 1)  # only when rounding put the target past the total
     if rows.any_greedy:
         tokens = torch.where(rows.greedy, logits.argmax(-1), tokens)
     return tokens, (scaled.gather(-1, tokens[:, None]) - log_norm).squeeze(-1)
 
 
-def _sample_filtered(probs: torch.Tensor, rows: RowSampling, uniform: torch.Tensor) -> torch.Tensor:
+def _sample_filtered(weights: torch.Tensor, rows: RowSampling, uniform: torch.Tensor) -> torch.Tensor:
     """Top-k first, then top-p on the renormalised top-k distribution: the smallest prefix of the
-    sorted probabilities whose mass reaches top_p (the token that crosses it is kept)."""
-    sorted_probs, order = probs.sort(-1, descending=True)
-    rank = torch.arange(probs.shape[-1], device=probs.device)
+    sorted probabilities whose mass reaches top_p (the token that crosses it is kept). `weights`: the
+    probabilities up to a factor per row (every step below is relative to a row's total)."""
+    sorted_probs, order = weights.sort(-1, descending=True)
+    rank = torch.arange(weights.shape[-1], device=weights.device)
     sorted_probs = sorted_probs * (rank[None, :] < rows.top_k[:, None])
     cdf = sorted_probs.cumsum(-1)
     total = cdf[:, -1:]
