@@ -38,6 +38,7 @@ import queue
 import time
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from workers.engines.embedded.batch import GenRequest
@@ -49,8 +50,15 @@ from workers.engines.weights import deserialize_for_engine, unflatten_bucket
 LOG = logging.getLogger("embedded_engine")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    """A JSON answer written by orjson, as SGLang's server writes its own (NaN and infinities as null): a
+    batch's tokens and logprobs in under a tenth of json's time, which the rollout otherwise waits for."""
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
 def error_response(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
+    return json_response({"error": {"message": message}}, status=status)
 
 
 class EmbeddedEngine:
@@ -202,7 +210,7 @@ class EmbeddedEngine:
             self.incoming.put(gen_request)
         self.work_available.set()
         results = await asyncio.gather(*(r.future for r in requests))
-        return web.json_response(list(results) if parsed.is_batch or parsed.n > 1 else results[0])
+        return json_response(list(results) if parsed.is_batch or parsed.n > 1 else results[0])
 
     async def _tokenize(self, texts: list[str]) -> list[list[int]]:
         """Texts to ids off the event loop (a long text must not stall /health or other requests)."""
@@ -241,12 +249,12 @@ class EmbeddedEngine:
         return web.Response(text="ok")
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_path": self.runner.model_path, "is_generation": True,
-                                  "weight_version": self.runner.weight_version, "tokenizer_path": self.runner.model_path})
+        return json_response({"model_path": self.runner.model_path, "is_generation": True,
+                              "weight_version": self.runner.weight_version, "tokenizer_path": self.runner.model_path})
 
     async def server_info(self, request: web.Request) -> web.Response:
         runner = self.runner
-        return web.json_response({
+        return json_response({
             "version": "embedded", "model_path": runner.model_path, "device": str(runner.device),
             "dtype": str(runner.dtype).removeprefix("torch."), "context_length": runner.context_len,
             "max_running_requests": self.max_batch_size, "weight_version": runner.weight_version,
@@ -275,14 +283,14 @@ class EmbeddedEngine:
             count = len(self.live)
             self.runner.step_gate.clear()
         LOG.info("call /pause_generation mode=%s affected=%d", mode, count)
-        return web.json_response({"success": True, "message": f"paused ({mode})"})
+        return json_response({"success": True, "message": f"paused ({mode})"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         self.paused = False
         self.runner.step_gate.set()
         self.unpaused.set()
         LOG.info("call /continue_generation")
-        return web.json_response({"success": True, "message": "continued"})
+        return json_response({"success": True, "message": "continued"})
 
     async def release_memory(self, request: web.Request) -> web.Response:
         try:
@@ -298,7 +306,7 @@ class EmbeddedEngine:
             await asyncio.to_thread(self.runner.release_weights)
         self.released_tags.update(tags)
         LOG.info("call /release_memory_occupation tags=%s", ",".join(tags))
-        return web.json_response(None)
+        return json_response(None)
 
     async def resume_memory(self, request: web.Request) -> web.Response:
         try:
@@ -311,7 +319,7 @@ class EmbeddedEngine:
             await asyncio.to_thread(self.runner.resume_weights)
         self.released_tags.difference_update(tags)
         LOG.info("call /resume_memory_occupation tags=%s", ",".join(tags))
-        return web.json_response(None)
+        return json_response(None)
 
     # -- weights
 
@@ -320,7 +328,7 @@ class EmbeddedEngine:
         self.weight_session += 1
         self.received_buckets[self.weight_session] = []
         LOG.info("call /begin_weight_update")
-        return web.json_response({"success": True, "message": "weight update session started"})
+        return json_response({"success": True, "message": "weight update session started"})
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
         self.in_weight_session = False
@@ -328,7 +336,7 @@ class EmbeddedEngine:
         copied = await asyncio.to_thread(self.runner.settle_weights, session)
         self.received_buckets = {s: b for s, b in self.received_buckets.items() if s >= session - 1}
         LOG.info("call /end_weight_update copied_out=%d", copied)
-        return web.json_response({"success": True, "message": "weight update session ended"})
+        return json_response({"success": True, "message": "weight update session ended"})
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         body = await self._json(request)
@@ -361,10 +369,10 @@ class EmbeddedEngine:
             count = await asyncio.to_thread(load)
         except (ValueError, RuntimeError, OSError) as err:
             LOG.error("weight update failed: %s", err)
-            return web.json_response({"success": False, "message": f"weight update failed: {err}"}, status=400)
+            return json_response({"success": False, "message": f"weight update failed: {err}"}, status=400)
         LOG.info("call /update_weights_from_tensor tensors=%d seconds=%.3f weight_version=%s",
                  count, time.perf_counter() - started, self.runner.weight_version)
-        return web.json_response({"success": True, "message": f"loaded {count} tensors"})
+        return json_response({"success": True, "message": f"loaded {count} tensors"})
 
     @staticmethod
     def _tags(body: dict) -> list[str]:
