@@ -136,3 +136,34 @@ def test_calls_share_kept_alive_connections_and_a_connection_closed_under_a_call
     assert in_a_row == 1  # ten calls one after another: one connection
     assert len(client_ports) <= 22  # twenty at once: at most one each, then one more after the drop
     assert sorted(body["i"] for body in served) == list(range(31))  # each call served exactly once
+
+
+@pytest.mark.timeout(60)
+def test_bodies_arrive_as_sent_and_answers_read_as_written_whatever_json_they_hold():
+    """The client writes bodies with orjson, and with json what orjson refuses (an integer past 64 bits); it reads
+    SGLang's answers (orjson's: NaN as null), plain json's (NaN as a bare word) and text alike."""
+    import json
+
+    from aiohttp import web
+
+    received = []
+
+    async def echo(request):
+        received.append(json.loads(await request.read()))
+        return web.Response(text=json.dumps({"logprobs": [float("nan"), -0.5]}), content_type="application/json")
+
+    async def text(request):
+        return web.Response(text="Cache flushed.")
+
+    async def main():
+        async with serving({"/echo": echo, "/flush_cache": text}) as (_, url), EngineClient(url) as client:
+            answers = [await client.post("/echo", body) for body in
+                       ({"input_ids": [[1, 2], [3]], "sampling_params": {"temperature": 0.7, "sampling_seed": 2 ** 70}},
+                        {"input_ids": [4], "text": "é \u2028 \x00"})]
+            return answers, await client.post("/flush_cache")
+
+    answers, flushed = asyncio.run(main())
+    assert received == [{"input_ids": [[1, 2], [3]], "sampling_params": {"temperature": 0.7, "sampling_seed": 2 ** 70}},
+                        {"input_ids": [4], "text": "é \u2028 \x00"}]
+    assert all(answer["logprobs"][1] == -0.5 and answer["logprobs"][0] != answer["logprobs"][0] for answer in answers)
+    assert flushed == "Cache flushed."
