@@ -78,8 +78,6 @@ def _json_or_text(body: str) -> Any:
 def _error_message(body: str) -> str:
     """SGLang errors look like {"error": {"message": ...}} or {"message": ...}; else raw text."""
     data = _json_or_text(body)
-    if isinstance(data, str):
-        return body.strip()[:2000]
     if isinstance(data, dict):
         error = data.get("error")
         if isinstance(error, dict) and "message" in error:
@@ -125,7 +123,8 @@ class EngineClient:
             try:
                 status, body = await self._send(self._get_session(), method, url, payload, deadline)
             except CLOSED_UNDER_US:  # a kept-alive connection the server had closed: the request never ran
-                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as fresh:
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                                 json_serialize=_json_text) as fresh:
                     status, body = await self._send(fresh, method, url, payload, deadline, retried=True)
         if status >= 400:
             raise EngineError(url, status, _error_message(body))
