@@ -151,17 +151,22 @@ def start_process(argv: Sequence[str], log_path: str | Path,
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("start child processes from the main thread: the kernel's parent-death signal "
                            "follows the forking thread, so the child would die when this thread ends")
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_command(log_path, argv)
     with open(log_path, "ab") as log_file:
-        log_file.write(f"$ {shlex.join(str(a) for a in argv)}\n".encode())
-        log_file.flush()
         # The child keeps its own copy of the descriptor; ours can close right away.
         return subprocess.Popen(
             list(argv), stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=dict(env) if env is not None else None,
             start_new_session=True, preexec_fn=_die_with_parent,
         )
+
+
+def log_command(log_path: str | Path, argv: Sequence[str]) -> None:
+    """Open a child's log with the command it runs (the log's first line, as a shell would echo it)."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log_file:
+        log_file.write(f"$ {shlex.join(str(a) for a in argv)}\n".encode())
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -315,7 +320,10 @@ class ManagedProcesses:
 
     def start(self, name: str, argv: Sequence[str], log_path: str | Path,
               env: Mapping[str, str] | None = None) -> subprocess.Popen:
-        proc = start_process(argv, log_path, env)
+        return self.adopt(name, start_process(argv, log_path, env), log_path)
+
+    def adopt(self, name: str, proc, log_path: str | Path):
+        """Own a child started another way (a Popen-like `proc` leading its own process group)."""
         self._owned.append((name, proc, Path(log_path)))
         return proc
 

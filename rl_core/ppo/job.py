@@ -8,6 +8,7 @@ each step (profiling, evaluations, the log row, checkpoints) is every job's loop
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ from rl_core.rollout.prompts import eval_samples, prompt_samples
 from rl_core.rollout.service import RolloutService
 from rl_core.step_loop import JobSteps, run_steps
 from workers import layout, loading
+from workers.engines.embedded.forked import EngineFork
 from workers.engines.weights import probe_token_ids
 from workers.forward import ForwardSettings
 from workers.memory_plan import MemoryPlan, detect_device
@@ -47,7 +49,10 @@ def main(argv: list[str] | None = None, prepare: Callable[[PPOConfig, Callable[[
          ) -> None:
     """`prepare(cfg, log)` (the entry point's: offline assets named in the recipe) runs on every rank before
     the process group exists, so however long it takes no rank waits for it inside a collective."""
-    run_job(argv, JobEntry(__doc__, "ppo_sentiment.yaml", PPOConfig, validate, check_models, runtime=JobRuntime,
+    # Forked first, before any set-up runs a multi-threaded op: see workers/engines/embedded/forked.py.
+    engine_fork = EngineFork.fork()
+    run_job(argv, JobEntry(__doc__, "ppo_sentiment.yaml", PPOConfig, validate, check_models,
+                           runtime=functools.partial(JobRuntime, engine_fork=engine_fork),
                            children="engines and router"), train, prepare)
 
 

@@ -24,6 +24,7 @@ from rl_core.ppo.config import PPOConfig, engine_dtype
 from rl_core.rollout.process import RolloutProcess, ServedVersion
 from rl_core.rollout.rollout import RolloutSettings
 from rl_core.rollout.service import build_service
+from workers.engines.embedded.forked import EngineFork
 from workers.engines.rank_engine import EngineSpec, RankEngine
 from workers.procs import ManagedProcesses, ProcessStartError, http_problem, node_address, stop_this_process
 
@@ -36,7 +37,8 @@ class JobRuntime(JobLifecycle):
     The process group, the CPU split between trainer and engine and the run directory's lock are
     the shared job lifecycle's; this adds the engines, the router and the rollout service."""
 
-    def __init__(self, cfg: PPOConfig):
+    def __init__(self, cfg: PPOConfig, engine_fork: EngineFork | None = None):
+        """`engine_fork`: the entry point's, which an embedded engine runs in (else it starts as a command)."""
         # Trainer and engine share the cores of this node: split them instead of oversubscribing.
         super().__init__(cfg.trainer, split_cores=True)
         self.cfg = cfg
@@ -51,11 +53,15 @@ class JobRuntime(JobLifecycle):
         self.release_each_step = True
         self.service = None
         self.node_watch = None
+        self.engine_fork = engine_fork
 
     # ------------------------------------------------------------------ lifecycle
 
     def __enter__(self) -> "JobRuntime":
         try:
+            if self.engine_fork is not None and self.cfg.rollout.engine != "embedded":
+                self.engine_fork.close()  # SGLang starts as its own command
+                self.engine_fork = None
             super().__enter__()
             self.log_dir = self.run_dir / "logs"
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -75,6 +81,8 @@ class JobRuntime(JobLifecycle):
                 self.service.close()
             if self.engine is not None:
                 self.engine.close()
+            if self.engine_fork is not None:  # if it never became the engine, it exits now
+                self.engine_fork.close()
         finally:
             reason = "the job finished" if exc_type is None else f"the job is stopping ({exc_type.__name__})"
             self.procs.stop_all(reason)
@@ -154,7 +162,8 @@ class JobRuntime(JobLifecycle):
         log_path = self.log_dir / f"engine-rank{self.rank}.log"
         deadline = ENGINE_START_TIMEOUT_S * (2 if ro.engine == "sglang" else 1)
         self.engine = RankEngine.launch(spec, log_path, self.procs, deadline, ro.weight_bucket_mb << 20,
-                                        timeout_s=ro.engine_timeout_s, probe_tolerance=ro.weight_check_tolerance)
+                                        timeout_s=ro.engine_timeout_s, probe_tolerance=ro.weight_check_tolerance,
+                                        fork=self.engine_fork)  # the embedded engine runs in it
         gathered = [None] * self.world_size
         node = {"node": self.rank // max(self.local_world_size, 1), "host": socket.gethostname()}
         dist.all_gather_object(gathered, (self.engine.url, str(log_path), node))

@@ -24,6 +24,7 @@ from typing import Any, Iterable
 import torch
 
 from workers.engines.client import EngineClient, EngineError
+from workers.engines.embedded.forked import EngineFork
 from workers.engines.weights import (PROBE_TOLERANCE, WeightPusher, WeightSyncError, check_pushed_weights,
                                      sglang_encode_bucket)
 from workers.procs import ManagedProcesses, free_port, stop_process, wait_http_ok
@@ -96,14 +97,19 @@ class EngineProcess:
 
 
 def start_engine(spec: EngineSpec, log_path: Path, processes: ManagedProcesses, deadline_s: float,
-                 wait: bool = True) -> EngineProcess:
+                 wait: bool = True, fork: EngineFork | None = None) -> EngineProcess:
     """The one way an engine starts (job, tests, benchmarks): `spec`'s server on a free port of its
-    host, owned by `processes`; with `wait`, once /health answers."""
+    host, owned by `processes`; with `wait`, once /health answers. `fork`: the rank's pre-imported
+    child (`workers.engines.embedded.forked`), which an embedded engine runs in instead of a new Python."""
     port = free_port(spec.host)
     argv, env = engine_argv(spec, port)
     url = f"http://{spec.host}:{port}"
     name = f"{spec.kind} engine {url}"
-    engine = EngineProcess(name, url, processes.start(name, argv, log_path, env), Path(log_path))
+    if fork is not None and spec.kind == "embedded":
+        proc = processes.adopt(name, fork.start(argv, log_path, env), log_path)
+    else:
+        proc = processes.start(name, argv, log_path, env)
+    engine = EngineProcess(name, url, proc, Path(log_path))
     return engine.wait_ready(deadline_s) if wait else engine
 
 
@@ -127,8 +133,9 @@ class RankEngine:
 
     @classmethod
     def launch(cls, spec: EngineSpec, log_path: Path, processes: ManagedProcesses, deadline_s: float,
-               bucket_bytes: int, timeout_s: float = 300.0, probe_tolerance: float | None = None) -> "RankEngine":
-        url = start_engine(spec, log_path, processes, deadline_s).url
+               bucket_bytes: int, timeout_s: float = 300.0, probe_tolerance: float | None = None,
+               fork: EngineFork | None = None) -> "RankEngine":
+        url = start_engine(spec, log_path, processes, deadline_s, fork=fork).url
         # CUDA buckets for SGLang need its own pickler (IPC handles keyed by GPU UUID); CPU buckets
         # travel the same way to both engines (shared-memory files), without importing sglang.
         encode = sglang_encode_bucket if spec.kind == "sglang" and spec.device.startswith("cuda") else None

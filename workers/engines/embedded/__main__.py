@@ -44,7 +44,8 @@ class OneLineForUnparsableRequests(logging.Filter):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        force=True)
     logging.getLogger("aiohttp.server").addFilter(OneLineForUnparsableRequests())
     torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
     runner = ModelRunner(args.model_path, args.device, getattr(torch, args.dtype), args.seed)
