@@ -7,7 +7,6 @@ what it saw. MODE: `serve` (start the fork as the engine, greedy-generate, stop 
 """
 
 import json
-import os
 import socket
 import sys
 import time

@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
