@@ -120,6 +120,9 @@ class RolloutConfig:
     # (scripts/setup_sglang_cpu.sh builds it), so the job's environment needs no sglang.
     sglang_python: Optional[str] = None
     multi_node_host: Optional[str] = None  # address engines bind to when nnodes > 1
+    # Several nodes: a node whose engine answers no /health for this long is lost, and every node stops (a cut
+    # link closes no connection that would say so). Shorter notices sooner; too short mistakes a busy node.
+    node_timeout_s: float = 30.0
     # A sampling seed per sample, so a resumed run samples what the uninterrupted one would have; a seeded
     # sample is one /generate call, an unseeded group one call with n = group_size. null = where the engines
     # honour seeds: the embedded engine, SGLang only with enable_deterministic_inference (else it ignores them).

@@ -191,7 +191,7 @@ class JobRuntime(JobLifecycle):
                     print(f"engine of rank {info['rank']} on node {info['node']} ({info['host']}): {url}", flush=True)
         dist.barrier()
         if self.nnodes > 1:  # a node whose link is cut closes no connection: notice it anyway
-            self.node_watch = NodeWatch(self.rank, node["node"], gathered)
+            self.node_watch = NodeWatch(self.rank, node["node"], gathered, timeout_s=ro.node_timeout_s)
 
     def stop_node_watch(self) -> None:
         """From here on the other nodes may finish and stop their engines: that is no lost node."""
@@ -271,15 +271,15 @@ class NodeWatch:
 
     A killed node closes its sockets and the next collective fails at once; a node whose link is
     cut closes nothing, and every rank would wait out the collective timeout. So each rank asks
-    one engine of every other node for /health (answered even while paused or released) every
-    `interval_s`; when a node has not answered `misses` times in a row over at least `timeout_s`,
-    this rank stops, naming it. Misses are counted, not only timed, so a rank starved of CPU for a
-    while does not mistake its own silence for the other node's.
+    one engine of every other node for /health (answered even while paused or released) six times per
+    `timeout_s` (rollout.node_timeout_s); when a node has not answered `misses` times in a row over at
+    least `timeout_s`, this rank stops, naming it. Misses are counted, not only timed, so a rank starved
+    of CPU for a while does not mistake its own silence for the other node's.
     """
 
-    def __init__(self, rank: int, my_node: int, engines: list[tuple[str, str, dict]], interval_s: float = 5.0,
-                 timeout_s: float = 30.0, misses: int = 3):
-        self.rank, self.interval_s, self.timeout_s, self.misses = rank, interval_s, timeout_s, misses
+    def __init__(self, rank: int, my_node: int, engines: list[tuple[str, str, dict]], timeout_s: float = 30.0,
+                 misses: int = 3):
+        self.rank, self.interval_s, self.timeout_s, self.misses = rank, timeout_s / 6, timeout_s, misses
         self.watched: dict[int, tuple[str, str]] = {}
         for url, _, node in engines:
             if node["node"] != my_node:

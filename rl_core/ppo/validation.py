@@ -55,6 +55,7 @@ def validate(cfg: PPOConfig) -> None:
     require(ro.kv_tokens is None or ro.kv_tokens > 0, "config key 'rollout.kv_tokens' must be > 0 or null (planned)")
     require(ro.kv_tokens is None or "max_total_tokens" not in ro.sglang_args,
             "rollout.kv_tokens and rollout.sglang_args.max_total_tokens both set the engine's KV pool; keep one")
+    require(ro.node_timeout_s >= 3, f"config key 'rollout.node_timeout_s' must be >= 3 (seconds), got {ro.node_timeout_s}")
     require(ro.device_memory_gb is None or ro.device_memory_gb > 0,
             "config key 'rollout.device_memory_gb' must be > 0 or null (detected)")
     require(ro.weight_bucket_mb >= 1, "config key 'rollout.weight_bucket_mb' must be >= 1")

@@ -22,6 +22,8 @@ import pytest
 from tests.jobs import read_metrics
 from tests.ppo.test_job import REPO, wait_gone
 
+NODE_TIMEOUT_S = 12  # rollout.node_timeout_s of the lost-node runs: a cut link is noticed in this long
+
 
 def netns(*args, check=True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
@@ -110,8 +112,9 @@ def test_two_nodes_train_with_engines_on_their_own_addresses(two_hosts, small_jo
 @pytest.mark.parametrize("how", ["killed", "cut off"])
 def test_a_lost_node_stops_every_node_within_a_minute_and_leaves_nothing(two_hosts, small_job, tmp_path, how):
     run_dir = tmp_path / "run"
+    # A cut link is noticed by silence alone: after rollout.node_timeout_s, here shorter than its 30 s default.
     overrides = small_job["overrides"] + [f"trainer.run_dir={run_dir}", "trainer.total_episodes=4000",
-                                          "trainer.save_every=1"]
+                                          "trainer.save_every=1", f"rollout.node_timeout_s={NODE_TIMEOUT_S}"]
     logs = [tmp_path / f"node{i}.log" for i in range(2)]
     nodes = [start_node(host, i, two_hosts[0][2], 29400 + os.getpid() % 500, overrides, log)
              for i, (host, log) in enumerate(zip(two_hosts, logs))]
@@ -137,6 +140,8 @@ def test_a_lost_node_stops_every_node_within_a_minute_and_leaves_nothing(two_hos
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     assert all(code != 0 for code in codes) and stopped_after < 60, f"stopped after {stopped_after:.0f}s"
+    if how == "cut off":  # the watch's setting, not its 30 s default, decided when
+        assert stopped_after < 30, f"a cut link was noticed after {stopped_after:.0f}s, not rollout.node_timeout_s"
     # One line naming the lost node, whichever call met it first: a collective (closed sockets), the node
     # watch (silence), a checkpoint being written, or the rollout (its engine stopped answering).
     node0 = logs[0].read_text()
