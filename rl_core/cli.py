@@ -335,7 +335,8 @@ def _run(main, argv, rank: int, stop: _StopRequest, handler: OneLineErrorHandler
                     + f" failed while the checkpoint was written ({type(cause).__name__}: {cause}); see its log")
             handler.record_line(line, secondary=True)
             _say(line)
-            _wait_for_the_failed_rank(stop)
+            if any(r // per_node == rank // per_node for r in failed):  # (one on another node prints in its own log)
+                _wait_for_the_failed_rank(stop)
             raise SystemExit(1) from None
         if _lost_peer(err):
             peer = re.search(r"by peer \[?([0-9a-fA-F.:]+?)\]?:\d+", str(err))
