@@ -82,6 +82,8 @@ def test_release_memory_takes_the_three_modes_and_the_old_booleans():
         ppo("rollout.engine=sglang", "rollout.kv_tokens=4096", "rollout.sglang_args.max_total_tokens=8192")
     with pytest.raises(ConfigError, match=r"'rollout.device_memory_gb' must be > 0"):
         ppo("rollout.device_memory_gb=0")
+    with pytest.raises(ConfigError, match=r"'rollout.node_timeout_s' must be >= 3 \(seconds\), got 0.5"):
+        ppo("rollout.node_timeout_s=0.5")
 
 
 def test_the_memory_plan_reads_which_models_train_and_what_the_rollout_keeps_in_flight():
