@@ -15,12 +15,14 @@ rank closes it unused (an SGLang job) or exits (a failed start-up) or dies.
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -38,17 +40,18 @@ class ForkedProcess:
 
     def __init__(self, pid: int, args: Sequence[str]):
         self.pid, self.args, self.returncode = pid, list(args), None
+        self._reaping = threading.Lock()  # the rollout thread polls it too (`dead_engines`)
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # reaped already
-                self.returncode = -1
-                return self.returncode
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
+        with self._reaping:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # reaped by someone else: its status is lost
+                    pid, status = self.pid, None
+                if pid:
+                    self.returncode = -1 if status is None else os.waitstatus_to_exitcode(status)
+            return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         give_up_at = None if timeout is None else time.monotonic() + timeout
@@ -71,7 +74,7 @@ class EngineFork:
         None off Linux, where the engine starts as its command (a fork of torch's process is Linux's to make)."""
         if not sys.platform.startswith("linux"):
             return None
-        import workers.engines.embedded.__main__  # noqa: F401  the engine's own modules, imported once for both
+        importlib.import_module(f"{ENGINE_MODULE}.__main__")  # the engine's own modules, imported once for both
 
         read_fd, write_fd = os.pipe()
         for stream in (sys.stdout, sys.stderr):  # what this process has buffered is not the child's to write
@@ -126,9 +129,10 @@ def _child(parent: int, read_fd: int) -> None:
         set_parent_death_signal(signal.SIGTERM)
         if os.getppid() != parent:  # the rank died before the line above
             os._exit(0)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):  # as a new Python has them
             signal.signal(sig, signal.SIG_DFL)
-        atexit._clear()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        atexit._clear()  # the rank's exit functions are not the engine's (a new Python has none)
         os.closerange(3, read_fd)
         os.closerange(read_fd + 1, os.sysconf("SC_OPEN_MAX"))
         with os.fdopen(read_fd, "rb") as pipe:
