@@ -158,7 +158,7 @@ def _child(parent: int, read_fd: int) -> None:
         main(command["args"])  # ends the process itself once served (exit_now)
         code = 0
     except SystemExit as end:
-        code = end.code if isinstance(end.code, int) else 1
+        code = end.code if isinstance(end.code, int) else int(end.code is not None)  # as Python's exit reads it
     except BaseException:  # noqa: BLE001 - said in the engine's log, then the exit code says it failed
         traceback.print_exc()
     finally:
