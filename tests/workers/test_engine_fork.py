@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.ppo.test_job import REPO
+from tests.ppo.test_reliability import _proc_stat
 
 
 def rank(mode: str, model_dir: str, log_dir: Path) -> subprocess.Popen:
@@ -21,25 +21,30 @@ def rank(mode: str, model_dir: str, log_dir: Path) -> subprocess.Popen:
                             cwd=REPO, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
 
 
+def rank_result(mode: str, model_dir: str, log_dir: Path, timeout_s: float) -> dict:
+    """The stand-in rank's JSON line once it exited 0; on a timeout or failure its session is killed (no orphan)."""
+    proc = rank(mode, model_dir, log_dir)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def gone(pid: int, within_s: float = 10.0) -> bool:
+    """Whether `pid` has exited (a zombie counts: only its dying parent's reaping is left) within `within_s`."""
     give_up_at = time.monotonic() + within_s
-    while time.monotonic() < give_up_at:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        stat = Path(f"/proc/{pid}/stat")
-        if stat.exists() and stat.read_text().split(") ")[1].startswith("Z"):
-            return True  # exited; only its reaping is left to its (dying) parent
+    while _proc_stat(pid) is not None:
+        if time.monotonic() > give_up_at:
+            return False
         time.sleep(0.1)
-    return False
+    return True
 
 
 def test_a_forked_engine_answers_as_the_command_started_one_and_stops_with_its_process_group(tiny_model_dir, tmp_path):
-    proc = rank("serve", tiny_model_dir, tmp_path)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
-    seen = json.loads(out.strip().splitlines()[-1])
+    seen = rank_result("serve", tiny_model_dir, tmp_path, timeout_s=300)
     # Greedy tokens: the same model, the same engine code, whether forked or started as a command.
     assert seen["answers"]["forked"] == seen["answers"]["command"]
     assert len(seen["answers"]["forked"]) == 8
@@ -52,10 +57,7 @@ def test_a_forked_engine_answers_as_the_command_started_one_and_stops_with_its_p
 
 
 def test_a_fork_closed_unused_exits_at_once_and_one_whose_rank_dies_goes_with_it(tiny_model_dir, tmp_path):
-    proc = rank("close", tiny_model_dir, tmp_path)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
-    seen = json.loads(out.strip().splitlines()[-1])
+    seen = rank_result("close", tiny_model_dir, tmp_path, timeout_s=120)
     assert seen["code"] == 0 and gone(seen["fork_pid"], 1.0)
 
     proc = rank("die", tiny_model_dir, tmp_path)
