@@ -56,7 +56,7 @@ def async_run(small_job, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def slow_prepare_run(small_job, tmp_path_factory):
-    """2 sync steps whose preparation (20 s on rank 0) outlasts the collective timeout (5 s), with pi_old
+    """2 sync steps whose preparation (20 s on rank 0) outlasts the collective timeout (10 s), with pi_old
     recomputed by the trainer, on the default memory plan: one job for the two tests after it in test_job.py and
     test_memory_job.py's plan that fits. (run directory, its output)"""
     import sys
@@ -67,6 +67,6 @@ def slow_prepare_run(small_job, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("slow_prepare") / "run"
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
             "-m", "tests.ppo.slow_prepare", "20", "--config", "ppo_sentiment.yaml", *small_job["overrides"],
-            f"trainer.run_dir={run_dir}", "trainer.total_episodes=16", "trainer.collective_timeout_s=5",
+            f"trainer.run_dir={run_dir}", "trainer.total_episodes=16", "trainer.collective_timeout_s=10",
             "algorithm.old_logprobs=trainer"]
     return run_dir, run_to_end(argv, timeout=500, cwd=REPO)  # a timeout kills torchrun and its ranks
