@@ -138,8 +138,9 @@ class JobProgress:
     def at(self, step: int | None, phase: str) -> None:
         self.step, self.phase = step, phase
         if self._hold is not None and self._hold[:2] == (step, phase):
-            print(f"[rank {self.rank}] test hold: step {step} ({phase}) for {self._hold[2]:g}s", flush=True)
-            time.sleep(self._hold[2])
+            seconds, self._hold = self._hold[2], None  # once: a phase may be announced twice (the loop, the step)
+            print(f"[rank {self.rank}] test hold: step {step} ({phase}) for {seconds:g}s", flush=True)
+            time.sleep(seconds)
 
     def where(self) -> str:
         return f"at step {self.step} ({self.phase})" if self.step is not None else f"during {self.phase}"
