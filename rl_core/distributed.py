@@ -136,8 +136,31 @@ def metrics_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
             for i, key in enumerate(keys)}
 
 
-def on_rank0(fn: Callable[[], T]) -> T | None:
-    """Run `fn` on rank 0 only; if it fails, every rank fails at once.
+def wait_for_rank0(what: str) -> None:
+    """Every other rank waits here, without a timeout, until rank 0 arrives: put before the collective that
+    hands out what rank 0 alone computes (the rollout, an evaluation, the prompts it read). That work lasts
+    as long as the data and the responses make it (a long-reasoning rollout runs for many minutes); waited
+    for inside the collective it would count against trainer.collective_timeout_s and end the job there.
+    `what` names this wait, once per job (e.g. with the step). A rank 0 that dies ends the wait too:
+    torchrun stops its node's ranks, and the store's server on node 0 goes with it (an error here)."""
+    if _alone():
+        return
+    # The process group's own store: its keys are this run's attempt's. Polled with check, not waited on
+    # with store.wait: a TCPStore logs a warning at every timed-out wait.
+    store = dist.distributed_c10d._get_default_store()
+    key = f"rl_core/rank0_arrived/{what}"
+    if dist.get_rank() == 0:
+        store.set(key, "1")
+        return
+    pause = 0.001
+    while not store.check([key]):
+        time.sleep(pause)  # Python code between checks: a stop signal's handler runs here at once
+        pause = min(2 * pause, 0.02)
+
+
+def on_rank0(fn: Callable[[], T], what: str) -> T | None:
+    """Run `fn` on rank 0 only (`what` it does, for `wait_for_rank0`, once per job); if it fails, every
+    rank fails at once.
 
     Rank 0 re-raises its error; the others raise PeerFailed instead of walking into the next
     collective and waiting there until rank 0's exit breaks it. Returns `fn()` on rank 0, None elsewhere.
@@ -150,6 +173,7 @@ def on_rank0(fn: Callable[[], T]) -> T | None:
             result = fn()
         except Exception as err:  # noqa: BLE001 - re-raised below, after the others are told
             error = err
+    wait_for_rank0(what)  # reading a whole dataset may outlast the collective timeout
     failure = broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error

@@ -56,7 +56,7 @@ class JobLifecycle:
             if self.split_cores:
                 torch.set_num_threads(self.trainer_threads())
             # One live job per run directory; every rank stops at once if another job holds it.
-            self.run_dir_lock = on_rank0(lambda: RunDirLock(self.run_dir).acquire())
+            self.run_dir_lock = on_rank0(lambda: RunDirLock(self.run_dir).acquire(), "lock the run directory")
         except BaseException:
             self.close()  # every rank raises here together (on_rank0): nothing is in flight
             raise

@@ -49,10 +49,12 @@ def output_lines(proc: subprocess.Popen, deadline: float | None = None) -> Itera
         yield pending.decode(errors="replace")
 
 
-def run_to_end(argv: list[str], timeout: float, cwd=None) -> str:
+def run_to_end(argv: list[str], timeout: float, cwd=None, env: dict[str, str] | None = None) -> str:
     """Run `argv` in its own session (a timeout kills torchrun *and* its ranks: no orphans left for
-    later tests); return its output, failing the test with the output's tail unless it exits 0."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
+    later tests), with `env` added to this process's environment; return its output, failing the test with
+    the output's tail unless it exits 0."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
+                            env=None if env is None else {**os.environ, **env})
     lines = []
     try:
         lines.extend(output_lines(proc, deadline=time.monotonic() + timeout))

@@ -28,16 +28,19 @@ import pytest
 COLLECTIVE_TIMEOUT_S = 600  # generous: a busy machine must not turn slowness into a failure
 
 
-def run_ranks(fn: Callable, world_size: int, workdir, args: tuple = (), timeout_s: float = 600) -> None:
-    """Run `fn(rank, *args)` on `world_size` spawned ranks in one gloo group; fail the test with each
-    rank's log unless every rank returns. `fn` must be importable (a module-level function)."""
+def run_ranks(fn: Callable, world_size: int, workdir, args: tuple = (), timeout_s: float = 600,
+              collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
+    """Run `fn(rank, *args)` on `world_size` spawned ranks in one gloo group (collectives bounded by
+    `collective_timeout_s`); fail the test with each rank's log unless every rank returns. `fn` must be
+    importable (a module-level function)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     store = workdir / f"gloo_store_{os.getpid()}_{time.monotonic_ns()}"
     logs = [workdir / f"rank{rank}.log" for rank in range(world_size)]
     context = multiprocessing.get_context("spawn")
-    ranks = [context.Process(target=_rank_main, args=(fn, rank, world_size, str(store), str(logs[rank]), args),
-                             name=f"rank{rank}") for rank in range(world_size)]
+    ranks = [context.Process(target=_rank_main, name=f"rank{rank}",
+                             args=(fn, rank, world_size, str(store), str(logs[rank]), args, collective_timeout_s))
+             for rank in range(world_size)]
     for process in ranks:
         process.start()
     deadline = time.monotonic() + timeout_s
@@ -70,7 +73,8 @@ def _failure_report(ranks, logs, timeout_s: float) -> str:
     return "a rank failed:\n" + "\n".join(lines)
 
 
-def _rank_main(fn: Callable, rank: int, world_size: int, store: str, log: str, args: tuple) -> None:
+def _rank_main(fn: Callable, rank: int, world_size: int, store: str, log: str, args: tuple,
+               collective_timeout_s: float) -> None:
     log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     for stream_fd in (1, 2):  # file descriptors, so a C++ abort message lands in the log too
         os.dup2(log_fd, stream_fd)
@@ -84,7 +88,7 @@ def _rank_main(fn: Callable, rank: int, world_size: int, store: str, log: str, a
         import torch.distributed as dist
 
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
         fn(rank, *args)
         dist.barrier()  # nobody tears down while a peer still has a message in flight to it
         dist.destroy_process_group()

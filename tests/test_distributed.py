@@ -1,4 +1,6 @@
-"""rl_core.distributed's pieces that need no process group."""
+"""rl_core.distributed's pieces, alone and on gloo ranks."""
+
+import time
 
 from rl_core.distributed import DataParallel
 
@@ -27,3 +29,40 @@ def test_concat_gives_every_rank_every_ranks_items_in_rank_order(tmp_path):
     from tests.ranks import run_ranks
 
     run_ranks(_concat_on_rank, 2, tmp_path)
+
+
+# Rank 0's part outlasts the collective timeout by half: without the untimed wait, rank 1's broadcast ends in
+# gloo's "Timed out waiting 2000ms".
+TIMEOUT_S, RANK0_WORK_S = 2.0, 3.0
+
+
+def _rank0_work_longer_than_the_timeout(rank: int) -> None:
+    import torch.distributed as dist
+
+    from rl_core.distributed import broadcast_object, on_rank0, wait_for_rank0
+    from rl_core.errors import PeerFailed
+
+    def slow(result):
+        time.sleep(RANK0_WORK_S)
+        return result() if callable(result) else result
+
+    assert on_rank0(lambda: slow("read"), "read the data") == ("read" if rank == 0 else None)
+    # A failure after the wait reaches every rank, as the one from a quick part does.
+    try:
+        on_rank0(lambda: slow(lambda: 1 / 0), "fail slowly")
+        raise AssertionError("on_rank0 returned")
+    except ZeroDivisionError:
+        assert rank == 0
+    except PeerFailed as err:
+        assert rank == 1 and "rank 0 failed: ZeroDivisionError" in str(err), err
+    # The bare wait before a broadcast of what rank 0 alone computed (a rollout).
+    batch = slow(["trajectory"]) if rank == 0 else None
+    wait_for_rank0("rollout for version 1")
+    assert broadcast_object(batch) == ["trajectory"]
+    dist.barrier()  # timed again: both ranks are here
+
+
+def test_rank0_alone_may_work_longer_than_the_collective_timeout(tmp_path):
+    from tests.ranks import run_ranks
+
+    run_ranks(_rank0_work_longer_than_the_timeout, 2, tmp_path, collective_timeout_s=TIMEOUT_S)

@@ -22,7 +22,7 @@ import copy
 import functools
 from typing import Callable, Iterator
 
-from rl_core.distributed import broadcast_object
+from rl_core.distributed import broadcast_object, wait_for_rank0
 from rl_core.errors import JobError
 from rl_core.ppo.config import PPOConfig
 from rl_core.ppo.step import Scoring, apply_group_rule, has_reward_variance
@@ -65,6 +65,7 @@ class BatchSource:
                 metrics.update(group_stats)
             metrics["async/dropped_stale"] = dropped
             metrics["async/staleness_max"] = max((version - t.min_version for t in trajectories), default=0)
+        wait_for_rank0(f"rollout for version {version}")  # a rollout may outlast the collective timeout
         trajectories, metrics = broadcast_object((trajectories, metrics))
         if not trajectories:
             raise JobError("the rollout produced no usable trajectory (every env failed); see rank 0's log")

@@ -13,7 +13,7 @@ from math import comb
 
 import torch
 
-from rl_core.distributed import broadcast_object
+from rl_core.distributed import broadcast_object, wait_for_rank0
 from rl_core.ppo.config import PPOConfig, sampling_params
 from rl_core.ppo.step import Scoring, trajectory_scores
 from rl_core.rollout.trajectory import Trajectory
@@ -89,6 +89,7 @@ def evaluate(cfg: PPOConfig, rank: int, service, reward_model: Callable | None, 
     if rank == 0:
         samples, _ = held_out
         trajectories = service.evaluate(samples, eval_sampling_params(cfg), version).trajectories
+    wait_for_rank0(f"evaluation at version {version}")  # held-out generation may outlast the collective timeout
     if reward_model is not None:
         trajectories = broadcast_object(trajectories)
         rm_scores, rejected = reward_model(trajectories) if trajectories else (None, None)

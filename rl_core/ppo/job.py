@@ -198,15 +198,15 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
     template_kwargs = dict(cfg.env.chat_template_kwargs)  # the dataset's chat prompts render as the envs' turns do
     prompts = on_rank0(lambda: prompt_samples(cfg.data, cfg.data.train_path, tokenizer, algo.batch_size,
                                               algo.group_size, cfg.trainer.seed, cfg.rollout.samples_seeded,
-                                              template_kwargs))
+                                              template_kwargs), "read the prompts")
     held_out = None
     if cfg.data.eval_path is not None:
         held_out = on_rank0(lambda: eval_samples(cfg.data, cfg.data.eval_path, tokenizer, cfg.eval.n,
-                                                 cfg.eval.max_prompts, template_kwargs))
+                                                 cfg.eval.max_prompts, template_kwargs), "read the held-out prompts")
     collector = make_collector(cfg, prompts)
     # The memory plan sizes the engines' KV pool and decides whether they release memory each step.
     plan = broadcast_object(on_rank0(lambda: plan_job_memory(cfg, detect_device(rt.device, rt.local_world_size),
-                                                             rt.world_size, max_positions)))
+                                                             rt.world_size, max_positions), "plan the memory"))
     rt.release_each_step = decide(release_mode(cfg.rollout), plan) and collector.engines_idle_while_training
     if rt.rank == 0 and plan is not None:
         report_plan(plan, rt.release_each_step, run_dir)

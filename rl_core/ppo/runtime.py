@@ -18,7 +18,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from rl_core.distributed import on_rank0, rank_seed
+from rl_core.distributed import on_rank0, rank_seed, wait_for_rank0
 from rl_core.lifecycle import JobLifecycle, torch_threads
 from rl_core.ppo.config import PPOConfig, engine_dtype
 from rl_core.rollout.process import RolloutProcess, ServedVersion
@@ -172,7 +172,7 @@ class JobRuntime(JobLifecycle):
         self.engine_places = {url: f"rank {rank} on node {where['node']}, {where['host']}"
                               for rank, (url, _, where) in enumerate(gathered)}
         if self.nnodes > 1:  # rollout traffic crosses the network: every engine must answer node 0 first
-            on_rank0(lambda: check_reachable(gathered))
+            on_rank0(lambda: check_reachable(gathered), "reach every engine")
         if self.rank == 0:
             from workers.router import RouterSettings, launch_router
 
@@ -189,6 +189,7 @@ class JobRuntime(JobLifecycle):
             if self.nnodes > 1:
                 for url, info in where.items():
                     print(f"engine of rank {info['rank']} on node {info['node']} ({info['host']}): {url}", flush=True)
+        wait_for_rank0("start the router")  # rank 0's alone, so not inside the barrier's timeout
         dist.barrier()
         if self.nnodes > 1:  # a node whose link is cut closes no connection: notice it anyway
             self.node_watch = NodeWatch(self.rank, node["node"], gathered, timeout_s=ro.node_timeout_s)

@@ -262,10 +262,13 @@ def test_generating_on_a_released_engine_stops_the_job_with_one_clear_line(small
 
 
 @pytest.mark.timeout(600)
-def test_a_preparation_longer_than_the_collective_timeout_still_trains(slow_prepare_run):
+def test_a_preparation_and_a_rollout_longer_than_the_collective_timeout_still_train(slow_prepare_run):
     """The first rank of a node builds offline assets before any process group exists; the others
-    wait for it (saying whom and what it last reported), never inside a collective that times out."""
+    wait for it (saying whom and what it last reported), never inside a collective that times out. The
+    same for what rank 0 alone does later: a rollout longer than the timeout (here rank 0 held at its start;
+    before: rank 1 died in the broadcast after it, gloo's 'Timed out waiting 6000ms')."""
     run_dir, output = slow_prepare_run
+    assert "[rank 0] test hold: step 1 (rollout) for 9s" in output
     assert "[rank 1] waiting for rank 0 to prepare the offline assets first" in output
     assert re.search(r"\[rank 1\] waiting for rank 0 to prepare the offline assets \(building: step \d of 4\)", output)
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2]
