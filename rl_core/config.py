@@ -97,7 +97,8 @@ class TrainerConfig:
     progress: bool = True  # progress bars on rank 0
     wandb: bool = False  # also log to Weights & Biases (needs the wandb package)
     wandb_project: str = "rl_core"  # the wandb project, when trainer.wandb is true
-    collective_timeout_s: float = 600.0  # bounds every collective: a dead rank stops the job
+    # Bounds every collective, so a dead rank stops the job;
+    collective_timeout_s: float = 600.0  # what rank 0 does alone (a rollout, an evaluation) is waited for without it
 
     def validate(self) -> None:
         """The rules of these keys; a job's section that adds keys checks them after calling this."""
