@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rl_core.cli import JobEntry, JobProgress, run_job
 from rl_core.config import save_config
-from rl_core.distributed import DataParallel, on_every_rank, seed_everything
+from rl_core.distributed import DataParallel, on_every_rank, seed_everything, wait_for_rank0
 from rl_core.reward_model.config import RMConfig, check_lengths, validate
 from rl_core.reward_model.sampling import load_queries
 from rl_core.reward_model.training import (Log, ReferenceSamples, Reporting, build_reward_model,
@@ -96,6 +96,7 @@ def train(cfg: RMConfig, dp: DataParallel, progress: JobProgress, get_labeler=No
             print(line, flush=True)
 
     metrics = fit_and_export(cfg, dp, log, labeler, progress)
+    wait_for_rank0("write the reward model")  # rank 0 alone writes it: a large model outlasts the timeout
     dp.barrier()
     if dp.rank == 0:
         print(json.dumps(metrics), flush=True)
