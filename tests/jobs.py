@@ -27,16 +27,15 @@ def read_metrics(run_dir) -> list[dict]:
 
 def output_lines(proc: subprocess.Popen, deadline: float | None = None) -> Iterator[str]:
     """The lines of `proc`'s output (its binary stdout pipe) as they arrive, until it has exited and the pipe
-    holds nothing more: not until the pipe's end. A rank's first weight push forks torch's shared-memory
-    manager (torch_shm_manager), which inherits the rank's stderr and exits 2 s after its last client, so
-    the end of the pipe comes 2 s after every PPO job. Raises subprocess.TimeoutExpired at `deadline`
-    (monotonic) if the process is still running."""
+    holds nothing more: not until the pipe's end, which a process the job left behind would hold off
+    (`run_to_end` names any). Raises subprocess.TimeoutExpired at `deadline` (monotonic) if the process is
+    still running."""
     fd, pending = proc.stdout.fileno(), b""
     while True:
         exited = proc.poll() is not None
         if not exited and deadline is not None and time.monotonic() > deadline:
             raise subprocess.TimeoutExpired(proc.args, 0)
-        # Once it has exited every writer but that manager is gone: what they wrote is in the pipe already.
+        # Once it has exited, what its processes wrote is in the pipe already.
         readable, _, _ = select.select([fd], [], [], 0.2 if exited else 0.5)
         data = os.read(fd, 1 << 16) if readable else b""
         if data:
@@ -49,16 +48,33 @@ def output_lines(proc: subprocess.Popen, deadline: float | None = None) -> Itera
         yield pending.decode(errors="replace")
 
 
+def pipe_holders(fd: int) -> list[str]:
+    """The other processes that hold the pipe behind this process's `fd` open: "pid command" each."""
+    target, holders = f"pipe:[{os.fstat(fd).st_ino}]", []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if any(os.readlink(link) == target for link in (entry / "fd").iterdir()):
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                holders.append(f"{entry.name} {command}")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return holders
+
+
 def run_to_end(argv: list[str], timeout: float, cwd=None, env: dict[str, str] | None = None) -> str:
     """Run `argv` in its own session (a timeout kills torchrun *and* its ranks: no orphans left for
     later tests), with `env` added to this process's environment; return its output, failing the test with
-    the output's tail unless it exits 0."""
+    the output's tail unless it exits 0, or if any process still holds its output once it has exited (one
+    would keep a `| tee` of the job, or any reader of its output to the end, waiting)."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
                             env=None if env is None else {**os.environ, **env})
     lines = []
     try:
         lines.extend(output_lines(proc, deadline=time.monotonic() + timeout))
         proc.wait(timeout=timeout)  # the pipe may end before the process does
+        holders = pipe_holders(proc.stdout.fileno())
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -67,4 +83,5 @@ def run_to_end(argv: list[str], timeout: float, cwd=None, env: dict[str, str] | 
         proc.stdout.close()
     output = "\n".join(lines) + "\n"
     assert proc.returncode == 0, output[-6000:]
+    assert holders == [], f"still holding the job's output after it exited: {holders}"
     return output

@@ -20,7 +20,9 @@ import base64
 import contextlib
 import dataclasses
 import io
+import os
 import pickle
+import sys
 import time
 import types
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -202,6 +204,27 @@ def shared_cpu_buffer(nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
 
 
+def start_shared_memory_manager_off_stderr() -> None:
+    """Have torch start this process's shared-memory manager now, with its stderr on /dev/null.
+
+    torch forks `torch_shm_manager` at a process's first file_system share, and the manager inherits stderr.
+    It outlives its last client by 2 s (libshm's SHUTDOWN_TIMEOUT), so whatever read a job's output to its
+    end (`| tee`, a test's pipe) waited 2 s after the job had ended, at every launch. The manager writes
+    nothing there (it hands torch its address through a pipe of its own). Call it before the first share,
+    where no other thread writes to stderr: for those few milliseconds fd 2 is /dev/null; once started, a
+    manager is reused and this costs one 1-byte share."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        with _file_system_sharing():
+            torch.empty(1, dtype=torch.uint8).share_memory_()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def deserialize_for_engine(serialized: str) -> Any:
     """Inverse of `serialize_for_engine` (tensor payloads only)."""
     import torch.multiprocessing.reductions  # noqa: F401
@@ -248,6 +271,8 @@ class WeightPusher:
         self._pushes = 0
 
     def _staging_buffer(self, parity: int, index: int, nbytes: int) -> torch.Tensor:
+        if not any(self._staging):  # this process's first share: the job's first push, nothing else running yet
+            start_shared_memory_manager_off_stderr()
         buffers = self._staging[parity]
         if index == len(buffers):
             buffers.append(shared_cpu_buffer(nbytes))
