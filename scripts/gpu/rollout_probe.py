@@ -34,7 +34,6 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -180,7 +179,8 @@ def main() -> None:
                       gpu_ids=(int(device.split(":")[1]),) if device.startswith("cuda") else None,
                       sglang_python=args.sglang_python)
     procs = ManagedProcesses()
-    logs = Path(tempfile.mkdtemp(prefix="rollout_probe_"))
+    logs = args.workdir / "rollout_probe_logs"  # beside the benchmark's outputs; each run appends to its logs
+    logs.mkdir(exist_ok=True)
     try:
         started = time.perf_counter()
         engine = start_engine(spec, logs / "engine.log", procs, deadline_s=600)
