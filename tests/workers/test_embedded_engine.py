@@ -290,3 +290,33 @@ def test_alternating_pushes_never_touch_the_weights_being_served(engine, model_d
             gaps.append(await check_pushed_weights(client, str(version), PROBE, probe_expectation(model, PROBE), 2e-3))
         return gaps
     assert all(gap < 1e-4 for gap in run(engine, body))
+
+
+@pytest.mark.parametrize("stderr", ["pipe", "closed"])
+def test_the_shared_memory_manager_keeps_no_hold_on_the_pushing_process_output(stderr):
+    """A push's first share starts torch's shared-memory manager, which outlives its last client by 2 s: started
+    by `start_shared_memory_manager_off_stderr`, it does not hold the pusher's output open meanwhile (a `| tee`
+    of the job would wait for it), and a process without stderr starts it too."""
+    import subprocess
+    import sys
+
+    from tests.jobs import pipe_holders
+
+    code = ("import os, sys, torch\n"
+            "from workers.engines.weights import start_shared_memory_manager_off_stderr\n"
+            + ("os.close(2)\n" if stderr == "closed" else "") +
+            "start_shared_memory_manager_off_stderr()\n"
+            "children = open(f'/proc/{os.getpid()}/task/{os.getpid()}/children').read().split()\n"
+            "names = [open(f'/proc/{c}/cmdline').read().strip('\\0 ') for c in children]\n"
+            "print(names, flush=True)\n"
+            "sys.stdout.flush(); os._exit(0)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        proc.wait(timeout=120)
+        assert proc.returncode == 0, proc.stderr.read().decode()
+        holders = pipe_holders(proc.stderr.fileno())
+        assert holders == []
+        assert proc.stdout.read().decode().strip() == "['torch_shm_manager']"  # it was started, by this process
+    finally:
+        proc.stdout.close()
+        proc.stderr.close()

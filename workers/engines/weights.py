@@ -213,12 +213,24 @@ def start_shared_memory_manager_off_stderr() -> None:
     nothing there (it hands torch its address through a pipe of its own). Call it before the first share,
     where no other thread writes to stderr: for those few milliseconds fd 2 is /dev/null; once started, a
     manager is reused and this costs one 1-byte share."""
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    with _stderr_on_devnull(), _file_system_sharing():
+        torch.empty(1, dtype=torch.uint8).share_memory_()
+
+
+@contextlib.contextmanager
+def _stderr_on_devnull() -> Iterator[None]:
+    """fd 2 points at /dev/null inside, at what it pointed to before after (a process without one: as it is)."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr: nothing for a child to inherit
+        yield
+        return
+    if sys.stderr is not None:
+        sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
     try:
         os.dup2(devnull, 2)
-        with _file_system_sharing():
-            torch.empty(1, dtype=torch.uint8).share_memory_()
+        yield
     finally:
         os.dup2(saved, 2)
         os.close(saved)
