@@ -219,7 +219,7 @@ def start_shared_memory_manager_off_stderr() -> None:
 
 @contextlib.contextmanager
 def _stderr_on_devnull() -> Iterator[None]:
-    """fd 2 points at /dev/null inside, at what it pointed to before after (a process without one: as it is)."""
+    """fd 2 on /dev/null inside the block, restored after it (a process without an fd 2 is left as it is)."""
     try:
         saved = os.dup(2)
     except OSError:  # no stderr: nothing for a child to inherit
