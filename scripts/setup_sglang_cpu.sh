@@ -5,7 +5,8 @@
 # really does. It is slow (tens of tokens per second), never a way to train.
 # SGLang's own requirements pin CUDA-only packages, so sglang goes in with --no-deps and then
 # only what its CPU path imports, with torch held at the local CPU wheel. Two workarounds of
-# ours (scripts/sglang_cpu/, each commented with why) make it start; both are tied to 0.5.23.
+# ours (scripts/sglang_cpu/, each commented with why) make it start and a third halves its start-up;
+# all are tied to 0.5.23.
 # Reused when already built; rebuilt when this script or the workarounds change.
 set -euo pipefail
 cd "$(dirname "$0")/.."
