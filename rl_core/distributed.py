@@ -206,7 +206,7 @@ def on_every_rank(fn: Callable[[], T]) -> T:
 
 
 def prepare_before_process_group(prepare: Callable[[Callable[[str], None]], T], what: str,
-                                 report_every_s: float = 15.0) -> T:
+                                 report_every_s: float = 15.0, first_report_s: float = 5.0) -> T:
     """`prepare(log)` on every rank before any process group exists; ranks wait for each other without a timeout.
 
     A first-use build takes minutes, more on a busy machine; a rank waiting for it inside a
@@ -214,7 +214,9 @@ def prepare_before_process_group(prepare: Callable[[Callable[[str], None]], T], 
     (building what is missing, under the builders' own file locks), then the node's other ranks
     (finding it built), and every rank waits until all are done, polling torchrun's key-value
     store (up before any rank starts), and says whom it waits for and what that rank last
-    reported. A rank whose preparation fails tells the others, which stop with its message.
+    reported: first after `first_report_s` (has the build begun?), then on news at most every
+    `report_every_s`, and at least every four of those. A rank whose preparation fails tells the
+    others, which stop with its message.
     Without torchrun's store (a plain `python -m` run) this is just `prepare(print)`.
     """
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -232,14 +234,16 @@ def prepare_before_process_group(prepare: Callable[[Callable[[str], None]], T], 
     def wait_for(ranks: list[int]) -> None:
         keys = [f"{prefix}/done/{r}" for r in ranks]
         last_report, last_said = time.monotonic(), None
+        next_report = last_report + first_report_s
         while not store.check(keys):
-            if time.monotonic() - last_report >= report_every_s:
+            now = time.monotonic()
+            if now >= next_report:
                 pending = [r for r, key in zip(ranks, keys) if not store.check([key])]
                 progress = f"{prefix}/progress/{pending[0]}"
                 said = store.get(progress).decode() if store.check([progress]) else "no progress reported yet"
-                if said != last_said or time.monotonic() - last_report >= 4 * report_every_s:  # news, or a sign of life
+                if said != last_said or now - last_report >= 4 * report_every_s:  # news, or a sign of life
                     print(f"[rank {rank}] waiting for rank {pending[0]} to {what} ({said})", flush=True)
-                    last_report, last_said = time.monotonic(), said
+                    last_report, last_said, next_report = now, said, now + report_every_s
             time.sleep(0.5)
         for key in keys:
             outcome = store.get(key).decode()

@@ -56,9 +56,10 @@ def async_run(small_job, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def slow_prepare_run(small_job, tmp_path_factory):
-    """2 sync steps whose preparation (20 s on rank 0) and first rollout (rank 0 held 9 s at its start) outlast the
-    collective timeout (6 s), with pi_old recomputed by the trainer, on the default memory plan: one job for the
-    two tests after it in test_job.py and test_memory_job.py's plan that fits. (run directory, its output)"""
+    """2 sync steps whose preparation (10 s on rank 0, past the waiting rank's first report at 5 s) and first
+    rollout (rank 0 held 9 s at its start) outlast the collective timeout (6 s), with pi_old recomputed by the
+    trainer, on the default memory plan: one job for the two tests after it in test_job.py and
+    test_memory_job.py's plan that fits. (run directory, its output)"""
     import sys
 
     from rl_core.cli import TEST_HOLD_ENV
@@ -67,7 +68,7 @@ def slow_prepare_run(small_job, tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("slow_prepare") / "run"
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-            "-m", "tests.ppo.slow_prepare", "20", "--config", "ppo_sentiment.yaml", *small_job["overrides"],
+            "-m", "tests.ppo.slow_prepare", "10", "--config", "ppo_sentiment.yaml", *small_job["overrides"],
             f"trainer.run_dir={run_dir}", "trainer.total_episodes=16", "trainer.collective_timeout_s=6",
             "algorithm.old_logprobs=trainer"]
     return run_dir, run_to_end(argv, timeout=500, cwd=REPO,  # a timeout kills torchrun and its ranks

@@ -15,8 +15,8 @@ def slow_prepare(seconds: float):
             return cfg
         steps = 4
         for step in range(steps):
+            log(f"building: step {step + 1} of {steps}")  # as a builder says what it starts
             time.sleep(seconds / steps)
-            log(f"building: step {step + 1} of {steps}")
         return cfg
     return prepare
 
