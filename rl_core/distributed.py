@@ -214,9 +214,9 @@ def prepare_before_process_group(prepare: Callable[[Callable[[str], None]], T], 
     (building what is missing, under the builders' own file locks), then the node's other ranks
     (finding it built), and every rank waits until all are done, polling torchrun's key-value
     store (up before any rank starts), and says whom it waits for and what that rank last
-    reported: first after `first_report_s` (has the build begun?), then on news at most every
-    `report_every_s`, and at least every four of those. A rank whose preparation fails tells the
-    others, which stop with its message.
+    reported: first after `first_report_s` (has the build begun?), then that rank's first line as
+    soon as it comes, then news at most every `report_every_s` and a sign of life every four of those.
+    A rank whose preparation fails tells the others, which stop with its message.
     Without torchrun's store (a plain `python -m` run) this is just `prepare(print)`.
     """
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -240,10 +240,12 @@ def prepare_before_process_group(prepare: Callable[[Callable[[str], None]], T], 
             if now >= next_report:
                 pending = [r for r, key in zip(ranks, keys) if not store.check([key])]
                 progress = f"{prefix}/progress/{pending[0]}"
-                said = store.get(progress).decode() if store.check([progress]) else "no progress reported yet"
+                reported = store.check([progress])
+                said = store.get(progress).decode() if reported else "no progress reported yet"
                 if said != last_said or now - last_report >= 4 * report_every_s:  # news, or a sign of life
                     print(f"[rank {rank}] waiting for rank {pending[0]} to {what} ({said})", flush=True)
-                    last_report, last_said, next_report = now, said, now + report_every_s
+                    # Until that rank says something, its first line is news worth printing at once.
+                    last_report, last_said, next_report = now, said, now + (report_every_s if reported else 0)
             time.sleep(0.5)
         for key in keys:
             outcome = store.get(key).decode()
