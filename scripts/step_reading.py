@@ -1,6 +1,6 @@
 """How many files a reader opens to follow one PPO step, and how often the step crosses between them.
 
-    .venv/bin/python scripts/step_reading.py [--config grpo_arithmetic.yaml] [key=value ...]
+    .venv/bin/python scripts/step_reading.py [--main-thread] [--config grpo_arithmetic.yaml] [key=value ...]
 
 Runs the PPO job as a world of one (the offline assets, the embedded engine, 2 steps) and records,
 during its second step, every call made by this project's code (rl_core/, workers/, envs/) in any
@@ -8,6 +8,9 @@ thread of the trainer's process: the rollout's event loop included, the engine's
 A crossing is a call from one project file into a different one (the nearest project frame up the
 stack is the caller, so a call through torch or asyncio still counts); each distinct call edge
 (caller file and function -> callee file and function) is counted once, as a reader follows it once.
+
+`--main-thread` records the trainer's main thread alone: the step as `ppo_step` calls it, with the rollout's
+event loop, env and reward threads left out (what a reader following `ppo_step` down its own calls opens).
 
 Prints the files with the functions entered in each, the distinct crossings, and one JSON line:
 {"files": F, "crossings": C, "functions": N}. Hand-written on sys.setprofile because a profiler's
@@ -64,7 +67,10 @@ class StepCalls:
 
 def main(argv: list[str]) -> None:
     calls = StepCalls()
-    threading.setprofile(calls.hook)  # threads started from here on: the rollout loop, env and reward threads
+    main_thread_only = "--main-thread" in argv
+    argv = [arg for arg in argv if arg != "--main-thread"]
+    if not main_thread_only:
+        threading.setprofile(calls.hook)  # threads started from here on: the rollout loop, env and reward threads
     sys.setprofile(calls.hook)
     import rl_core.ppo.job as ppo_job
     from rl_core.offline_names import offline_resolver
