@@ -12,13 +12,17 @@ stack is the caller, so a call through torch or asyncio still counts); each dist
 `--main-thread` records the trainer's main thread alone: the step as `ppo_step` calls it, with the rollout's
 event loop, env and reward threads left out (what a reader following `ppo_step` down its own calls opens).
 
-Prints the files with the functions entered in each, the distinct crossings, and one JSON line:
-{"files": F, "crossings": C, "functions": N}. Hand-written on sys.setprofile because a profiler's
-per-function totals lose the caller of each call, which is the crossing.
+Prints the files (with the lines of each that the step ran) and the functions entered in each, the distinct
+crossings, and one JSON line: {"files": F, "crossings": C, "functions": N, "step_lines": S, "file_lines": L},
+S the lines of the functions the step ran (a nested one counted once), L the lines of the files holding them:
+how few files of capped length the step's code alone would need, against how many its modules fill.
+Hand-written on sys.setprofile because a profiler's per-function totals lose the caller of each call, which
+is the crossing.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 import tempfile
@@ -40,6 +44,7 @@ class StepCalls:
         self.recording = False
         self.edges: set[tuple[str, str, str, str]] = set()
         self.entered: dict[str, set[str]] = defaultdict(set)
+        self.first_lines: dict[str, set[int]] = defaultdict(set)  # where each entered function starts
 
     def hook(self, frame, event, arg):
         if not self.recording or event != "call":
@@ -48,6 +53,7 @@ class StepCalls:
         if not callee.startswith(PACKAGES):
             return
         self.entered[callee].add(frame.f_code.co_name)
+        self.first_lines[callee].add(frame.f_code.co_firstlineno)
         caller = frame.f_back
         while caller is not None and not caller.f_code.co_filename.startswith(PACKAGES):
             caller = caller.f_back
@@ -57,12 +63,26 @@ class StepCalls:
     def report(self) -> dict:
         short = lambda path: str(Path(path).relative_to(REPO))  # noqa: E731
         for path in sorted(self.entered):
-            print(f"{short(path)}: {', '.join(sorted(self.entered[path]))}")
+            ran, held = len(step_lines(path, self.first_lines[path])), len(Path(path).read_text().splitlines())
+            print(f"{short(path)} ({ran} of {held} lines): {', '.join(sorted(self.entered[path]))}")
         print()
         for caller, caller_fn, callee, callee_fn in sorted(self.edges):
             print(f"{short(caller)}:{caller_fn} -> {short(callee)}:{callee_fn}")
         return {"files": len(self.entered), "crossings": len(self.edges),
-                "functions": sum(len(names) for names in self.entered.values())}
+                "functions": sum(len(names) for names in self.entered.values()),
+                "step_lines": sum(len(step_lines(path, self.first_lines[path])) for path in self.entered),
+                "file_lines": sum(len(Path(path).read_text().splitlines()) for path in self.entered)}
+
+
+def step_lines(path: str, first_lines: set[int]) -> set[int]:
+    """The line numbers of the functions (decorators included) whose code starts at one of `first_lines`."""
+    lines: set[int] = set()
+    for node in ast.walk(ast.parse(Path(path).read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            if start in first_lines or node.lineno in first_lines:
+                lines.update(range(start, node.end_lineno + 1))
+    return lines
 
 
 def main(argv: list[str]) -> None:
