@@ -62,16 +62,16 @@ class StepCalls:
 
     def report(self) -> dict:
         short = lambda path: str(Path(path).relative_to(REPO))  # noqa: E731
+        ran = {path: len(step_lines(path, self.first_lines[path])) for path in self.entered}
+        held = {path: len(Path(path).read_text().splitlines()) for path in self.entered}
         for path in sorted(self.entered):
-            ran, held = len(step_lines(path, self.first_lines[path])), len(Path(path).read_text().splitlines())
-            print(f"{short(path)} ({ran} of {held} lines): {', '.join(sorted(self.entered[path]))}")
+            print(f"{short(path)} ({ran[path]} of {held[path]} lines): {', '.join(sorted(self.entered[path]))}")
         print()
         for caller, caller_fn, callee, callee_fn in sorted(self.edges):
             print(f"{short(caller)}:{caller_fn} -> {short(callee)}:{callee_fn}")
         return {"files": len(self.entered), "crossings": len(self.edges),
                 "functions": sum(len(names) for names in self.entered.values()),
-                "step_lines": sum(len(step_lines(path, self.first_lines[path])) for path in self.entered),
-                "file_lines": sum(len(Path(path).read_text().splitlines()) for path in self.entered)}
+                "step_lines": sum(ran.values()), "file_lines": sum(held.values())}
 
 
 def step_lines(path: str, first_lines: set[int]) -> set[int]:
