@@ -75,12 +75,13 @@ class StepCalls:
 
 
 def step_lines(path: str, first_lines: set[int]) -> set[int]:
-    """The line numbers of the functions (decorators included) whose code starts at one of `first_lines`."""
+    """The line numbers of the functions (decorators included) whose code starts at one of `first_lines`
+    (a code object's `co_firstlineno` is its first decorator's line)."""
     lines: set[int] = set()
     for node in ast.walk(ast.parse(Path(path).read_text())):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-            if start in first_lines or node.lineno in first_lines:
+            if start in first_lines:
                 lines.update(range(start, node.end_lineno + 1))
     return lines
 
