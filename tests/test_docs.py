@@ -8,16 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.scripts import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 @functools.lru_cache(maxsize=None)
 def config_reference():
-    spec = importlib.util.spec_from_file_location("config_reference", REPO / "scripts" / "config_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("config_reference", module)  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("config_reference")
 
 
 def test_mkdocs_builds_the_site_strictly(tmp_path):

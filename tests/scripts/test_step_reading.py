@@ -1,15 +1,14 @@
 """scripts/step_reading.py's counting (the whole job run is the script's own 20 s; these check what it counts)."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import torch
 
+from tests.scripts import load_script
+
 REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("step_reading", REPO / "scripts" / "step_reading.py")
-step_reading = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(step_reading)
+step_reading = load_script("step_reading")
 
 
 def test_a_call_into_another_project_file_is_one_crossing_and_a_call_within_a_file_none():
