@@ -1,7 +1,7 @@
 """The offline names a recipe may give instead of a path or hub name, and where they are resolved.
 
-"tiny", "tiny-arithmetic", "tiny-arithmetic-sft", "tiny-tools-arithmetic" and "tiny-tools-arithmetic-sft" name
-the offline assets the repository ships (`assets/`), which the builders beside this package (`offline/`) build
+"tiny", "tiny-arithmetic", "tiny-arithmetic-sft", "tiny-tools-arithmetic", "tiny-tools-arithmetic-sft" and
+"chat-arithmetic" name the offline assets the repository ships (`assets/`), which the builders beside this package (`offline/`) build
 where they are missing. A job's entry point resolves them before the job starts (every rank, before any process
 group exists); a config that names none imports no builder, so the jobs run on real checkpoints without them.
 """
@@ -12,10 +12,11 @@ import importlib
 from typing import Any, Callable, Iterator
 
 from rl_core.config import to_dict
+from workers.gguf import float_checkpoint, is_gguf
 from workers.loading import check_model_path
 
 OFFLINE_NAMES = frozenset({"tiny", "tiny-arithmetic", "tiny-arithmetic-sft", "tiny-tools-arithmetic",
-                           "tiny-tools-arithmetic-sft"})
+                           "tiny-tools-arithmetic-sft", "chat-arithmetic"})
 # Each job's builder side: the config with every offline name replaced by the path of what it names.
 RESOLVERS = {"ppo": "offline.prepare:resolve_ppo_assets", "sft": "offline.prepare:resolve_sft_assets",
              "dpo": "offline.prepare:resolve_dpo_assets", "rm": "offline.prepare:resolve_rm_assets"}
@@ -59,10 +60,21 @@ def check_model_paths(cfg, job: str, offline: tuple[str, ...] = ()) -> None:
             check_model_path(value, key, need_config=key != "model.tokenizer_path")
 
 
+def convert_gguf_paths(cfg, job: str, log: Callable[[str], None]) -> None:
+    """Each of `job`'s model paths that names a GGUF file (`.gguf`, `pkg://PACKAGE/FILE.gguf`) replaced by its
+    float checkpoint, converted once and cached (workers/gguf.py)."""
+    for key in MODEL_KEYS[job]:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if is_gguf(value):
+            setattr(getattr(cfg, section), name, float_checkpoint(value, key, log))
+
+
 def offline_resolver(job: str) -> Callable:
-    """`prepare(cfg, log)` for `job` (ppo, sft, dpo, rm): `cfg` with its model paths checked, and each offline name
-    replaced by the path of what it names (built if missing; `log` reports a build)."""
+    """`prepare(cfg, log)` for `job` (ppo, sft, dpo, rm): `cfg` with its GGUF model paths converted, its model paths
+    checked, and each offline name replaced by the path of what it names (built if missing; `log` reports a build)."""
     def prepare(cfg, log):
+        convert_gguf_paths(cfg, job, log)
         if names_offline_assets(cfg):
             return _load(RESOLVERS[job])(cfg, log)  # which checks the paths given beside the names
         check_model_paths(cfg, job)
