@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from transformers import AutoTokenizer
 
 from rl_core.config import LoraSettings
 from rl_core.errors import JobError, PeerFailed
@@ -316,13 +317,26 @@ def export_hf(model, tokenizer, base_path: str, out_dir: Path, rank: int, lora: 
     if rank != 0:
         return
     plain = loading.load_causal_lm(base_path)
-    if len(tokenizer) > plain.get_input_embeddings().num_embeddings:
-        plain.resize_token_embeddings(len(tokenizer))
+    trained_rows = _embedding_rows(state, plain)
+    if trained_rows != plain.get_input_embeddings().num_embeddings:  # the job grew the vocabulary (SFT)
+        plain.resize_token_embeddings(trained_rows)
     plain = with_lora(plain, lora)
     plain.load_state_dict(state)
     if lora.rank and lora.export == "merged":
         plain = plain.merge_and_unload()
+    if len(tokenizer) > trained_rows:
+        # Tokens the job added and never fed the model (the [PAD] of a tokenizer that padded with EOS, see
+        # loading.load_tokenizer): exported as the user gave it, so the export's ids all fit its embeddings.
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     with staged_directory(out_dir) as staging:  # a resume takes an existing final/ for a finished export
         plain.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
     print(f"final model saved to {out_dir}", flush=True)
+
+
+def _embedding_rows(state: dict, model) -> int:
+    """The vocabulary size the trained `state` has: the rows of `model`'s input embedding as `state` holds it
+    (its key may carry a wrapper's prefix, e.g. peft's `base_model.model.`)."""
+    embedding = model.get_input_embeddings().weight
+    name = next(name for name, param in model.named_parameters() if param is embedding)
+    return next((tensor.shape[0] for key, tensor in state.items() if key.endswith(name)), embedding.shape[0])

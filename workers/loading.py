@@ -90,16 +90,20 @@ def _hub_lookup(name: str) -> str | None:
 
 
 def load_tokenizer(path: str):
-    """Load a tokenizer; add a ``[PAD]`` token when it has none.
+    """Load a tokenizer; add a ``[PAD]`` token when it has none, or pads with its EOS.
 
     OpenAI detail: the pad token is distinct from EOS, so padding never reads as end-of-text.
     An added pad id may lie outside the model's vocabulary: it never reaches the model, because
     ``prepare_inputs`` replaces pad positions with id 0 and the engine is sent unpadded ids.
     """
     tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
+    # Released chat models often pad with their end-of-turn token (SmolLM2: <|im_end|>); that is no pad token here.
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        before = tokenizer.pad_token
         tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
-        logger.warning("tokenizer at %s had no pad token: added %r (id %d)", path, PAD_TOKEN, tokenizer.pad_token_id)
+        logger.warning("tokenizer at %s had %s: added %r (id %d)", path,
+                       f"EOS {before!r} as its pad token" if before else "no pad token", PAD_TOKEN,
+                       tokenizer.pad_token_id)
     return tokenizer
 
 
