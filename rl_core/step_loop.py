@@ -11,6 +11,7 @@ Python's full collections (`setup_objects_frozen`).
 
 from __future__ import annotations
 
+import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,8 @@ def _steps(job: JobSteps, start_step: int, total_steps: int, trainer, rank: int,
         if device.type == "cuda":  # the trainer's own peak, beside the memory plan's estimate (no device sync)
             metrics["memory/trainer_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             torch.cuda.reset_peak_memory_stats(device)
+        else:  # the process's peak resident memory so far (Linux: KiB), runtime included
+            metrics["memory/trainer_peak_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         if failed_saves:
             metrics["checkpoint/failed"] = failed_saves
         if job.evaluate is not None and job.eval_due(step + 1):  # not in perf/step_s

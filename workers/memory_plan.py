@@ -9,8 +9,10 @@ The estimates, per device (a trainer rank and its engine):
 - trainer: each trained model holds its master weights, gradients and optimizer states (Adam: 2 per
   weight), all in the master dtype and sharded by FSDP over `dp_size` ranks; frozen models (reference,
   reward model) hold their weights only. `cpu_offload` keeps all of these in host memory.
-- activations of one micro-batch of `max_tokens_per_device` tokens: 64 x hidden bytes per token and layer
-  in 16-bit, twice that in fp32; with gradient checkpointing one hidden state per layer plus one layer
+- activations of one micro-batch of `max_tokens_per_device` tokens (the job passes one rank's share of a
+  minibatch where that is less): for the families of `ACTIVATION_VALUES` their measured values per token
+  and layer (per hidden and per MLP unit) in the compute dtype; for others 64 x hidden bytes per token and
+  layer in 16-bit, twice that in fp32; with gradient checkpointing one hidden state per layer plus one layer
   recomputed; plus the LM head's float32 logits, their log-softmax and gradient over `logits_chunk` tokens
   at a time. Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models")
   count 34 without the attention scores, which sdpa and flash kernels never keep, but they assume fused
@@ -35,6 +37,15 @@ GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "tf_adam": 2}  # states per trained weight (first and second moments)
 ACTIVATION_FACTOR_16BIT = 64  # bytes per token, layer and hidden unit in 16-bit (see the module doc)
+# Where the family is known, the values autograd keeps per token and layer, as (per hidden unit, per MLP unit),
+# measured on transformers' own layers in float32 and bfloat16 and rounded up (tests/workers/test_memory_plan.py
+# holds them as upper bounds): a gated MLP keeps 4 values per MLP unit; attention, norms and residuals 11-16
+# per hidden unit (the norms' float32 copies count double in 16-bit, Qwen3's q/k norms add more). GPT-2 (5
+# per inner unit, 10 per hidden: 60 bytes per hidden unit in bf16) keeps the flat factor, which an H200 run
+# of the ~86M GPT-2 already measured above the plan. SmolLM2-135M in float32 keeps 44.6 kB per token and layer: 51 kB by these, 74 kB by the
+# flat factor above.
+ACTIVATION_VALUES = {"llama": (11.2, 4), "mistral": (11.2, 4), "qwen2": (11.2, 4),
+                     "qwen3": (15.8, 4), "phi3": (12.2, 4)}
 LOGIT_COPIES = 3  # float32 logits, their log-softmax and its gradient
 # The KV pool holds every sequence a rollout can have in flight on one engine, with room for the
 # router's imbalance (cache_aware routing sends a light load to one engine): an engine that runs out of
@@ -54,6 +65,7 @@ class ModelShape:
     hidden: int
     vocab: int
     kv_values_per_token: int  # K and V values one token keeps over all layers: 2 x layers x kv_heads x head_dim
+    activation_values: int | None = None  # values kept for backward per token and layer (None: the flat factor)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return self.kv_values_per_token * dtype_bytes
@@ -207,7 +219,10 @@ def plan_memory(inputs: MemoryInputs, device: Device) -> MemoryPlan:
 def activation_bytes(inputs: MemoryInputs) -> int:
     """One micro-batch's activations kept for backward (see the module doc for the estimate)."""
     shape, tokens, width = inputs.policy, inputs.max_tokens_per_device, inputs.compute_dtype_bytes
-    per_layer = ACTIVATION_FACTOR_16BIT * shape.hidden * width // 2  # per token
+    if shape.activation_values is not None:
+        per_layer = shape.activation_values * width  # per token
+    else:
+        per_layer = ACTIVATION_FACTOR_16BIT * shape.hidden * width // 2
     if inputs.gradient_checkpointing:  # each layer keeps its input; one layer's internals exist at a time
         body = tokens * (shape.layers * shape.hidden * width + per_layer)
     else:
@@ -250,8 +265,13 @@ def model_shape(config: Any, params: int | None = None) -> ModelShape:
         kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)  # GQA/MQA: fewer KV heads
         head_dim = int(getattr(text, "head_dim", None) or hidden // heads)  # Qwen3, Gemma: not hidden / heads
         kv = 2 * layers * kv_heads * head_dim
+    activations = None
+    if getattr(text, "model_type", None) in ACTIVATION_VALUES:
+        per_hidden, per_mlp = ACTIVATION_VALUES[text.model_type]
+        mlp = int(getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden)
+        activations = math.ceil(per_hidden * hidden + per_mlp * mlp)
     return ModelShape(params if params is not None else count_parameters(config), layers, hidden,
-                      int(text.vocab_size), kv)
+                      int(text.vocab_size), kv, activations)
 
 
 def count_parameters(config: Any, sequence_classification: bool = False) -> int:

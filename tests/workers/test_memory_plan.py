@@ -3,7 +3,7 @@ configs (checked against hand computations), the decision whether trainer and en
 
 import pytest
 
-from workers.memory_plan import (GIB, Device, MemoryInputs, ModelShape, decide_release, detect_device, model_shape,
+from workers.memory_plan import (ACTIVATION_VALUES, GIB, Device, MemoryInputs, ModelShape, decide_release, detect_device, model_shape,
                                  plan_memory)
 
 H100 = Device.of("cuda", 80 * 10**9)  # an H100's 80 GB (79.6 GiB as torch reports it; 80e9 here)
@@ -129,6 +129,8 @@ def test_the_activation_estimate_covers_what_autograd_keeps_per_layer(family):
         planned = [plan_memory(inputs_86m(policy=model_shape(make(layers), params=1), compute_dtype_bytes=dtype_bytes,
                                           max_tokens_per_device=tokens), H100).trainer_activations for layers in (2, 4)]
         assert 0 < measured <= planned[1] - planned[0], (family, dtype, measured, planned)
+        if family in ACTIVATION_VALUES:  # a measured family's estimate is also close: no false out-of-memory warning
+            assert planned[1] - planned[0] <= 1.25 * measured, (family, dtype, measured, planned)
 
 
 def inputs_7b(**overrides) -> MemoryInputs:
