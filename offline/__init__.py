@@ -2,3 +2,4 @@ ARITHMETIC = "tiny-arithmetic"  # config value naming the arithmetic recipe's of
 # config values naming the tool-calling recipe's offline policy and problems, and its SFT rows (offline/tools_arithmetic.py)
 TOOLS_ARITHMETIC = "tiny-tools-arithmetic"
 TOOLS_ARITHMETIC_SFT = "tiny-tools-arithmetic-sft"
+CHAT_ARITHMETIC = "chat-arithmetic"  # the released-model recipe's questions (offline/chat_arithmetic.py), data only

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from offline import ARITHMETIC, TOOLS_ARITHMETIC, TOOLS_ARITHMETIC_SFT
+from offline import ARITHMETIC, CHAT_ARITHMETIC, TOOLS_ARITHMETIC, TOOLS_ARITHMETIC_SFT
 from rl_core.offline_names import check_model_paths
 
 Log = Callable[[str], None]
@@ -39,6 +39,12 @@ def resolve_ppo_assets(cfg, log: Log):
         cfg.model.path = str(arithmetic.model_dir) if cfg.model.path == ARITHMETIC else cfg.model.path
         cfg.data.train_path = str(arithmetic.train_file) if cfg.data.train_path == ARITHMETIC else cfg.data.train_path
         cfg.data.eval_path = str(arithmetic.eval_file) if cfg.data.eval_path == ARITHMETIC else cfg.data.eval_path
+    if CHAT_ARITHMETIC in named:
+        from offline.chat_arithmetic import ensure_chat_arithmetic
+
+        chat = ensure_chat_arithmetic(log=log)
+        cfg.data.train_path = str(chat.train_file) if cfg.data.train_path == CHAT_ARITHMETIC else cfg.data.train_path
+        cfg.data.eval_path = str(chat.eval_file) if cfg.data.eval_path == CHAT_ARITHMETIC else cfg.data.eval_path
     if TOOLS_ARITHMETIC in named:
         from offline.tools_arithmetic import ensure_tools_arithmetic_assets
 
@@ -80,9 +86,10 @@ SUMS_FILE = "checksums.json"  # sha256 by relative path
 def build_all(root, log: Log, progress: bool = False, small: bool = False):
     """Every asset the recipes name, built (or reused) under `root`: tiny policy, prompts,
     sentiment preferences and reward model, arithmetic policy, problems and SFT rows, the tool-calling
-    policy, its problems and SFT rows (`small`: the tests' quick versions)."""
+    policy, its problems and SFT rows, the released-model recipe's questions (`small`: the tests' quick versions)."""
     from offline.arithmetic import ensure_arithmetic_assets, ensure_arithmetic_sft_data
     from offline.assets import ensure_tiny_assets
+    from offline.chat_arithmetic import ensure_chat_arithmetic
     from offline.reward_model import ensure_tiny_reward_model
     from offline.tools_arithmetic import ensure_tools_arithmetic_assets
 
@@ -91,6 +98,7 @@ def build_all(root, log: Log, progress: bool = False, small: bool = False):
     ensure_arithmetic_assets(root, small=small, log=log)
     ensure_arithmetic_sft_data(root, small=small, log=log)
     ensure_tools_arithmetic_assets(root, small=small, log=log)  # built last: it fine-tunes the arithmetic policy
+    ensure_chat_arithmetic(root, log=log)  # questions only: the released-model recipe's model is SmolLM2's
     return tiny
 
 

@@ -110,3 +110,23 @@ def format_reward(completion: str, sample: dict, style: str = "hash", pattern: s
     if style not in FORMATS:
         raise ValueError(f"format_reward style={style!r} is not one of {sorted(FORMATS)}; or give a regex in pattern")
     return float(FORMATS[style].search(completion.strip()) is not None)
+
+
+LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def last_number_reward(completion: str, sample: dict, answer_key: str = "answer") -> float:
+    """1.0 when the last number in the completion equals `sample[answer_key]` exactly, else 0.0: the plain
+    check for short arithmetic answers ("48 + 37 = 85." and "The answer is 85" both state 85), where a
+    reply cut off mid-explanation ends on some other number. Thousands separators are ignored."""
+    if answer_key not in sample:
+        raise KeyError(f"last_number_reward needs the reference answer in column {answer_key!r}; the sample has "
+                       f"{sorted(k for k in sample if k != 'prompt_ids')} (set kwargs.answer_key)")
+    numbers = LAST_NUMBER.findall(completion.replace("\u2212", "-"))
+    if not numbers:
+        return 0.0
+    last, gold = numbers[-1].replace(",", "").rstrip("."), str(sample[answer_key]).replace(",", "").strip()
+    try:
+        return float(float(last) == float(gold))
+    except ValueError:
+        return 0.0

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from rl_core.rewards import RewardFnError, RewardFunctions, batched, load_reward_fn
-from rl_core.rewards.math import answer_reward, format_reward
+from rl_core.rewards.math import answer_reward, format_reward, last_number_reward
 
 GSM8K_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
 
@@ -134,6 +134,27 @@ def test_answer_reward_reads_the_configured_column_and_says_when_it_is_missing()
 ])
 def test_format_reward(completion, style, expected):
     assert format_reward(completion, {}, style=style) == expected
+
+
+@pytest.mark.parametrize("completion, reference, expected", [
+    ("48 + 37 = 85.", "85", 1.0),
+    ("The answer is 85", "85", 1.0),
+    ("To add 48 and 37, first 40 + 30 = 70, then", "85", 0.0),  # cut off mid-explanation: its last number
+    ("85, or maybe 86", "85", 0.0),
+    ("99 - 73 = 26", "26", 1.0),
+    ("48 - 73 = -25", "-25", 1.0),
+    ("48 - 73 = 25", "-25", 0.0),
+    ("It is 1,085.", "1085", 1.0),
+    ("85.0", "85", 1.0),
+    ("no number at all", "85", 0.0),
+])
+def test_last_number_reward_checks_the_replys_last_number_exactly(completion, reference, expected):
+    assert last_number_reward(completion, {"answer": reference}) == expected
+
+
+def test_last_number_reward_says_when_the_answer_column_is_missing():
+    with pytest.raises(KeyError, match="last_number_reward needs the reference answer in column 'answer'"):
+        last_number_reward("85", {"question": "What is 48 + 37?"})
 
 
 def test_format_reward_custom_pattern_and_unknown_style():
