@@ -1,9 +1,9 @@
 """A sandboxed Python runner for tool-calling environments: `await Sandbox().run_python(code)`.
 
-Each call writes the code to `main.py` in a fresh private directory and runs `python -I main.py`
+Each call copies the code to `main.py` in a fresh tmpfs at /work and runs `python -I main.py`
 there in a fresh process, with stdin closed and a minimal environment (PATH, HOME, TMPDIR, LANG),
-then kills whatever is left and removes the directory, on success, error, timeout and
-cancellation alike. `Sandbox` holds the limits (a `SandboxLimits`) and an `asyncio.Semaphore` that
+then kills whatever is left, on success, error, timeout and cancellation alike; the tmpfs vanishes
+with the call, and the host-side directory (holding only main.py) is removed off the event loop. `Sandbox` holds the limits (a `SandboxLimits`) and an `asyncio.Semaphore` that
 bounds how many calls run at once; share one instance between the trajectories of a job.
 `run_python(code, ...)` is a one-off convenience.
 
@@ -12,7 +12,7 @@ util-linux `setpriv` and the stdlib:
 
     [setpriv to `user` when root] bwrap --unshare-{user,net,pid,ipc,uts} --as-pid-1 --die-with-parent
         <a new root: /usr etc. read-only, /proc, a minimal /dev, size-capped tmpfs /tmp /var/tmp /dev/shm,
-         the call's directory at /work, read-only inputs>
+         a size-capped tmpfs /work holding a copy of main.py, read-only inputs>
         └─ runner: python -I -S -c _RUNNER          PID 1 of the new namespaces
             └─ setrlimit(...); exec python -I main.py   the code, in /work
 
@@ -23,9 +23,13 @@ Enforced (checked by tests/envs/test_sandbox.py on Linux 6.x as root):
   * Files: the code sees a root of its own. The system's programs and libraries (/usr and the /bin,
     /lib links) are there read-only; the project, its data and weights, the run directory, /root,
     /home, /etc and every other directory of the host are not there at all. Its only writable places
-    are its own directory (/work, its cwd and HOME) and fresh tmpfs at /tmp, /var/tmp and /dev/shm,
-    each at most `tmpfs_mb`, which vanish with the call: nothing one call writes is seen by another,
-    concurrent or later. Files an env hands to the code (`inputs`) are bound in read-only by name.
+    are fresh tmpfs: /work (its cwd and HOME) of at most `work_mb`, and /tmp, /var/tmp and /dev/shm of
+    at most `tmpfs_mb` each, which vanish with the call: nothing it writes lands on the host's disk
+    (fallocate included: a tmpfs refuses blocks past its size), and nothing one call writes is seen by
+    another, concurrent or later. Files an env hands to the code (`inputs`) are bound in read-only by name.
+  * Clean-up: the call's files go with its tmpfs, which the kernel frees when the call's last process
+    exits, whatever their number or depth. The host-side directory (main.py only, never in the sandbox)
+    is removed in a worker thread, with a fallback (`rm -rf`) that cannot recurse, and never raises.
   * User: a root parent starts `bwrap` as `user` ("nobody", via `setpriv`, with no_new_privs):
     the code runs as an unprivileged host user, with no capabilities (the new user namespace maps
     only that user). It cannot ptrace its runner (which is not dumpable). A non-root parent cannot
@@ -56,9 +60,13 @@ Enforced (checked by tests/envs/test_sandbox.py on Linux 6.x as root):
 
 Not enforced:
   * Without such a cgroup (no root, or cgroup v2 only), `memory_mb` and `cpu_s` bind each process, not
-    the call: several children may each use that much, and the tmpfs (at most 3 x `tmpfs_mb`) is not
-    counted in it. `cpu_s` is per process either way (the wall clock bounds the call).
-  * A parent killed with SIGKILL takes its sandboxes' processes with it, not their directories.
+    the call: several children may each use that much, and the tmpfs (at most `work_mb` + 3 x `tmpfs_mb`)
+    is not counted in it. `cpu_s` is per process either way (the wall clock bounds the call).
+  * The number of files (inodes) in each tmpfs: bwrap cannot set tmpfs' `nr_inodes`, so it is the kernel's
+    default (half the host's RAM pages). With the per-call cgroup their inodes count against `memory_mb`
+    (some 50k empty files in 64 MB); without it they are bounded only by the wall clock.
+  * A parent killed with SIGKILL takes its sandboxes' processes with it, not their host-side directories
+    (main.py only).
 
 Needs Linux with unprivileged user namespaces (bwrap as `user` must work; Ubuntu 24.04, for one,
 restricts them with AppArmor), a `bwrap` that `user` can run (a venv under a home it cannot enter:
@@ -80,6 +88,7 @@ import pwd
 import shutil
 import signal
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -184,6 +193,7 @@ class SandboxLimits:
     cpu_s: int | None = None  # None: int(timeout_s) + 2
     tmpfs_mb: int = 64
     cpus: float = 1.0
+    work_mb: int = 64  # /work, the code's directory: a tmpfs of this size
 
 
 class Sandbox:
@@ -193,11 +203,11 @@ class Sandbox:
                  python: str | None = None, user: str = "nobody"):
         timeout_s, memory_mb, max_output_bytes = limits.timeout_s, limits.memory_mb, limits.max_output_bytes
         max_processes, max_file_mb, cpu_s = limits.max_processes, limits.max_file_mb, limits.cpu_s
-        tmpfs_mb, cpus = limits.tmpfs_mb, limits.cpus
+        tmpfs_mb, cpus, work_mb = limits.tmpfs_mb, limits.cpus, limits.work_mb
         for name, value in [("max_concurrency", max_concurrency), ("timeout_s", timeout_s),
                             ("memory_mb", memory_mb), ("max_output_bytes", max_output_bytes),
                             ("max_processes", max_processes), ("max_file_mb", max_file_mb), ("tmpfs_mb", tmpfs_mb),
-                            ("cpus", cpus)]:
+                            ("cpus", cpus), ("work_mb", work_mb)]:
             if not value > 0:
                 raise ValueError(f"sandbox {name} must be > 0, got {value!r}")
         if cpu_s is not None and cpu_s < 1:
@@ -230,7 +240,10 @@ class Sandbox:
         tmpfs = []
         for path in ("/tmp", "/var/tmp", "/dev/shm"):
             tmpfs += ["--perms", "1777", "--size", str(tmpfs_mb * 2**20), "--tmpfs", path]
-        self.root = [*system_view(self.python), "--proc", "/proc", "--dev", "/dev", *tmpfs]
+        # /work is a tmpfs too, so its size (fallocate included) is capped, not the host's disk; main.py is
+        # copied into it from a descriptor (--file), so nothing the code writes lands on the host's filesystem.
+        work = ["--perms", "0700", "--size", str(work_mb * 2**20), "--tmpfs", WORKDIR]
+        self.root = [*system_view(self.python), "--proc", "/proc", "--dev", "/dev", *tmpfs, *work]
         self.limits = limits
         # RLIMIT_CPU: a backstop for CPU-bound code, after the wall clock by default. The soft limit
         # sends SIGXCPU, the hard one a second later SIGKILL (were they equal, only SIGKILL: no telling why).
@@ -261,27 +274,26 @@ class Sandbox:
                                  f"{WORKDIR} for an existing host file or directory")
             binds += ["--ro-bind", host, inside]
         async with self._slots:
-            with tempfile.TemporaryDirectory(prefix="sandbox-") as outer:
-                # Every call runs as the same user, so its directory sits at an unguessable name
-                # inside one the user may enter but not list: calls cannot find each other's files.
-                os.chmod(outer, 0o711)
-                workdir = tempfile.mkdtemp(dir=outer)
-                script = os.path.join(workdir, "main.py")
+            # On the host a call has a private directory holding only main.py (root's, and not in the sandbox):
+            # bwrap copies it into /work. It is bwrap's cwd, so the call's processes can be found by it.
+            hostdir = tempfile.mkdtemp(prefix="sandbox-")
+            try:
+                script = os.path.join(hostdir, "main.py")
                 with open(script, "w", encoding="utf-8") as f:
                     f.write(code)
-                if self.uid is not None:
-                    os.chown(workdir, self.uid, self.gid)
-                    os.chown(script, self.uid, self.gid)
-                with self.cgroups.call() if self.cgroups else contextlib.nullcontext([]) as cgroups:
-                    return await self._run(workdir, binds, cgroups)
+                with open(script, "rb") as source, \
+                        self.cgroups.call() if self.cgroups else contextlib.nullcontext([]) as cgroups:
+                    return await self._run(hostdir, source.fileno(), binds, cgroups)
+            finally:
+                await asyncio.to_thread(remove_tree, hostdir)  # off the event loop
 
-    async def _run(self, workdir: str, binds: list[str], cgroups: list[str]) -> SandboxResult:
+    async def _run(self, hostdir: str, source: int, binds: list[str], cgroups: list[str]) -> SandboxResult:
         # Root only: a shell joins the call's cgroups and execs the rest, so every process of the call is in them.
         join = ["/bin/sh", "-c", " && ".join(f'echo $$ > "${i + 1}/cgroup.procs"' for i in range(len(cgroups)))
                 + f' && shift {len(cgroups)} && exec "$@"', "sh", *cgroups] if cgroups else []
         command = [*join, *self.drop, self.bwrap, "--unshare-user", "--unshare-net", "--unshare-pid", "--unshare-ipc",
-                   "--unshare-uts", "--as-pid-1", "--die-with-parent", *self.root, "--bind", workdir, WORKDIR,
-                   *binds, "--chdir", WORKDIR, "--", self.python, "-I", "-S", "-c", _RUNNER]
+                   "--unshare-uts", "--as-pid-1", "--die-with-parent", *self.root, "--perms", "0644", "--file",
+                   str(source), f"{WORKDIR}/main.py", *binds, "--chdir", WORKDIR, "--", self.python, "-I", "-S", "-c", _RUNNER]
         parent_end, runner_end = socket.socketpair()
         command += [str(runner_end.fileno()), str(self.limits.timeout_s), self.rlimits, self.python, "-I", "main.py"]
         env = {"PATH": SANDBOX_PATH, "HOME": WORKDIR, "TMPDIR": WORKDIR, "LANG": "C.UTF-8"}
@@ -290,8 +302,8 @@ class Sandbox:
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE, cwd=workdir, env=env, start_new_session=True,
-                    pass_fds=(runner_end.fileno(),))
+                    stderr=asyncio.subprocess.PIPE, cwd=hostdir, env=env, start_new_session=True,
+                    pass_fds=(runner_end.fileno(), source))
             finally:
                 runner_end.close()
             readers = [asyncio.create_task(_read(stream, self.limits.max_output_bytes))
@@ -422,6 +434,24 @@ async def _stop(proc: asyncio.subprocess.Process, control: socket.socket) -> Non
         # being the namespace's init, every process in the namespace.
         os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
+
+
+def remove_tree(path: str) -> None:
+    """Remove `path` and all under it, never raising: shutil.rmtree first; where it fails (a tree deeper than the
+    recursion limit, a path past PATH_MAX), `rm -rf`, which walks any depth; what is still left is logged."""
+    try:
+        shutil.rmtree(path)
+        return
+    except (OSError, RecursionError):
+        pass
+    try:
+        done = subprocess.run(["rm", "-rf", "--one-file-system", "--", path], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)
+        problem = done.stderr.decode(errors="replace").strip() if done.returncode else ""
+    except (OSError, subprocess.SubprocessError) as err:
+        problem = str(err)
+    if problem or os.path.lexists(path):
+        LOG.warning("sandbox: could not remove the call's directory %s (%s); remove it by hand", path, problem)
 
 
 def find_bwrap(uid: int | None, gid: int | None) -> str:

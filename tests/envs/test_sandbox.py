@@ -694,3 +694,88 @@ def test_a_non_root_trainer_cannot_have_its_own_files_rewritten_by_the_code():
         assert open(reward).read() == "def score(text):\n    return 0.0\n"
     finally:
         subprocess.run(["rm", "-rf", trainer_home], check=True)
+
+
+# --------------------------------------------------------------------------- the host is not harmed by a call
+
+
+def test_work_is_capped_at_work_mb_fallocate_included():
+    """Files written to /work (its cwd and HOME) fill work_mb and no more of anything on the host: 1 MB files until
+    ENOSPC, and an fallocate that keeps the file's size (so RLIMIT_FSIZE does not see it) reserving 1 GB."""
+    result = run("""
+        import ctypes, errno, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        written = 0
+        try:
+            while written < 64:
+                open(f"part{written}", "wb").write(b"x" * 2**20)
+                written += 1
+        except OSError as err:
+            print(written, errno.errorcode[err.errno])
+        for name in os.listdir("."):
+            if name.startswith("part"):
+                os.remove(name)
+        fd = os.open("reserved", os.O_RDWR | os.O_CREAT)
+        FALLOC_FL_KEEP_SIZE = 1
+        print(libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, ctypes.c_long(0), ctypes.c_long(2**30)),
+              os.fstat(fd).st_blocks * 512 // 2**20)
+    """, work_mb=8)
+    assert result.ok, result.stderr
+    filled, reserved = result.stdout.splitlines()
+    assert filled in ("7 ENOSPC", "8 ENOSPC"), filled  # 8 MB, less main.py
+    assert reserved == "-1 0"  # refused, nothing reserved
+
+
+def test_a_tree_deeper_than_the_recursion_limit_is_gone_when_the_call_returns():
+    """1,100 nested directories in /work: the call returns normally and leaves nothing (the fixture checks the
+    host's temp root), where removing them on the host raised RecursionError out of run_python."""
+    result = run("""
+        import os
+        for _ in range(1100):
+            os.mkdir("d")
+            os.chdir("d")
+        open("leaf", "w").write("x")
+        print(len(os.getcwd().split("/")))
+    """)
+    assert result.ok and result.stdout == "1102\n", result  # "", "work", 1,100 x "d"
+
+
+def test_the_host_side_clean_up_removes_any_tree_and_never_raises(sandbox_tmp):
+    """The fallback of the clean-up, on the host: a tree too deep for shutil.rmtree, and a path that is not there."""
+    deep = os.path.join(sandbox_tmp, "call")
+    os.mkdir(deep)
+    fd = os.open(deep, os.O_RDONLY)
+    for _ in range(1100):  # by descriptor: os.makedirs itself recurses
+        os.mkdir("d", dir_fd=fd)
+        fd, parent = os.open("d", os.O_RDONLY, dir_fd=fd), fd
+        os.close(parent)
+    os.close(fd)
+    sandbox_module.remove_tree(deep)
+    assert not os.path.lexists(deep)
+    sandbox_module.remove_tree(os.path.join(sandbox_tmp, "never-made"))  # nothing to do, nothing raised
+
+
+def test_many_files_do_not_block_the_event_loop_when_the_call_ends():
+    """150k empty files in /work: removing them on the host's filesystem blocked the trainer's loop ~1 s; now
+    they vanish with the call's tmpfs, away from the loop (memory_mb large enough for their inodes)."""
+    async def main():
+        gaps, done = [], False
+
+        async def ticker():
+            last = time.monotonic()
+            while not done:
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.create_task(ticker())
+        result = await run_python("for i in range(150_000):\n    open(f'f{i}', 'w').close()\nprint('made')",
+                                  SandboxLimits(timeout_s=30, memory_mb=1024))
+        done = True
+        await tick
+        return result, max(gaps)
+
+    result, stall = asyncio.run(main())
+    assert result.ok and result.stdout == "made\n", result
+    assert stall < 0.5, stall
