@@ -13,8 +13,8 @@ util-linux `setpriv` and the stdlib:
 
     [setpriv to `user` when root] bwrap --unshare-{user,net,pid,ipc,uts} --as-pid-1 --die-with-parent
         <a new root: /usr etc. read-only, /proc, a minimal /dev, size-capped tmpfs /tmp /var/tmp /dev/shm,
-         a size-capped tmpfs /work holding a copy of main.py, read-only inputs>
-        └─ runner: python -I -S -c _RUNNER          PID 1 of the new namespaces
+         a size-capped tmpfs /work holding a copy of main.py, read-only inputs>  --seccomp <filter>
+        └─ runner: python -I -S -c _RUNNER          PID 1 of the new namespaces; a fresh session keyring
             └─ setrlimit(...); exec python -I main.py   the code, in /work
 
 The limits are set by the runner rather than with `preexec_fn`, which is unsafe in a process with
@@ -58,6 +58,16 @@ Enforced (checked by tests/envs/test_sandbox.py on Linux 6.x as root):
     anyone reads it: invalid UTF-8 and control characters (ANSI escapes, carriage returns; not newlines
     or tabs) as `\\xNN` escapes.
 
+  * System calls (root or not): a seccomp filter (envs/sandbox_seccomp.py, loaded by bwrap before the runner
+    starts, so it binds every process of the call) refuses with EPERM the key store (keyctl, add_key,
+    request_key), io_uring, new namespaces (unshare, setns, clone with CLONE_NEW*), mount and the new mount
+    API, memfd_create (memory no rlimit sees), bpf, perf_event_open, userfaultfd, ptrace, module, kexec, swap,
+    reboot, syslog, acct and quota calls; clone3 and other ABIs (int 0x80, x32) get ENOSYS. So the code can
+    neither mount a tmpfs of its own nor hold memory in a memfd, with or without the per-call cgroup.
+  * Kernel state: the runner joins a fresh, empty session keyring before the code starts (the one keyctl the
+    filter lets through), so the trainer's keyring, and anything one call could leave in it for the next, is
+    out of reach, /proc/keys included; SysV IPC and the hostname are per call (new IPC and UTS namespaces).
+
   * The call as a whole, where the job runs as root on a host with cgroup v1 `memory` and `pids` (and
     `cpu`) hierarchies, as these machines mount them: a cgroup per call holds all its processes to
     `memory_mb` together (the tmpfs pages it wrote included; over it, the kernel kills), to
@@ -66,14 +76,16 @@ Enforced (checked by tests/envs/test_sandbox.py on Linux 6.x as root):
 Not enforced:
   * Without such a cgroup (no root, or cgroup v2 only), `memory_mb` and `cpu_s` bind each process, not
     the call: several children may each use that much, and the tmpfs (at most `work_mb` + 3 x `tmpfs_mb`)
-    is not counted in it. `cpu_s` is per process either way (the wall clock bounds the call).
+    is not counted in it (memfd and nested tmpfs, the other ways round RLIMIT_AS, are refused by the
+    filter). `cpu_s` is per process either way (the wall clock bounds the call).
   * The number of files (inodes) in each tmpfs: bwrap cannot set tmpfs' `nr_inodes`, so it is the kernel's
     default (half the host's RAM pages). With the per-call cgroup their inodes count against `memory_mb`
     (some 50k empty files in 64 MB); without it they are bounded only by the wall clock.
   * A parent killed with SIGKILL takes its sandboxes' processes with it, not their host-side directories
     (main.py only).
 
-Needs Linux with unprivileged user namespaces (bwrap as `user` must work; Ubuntu 24.04, for one,
+Needs Linux on x86_64 or aarch64 (the filter's tables: elsewhere `Sandbox()` raises ValueError saying so)
+with seccomp and unprivileged user namespaces (bwrap as `user` must work; Ubuntu 24.04, for one,
 restricts them with AppArmor), a `bwrap` that `user` can run (a venv under a home it cannot enter:
 install bubblewrap from the distribution) and a Python >= 3.9 that `user` can run: by default
 the `python3` on /usr/local/bin:/usr/bin:/bin, not the project's venv. Where a call cannot start,
@@ -100,6 +112,7 @@ import time
 from dataclasses import dataclass
 
 from envs.sandbox_output import read_capped, truncation_note, visible_text
+from envs.sandbox_seccomp import build_filter, filter_pipe, syscall_numbers
 
 LOG = logging.getLogger(__name__)
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -114,18 +127,24 @@ SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # PID 1 of the sandbox's namespaces: starts the code with its limits, enforces the wall clock,
 # then kills and reaps everything and sends the code's wait status back on the control socket.
 # A string for `python -c` because the sandbox user may not be able to read this file.
-# argv: control fd, timeout, limits "NAME=soft:hard,...", command...
+# argv: control fd, timeout, limits "NAME=soft:hard,...", keyctl's syscall number, command...
 _RUNNER = r"""
-import ctypes, os, resource, select, signal, sys
+import ctypes, errno, os, resource, select, signal, sys
 if os.getpid() != 1:  # kill(-1) below would reach every process this user has outside a PID namespace
     sys.exit("sandbox: the runner is not PID 1 of a new PID namespace; refusing to run")
+libc = ctypes.CDLL(None, use_errno=True)
 # PR_SET_DUMPABLE 0: the code runs as the same user, and could otherwise ptrace its runner (stop
 # it, or make it report another status). exec resets this for the code itself.
-ctypes.CDLL(None).prctl(4, 0)
+libc.prctl(4, 0)
+control, timeout, limits, keyctl = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+command = sys.argv[5:]
+# KEYCTL_JOIN_SESSION_KEYRING, NULL: a fresh, empty session keyring, so the trainer's (its keys, or a value one
+# call leaves for the next) is out of reach; the seccomp filter refuses the code every other key call.
+if libc.syscall(ctypes.c_long(keyctl), ctypes.c_long(1), ctypes.c_long(0)) < 0 and ctypes.get_errno() != errno.ENOSYS:
+    sys.exit(f"sandbox: cannot join a fresh session keyring: {os.strerror(ctypes.get_errno())}")
 # As init, with the default handler a signal from inside the namespace is simply not delivered,
 # so the code cannot interrupt its runner.
 signal.signal(signal.SIGINT, signal.SIG_DFL)
-control, timeout, limits, command = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4:]
 os.set_inheritable(control, False)
 child = os.fork()
 if child == 0:
@@ -254,6 +273,8 @@ class Sandbox:
         # copied into it from a descriptor (--file), so nothing the code writes lands on the host's filesystem.
         work = ["--perms", "0700", "--size", str(work_mb * 2**20), "--tmpfs", WORKDIR]
         self.root = [*system_view(self.python), "--proc", "/proc", "--dev", "/dev", *tmpfs, *work]
+        self.seccomp = build_filter()  # see envs/sandbox_seccomp.py; a ValueError on a machine it has no table for
+        self.keyctl = syscall_numbers()["keyctl"]
         self.limits = limits
         # RLIMIT_CPU: a backstop for CPU-bound code, after the wall clock by default. The soft limit
         # sends SIGXCPU, the hard one a second later SIGKILL (were they equal, only SIGKILL: no telling why).
@@ -267,10 +288,11 @@ class Sandbox:
         # cpu: `cpus` cores' worth of time at most, however many processes the code starts
         self.cgroups = CallCgroups.for_host({"memory.limit_in_bytes": memory, "pids.max": max_processes + 2,
                                              "cpu.cfs_period_us": 100_000, "cpu.cfs_quota_us": int(cpus * 100_000)})
-        self.enforced = (f"sandbox: private root per call (bwrap), {'user ' + user if self.uid is not None else 'the caller'}"
-                         f", rlimits per process, " + (self.cgroups.describe() if self.cgroups else
-                                                      "no per-call cgroup (needs root and cgroup v1 memory and pids "
-                                                      "controllers): memory_mb and cpu_s bind each process, not the call"))
+        who = f"user {user}" if self.uid is not None else "the caller"
+        self.enforced = (f"sandbox: private root per call (bwrap), {who}, seccomp filter, fresh session keyring, "
+                         "rlimits per process, " + (self.cgroups.describe() if self.cgroups else
+                                                    "no per-call cgroup (needs root and cgroup v1 memory and pids "
+                                                    "controllers): memory_mb and cpu_s bind each process, not the call"))
         LOG.debug(self.enforced)
         self._slots = asyncio.Semaphore(max_concurrency)
 
@@ -303,10 +325,11 @@ class Sandbox:
                 + f' && shift {len(cgroups)} && exec "$@"', "sh", *cgroups] if cgroups else []
         command = [*join, *self.drop, self.bwrap, "--unshare-user", "--unshare-net", "--unshare-pid", "--unshare-ipc",
                    "--unshare-uts", "--as-pid-1", "--die-with-parent", *self.root, "--perms", "0644", "--file",
-                   str(source), f"{WORKDIR}/main.py", *binds, "--chdir", WORKDIR,
-                   "--", self.python, "-I", "-S", "-c", _RUNNER]
+                   str(source), f"{WORKDIR}/main.py", *binds, "--chdir", WORKDIR]
+        seccomp = filter_pipe(self.seccomp)
         parent_end, runner_end = socket.socketpair()
-        command += [str(runner_end.fileno()), str(self.limits.timeout_s), self.rlimits, self.python, "-I", "main.py"]
+        command += ["--seccomp", str(seccomp), "--", self.python, "-I", "-S", "-c", _RUNNER, str(runner_end.fileno()),
+                    str(self.limits.timeout_s), self.rlimits, str(self.keyctl), self.python, "-I", "main.py"]
         env = {"PATH": SANDBOX_PATH, "HOME": WORKDIR, "TMPDIR": WORKDIR, "LANG": "C.UTF-8"}
         started = time.monotonic()
         with parent_end:
@@ -314,9 +337,10 @@ class Sandbox:
                 proc = await asyncio.create_subprocess_exec(
                     *command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE, cwd=hostdir, env=env, start_new_session=True,
-                    pass_fds=(runner_end.fileno(), source))
+                    pass_fds=(runner_end.fileno(), source, seccomp))
             finally:
                 runner_end.close()
+                os.close(seccomp)
             # Output past the limit stops the call: the runner, told so, kills the code and reports as usual.
             readers = [asyncio.create_task(read_capped(stream, self.limits.max_output_bytes,
                                                        functools.partial(_tell_stop, parent_end),

@@ -7,12 +7,13 @@ process of the test, no process whose working directory is under the sandbox's t
 
 import asyncio
 import os
+import re
+import resource
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import resource
 import textwrap
 import time
 import tracemalloc
@@ -20,6 +21,7 @@ import tracemalloc
 import pytest
 
 import envs.sandbox as sandbox_module
+from envs import sandbox_seccomp
 from envs.sandbox import Sandbox, SandboxError, SandboxLimits, run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -814,3 +816,117 @@ def test_many_files_do_not_block_the_event_loop_when_the_call_ends():
     result, stall = asyncio.run(main())
     assert result.ok and result.stdout == "made\n", result
     assert stall < 0.5, stall
+
+
+# --------------------------------------------------------------------------- no kernel state shared with the host
+
+
+KEYRING_TRAINER = r"""
+import asyncio, ctypes, sys
+from envs.sandbox import run_python
+libc = ctypes.CDLL(None, use_errno=True)
+SYS_keyctl, SYS_add_key = {"x86_64": (250, 248), "aarch64": (219, 217)}[__import__("os").uname().machine]
+# A trainer with a session keyring of its own, holding a secret of its own
+assert libc.syscall(ctypes.c_long(SYS_keyctl), ctypes.c_long(1), b"trainer-session") > 0
+assert libc.syscall(ctypes.c_long(SYS_add_key), b"user", b"trainer-secret", b"hunter2", ctypes.c_long(7),
+                    ctypes.c_long(-3)) > 0  # KEY_SPEC_SESSION_KEYRING
+for code in sys.argv[1:]:
+    print(asyncio.run(run_python(code)).stdout.strip())
+"""
+
+
+def test_a_call_cannot_reach_the_trainers_keyring_or_leave_a_key_for_the_next_call():
+    """A trainer with a session keyring: one call stores an answer there, the next looks for it, and for the
+    trainer's own key, by the key calls and in /proc/keys."""
+    numbers = sandbox_seccomp.syscall_numbers()
+    store = textwrap.dedent(f"""
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        key = libc.syscall(ctypes.c_long({numbers['add_key']}), b"user", b"left-by-call", b"42", ctypes.c_long(2),
+                           ctypes.c_long(-3))  # KEY_SPEC_SESSION_KEYRING
+        print(key > 0, ctypes.get_errno())
+    """)
+    look = textwrap.dedent(f"""
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        found = [libc.syscall(ctypes.c_long({numbers['request_key']}), b"user", name, None, ctypes.c_long(0)) > 0
+                 for name in (b"left-by-call", b"trainer-secret")]
+        listed = [name for name in ("left-by-call", "trainer-secret") if name in open("/proc/keys").read()]
+        print(found, listed)
+    """)
+    ran = subprocess.run([sys.executable, "-c", KEYRING_TRAINER, store, look], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": tempfile.tempdir})
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout == "False 1\n[False, False] []\n", ran.stdout  # add_key refused (EPERM); nothing found
+
+
+def test_the_seccomp_filter_refuses_what_untrusted_code_has_no_use_for():
+    """io_uring, new user and mount namespaces (and through them a tmpfs of any size), mounting, the key store, bpf,
+    memfd (memory no rlimit counts): each refused with EPERM; fork, threads and subprocesses still work."""
+    numbers = sandbox_seccomp.syscall_numbers()
+    result = run(f"""
+        import ctypes, os, subprocess, threading
+        libc = ctypes.CDLL(None, use_errno=True)
+        def errno_of(nr, *args):
+            ctypes.set_errno(0)
+            libc.syscall(ctypes.c_long(nr), *args)
+            return ctypes.get_errno()
+        params = ctypes.create_string_buffer(120)
+        print("io_uring_setup", errno_of({numbers['io_uring_setup']}, ctypes.c_long(1), params))
+        print("unshare(user)", errno_of({numbers['unshare']}, ctypes.c_long(0x10000000)))
+        print("unshare(mount)", errno_of({numbers['unshare']}, ctypes.c_long(0x00020000)))
+        print("mount tmpfs", errno_of({numbers['mount']}, b"none", b"/tmp", b"tmpfs", ctypes.c_long(0), b"size=1g"))
+        print("keyctl(read)", errno_of({numbers['keyctl']}, ctypes.c_long(11), ctypes.c_long(-3), None,
+                                       ctypes.c_long(0)))
+        print("bpf", errno_of({numbers['bpf']}, ctypes.c_long(0), None, ctypes.c_long(0)))
+        try:
+            os.memfd_create("held")
+            print("memfd_create 0")
+        except OSError as err:
+            print("memfd_create", err.errno)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(7)
+        thread = threading.Thread(target=lambda: None)
+        thread.start()
+        thread.join()
+        print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), subprocess.run(["echo", "spawned"], capture_output=True,
+              text=True).stdout.strip())
+    """)
+    assert result.ok, result.stderr
+    refused = ["io_uring_setup", "unshare(user)", "unshare(mount)", "mount tmpfs", "keyctl(read)", "bpf",
+               "memfd_create"]
+    assert result.stdout == "".join(f"{name} 1\n" for name in refused) + "7 spawned\n", result.stdout
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86's 32-bit system call entry")
+def test_the_32_bit_system_call_entry_cannot_bypass_the_filter():
+    """int 0x80 takes the i386 table, where unshare is 310: it gets ENOSYS, not a new user namespace."""
+    result = run("""
+        import ctypes, mmap
+        # mov eax, 310 (unshare); mov ebx, CLONE_NEWUSER; int 0x80; ret  (eax: -errno)
+        code = bytes.fromhex("b836010000" "bb00000010" "cd80" "c3")
+        buf = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+        buf.write(code)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        print(ctypes.CFUNCTYPE(ctypes.c_int)(address)())
+    """)
+    assert result.ok and result.stdout == "-38\n", result  # -ENOSYS
+
+
+def test_the_filter_uses_the_kernels_own_numbers():
+    """The tables against the kernel's headers, where installed (x86_64's own, and the generic one aarch64 uses)."""
+    headers = {"x86_64": "/usr/include/x86_64-linux-gnu/asm/unistd_64.h",
+               "aarch64": "/usr/include/asm-generic/unistd.h"}
+    checked = 0
+    for machine, header in headers.items():
+        if not os.path.exists(header):
+            continue
+        text = open(header).read()
+        for name, number in sandbox_seccomp.syscall_numbers(machine).items():
+            assert re.search(rf"#define __NR(3264)?_{name}\s+{number}\b", text), (machine, name, number)
+            checked += 1
+    if not checked:
+        pytest.skip("no kernel headers here")
+    with pytest.raises(ValueError, match=r"^sandbox has no seccomp filter for 'mips'"):
+        sandbox_seccomp.build_filter("mips")
