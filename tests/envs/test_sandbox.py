@@ -258,8 +258,9 @@ def test_a_program_printing_as_fast_as_it_can_costs_the_trainer_almost_nothing()
     """, timeout_s=5.0)
     after = resource.getrusage(resource.RUSAGE_SELF)
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    assert cpu < 1.0 and result.seconds < 3.0, (cpu, result.seconds)  # not the wall clock
+    # Stopped at the limit, not at the wall clock; the trainer's CPU (not wall) time, which a busy machine does not inflate.
     assert not result.timed_out and result.output_stopped and result.stdout_truncated
+    assert cpu < 1.0, cpu
 
 
 def test_control_characters_and_invalid_utf8_reach_the_model_visible():
@@ -815,7 +816,8 @@ def test_many_files_do_not_block_the_event_loop_when_the_call_ends():
 
     result, stall = asyncio.run(main())
     assert result.ok and result.stdout == "made\n", result
-    assert stall < 0.5, stall
+    # The old clean-up stalled the loop 3.3 s on an idle machine; 2 s leaves a busy one room (typically < 0.05 s).
+    assert stall < 2.0, stall
 
 
 # --------------------------------------------------------------------------- no kernel state shared with the host
