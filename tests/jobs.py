@@ -25,6 +25,14 @@ def read_metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def undocumented_metrics(rows: list[dict]) -> list[str]:
+    """The names in a PPO run's metrics rows that have no entry in rl_core/metric_docs.py, so docs/metrics.md does
+    not explain them: add one there and run scripts/metrics_reference.py."""
+    from rl_core.metric_docs import undocumented
+
+    return undocumented(name for row in rows for name in row)
+
+
 def output_lines(proc: subprocess.Popen, deadline: float | None = None) -> Iterator[str]:
     """The lines of `proc`'s output (its binary stdout pipe) as they arrive, until it has exited and the pipe
     holds nothing more: not until the pipe's end, which a process the job left behind would hold off

@@ -1,5 +1,6 @@
-"""docs/ builds with `mkdocs build --strict`, and the configuration reference covers every key of the four
-jobs with a description and is what scripts/config_reference.py writes today."""
+"""docs/ builds with `mkdocs build --strict`, the configuration reference covers every key of the four
+jobs with a description and is what scripts/config_reference.py writes today, and the metrics reference is
+what scripts/metrics_reference.py writes today."""
 
 import functools
 import importlib.util
@@ -18,6 +19,11 @@ def config_reference():
     return load_script("config_reference")
 
 
+@functools.lru_cache(maxsize=None)
+def metrics_reference():
+    return load_script("metrics_reference")
+
+
 def test_mkdocs_builds_the_site_strictly(tmp_path):
     assert importlib.util.find_spec("mkdocs") and importlib.util.find_spec("material"), \
         "mkdocs and mkdocs-material are missing: pip install -e '.[dev]'"
@@ -26,6 +32,7 @@ def test_mkdocs_builds_the_site_strictly(tmp_path):
                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "site" / "config-reference" / "index.html").is_file()
+    assert (tmp_path / "site" / "metrics" / "index.html").is_file()
     assert (tmp_path / "site" / "architecture.svg").is_file()
 
 
@@ -49,3 +56,9 @@ def test_the_config_reference_lists_every_key_with_type_and_default():
                 assert f"| `{key.key}` | " in page, f"{spec}: {key.key} is not in docs/config-reference.md"
                 assert key.type and key.default, f"{spec}: {key.key} has no type or default"
     assert "| `async.max_staleness` |" in page and "| `async_" not in page  # users' spelling of the section
+
+
+def test_the_metrics_reference_page_is_current():
+    ref = metrics_reference()
+    assert ref.OUTPUT.read_text() == ref.render(), \
+        "docs/metrics.md is stale: run python scripts/metrics_reference.py and commit it"

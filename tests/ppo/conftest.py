@@ -73,3 +73,28 @@ def slow_prepare_run(small_job, tmp_path_factory):
             "algorithm.old_logprobs=trainer"]
     return run_dir, run_to_end(argv, timeout=500, cwd=REPO,  # a timeout kills torchrun and its ranks
                                env={TEST_HOLD_ENV: "0:1:rollout:9"})  # rank 1 waits 9 s for step 1's rollout
+
+
+@pytest.fixture(scope="session")
+def arithmetic_job(tmp_path_factory):
+    """The arithmetic GRPO recipe's small offline assets (policy, problems, held-out problems) and settings."""
+    from offline.arithmetic import ensure_arithmetic_assets
+
+    root = tmp_path_factory.mktemp("arithmetic_assets")
+    paths = ensure_arithmetic_assets(root, small=True, log=lambda *_: None)
+    return {"root": root, "overrides": [
+        f"model.path={paths.model_dir}", f"data.train_path={paths.train_file}", f"data.eval_path={paths.eval_file}",
+        "data.max_prompt_length=80", "rollout.response_length=12", "algorithm.batch_size=16",
+        "algorithm.group_size=4", "algorithm.nminibatches=2", "env.num_envs=8", "trainer.progress=false",
+        "eval.max_prompts=12"]}
+
+
+@pytest.fixture(scope="session")
+def arithmetic_run(arithmetic_job, tmp_path_factory):
+    """3 steps of the arithmetic GRPO recipe with evaluations at step 0, every 2 steps and the end, gradient
+    checkpointing on: (run directory, its output). Read by the recipe's test and the metrics reference's."""
+    from tests.ppo.test_job import run_job
+
+    run_dir = tmp_path_factory.mktemp("arithmetic") / "run"
+    return run_dir, run_job(arithmetic_job, run_dir, "trainer.total_episodes=48", "eval.every=2",
+                            "model.gradient_checkpointing=true", timeout=480, config="grpo_arithmetic.yaml")

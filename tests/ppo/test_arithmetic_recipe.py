@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.jobs import read_metrics
+from tests.jobs import read_metrics, undocumented_metrics
 from tests.ppo.test_job import run_job, wait_gone
 
 
@@ -13,25 +13,10 @@ def run_arithmetic_job(job, run_dir, *extra):
     return run_job(job, run_dir, *extra, timeout=480, config="grpo_arithmetic.yaml")
 
 
-@pytest.fixture(scope="module")
-def arithmetic_job(tmp_path_factory):
-    from offline.arithmetic import ensure_arithmetic_assets
-
-    root = tmp_path_factory.mktemp("arithmetic_assets")
-    paths = ensure_arithmetic_assets(root, small=True, log=lambda *_: None)
-    return {"root": root, "overrides": [
-        f"model.path={paths.model_dir}", f"data.train_path={paths.train_file}", f"data.eval_path={paths.eval_file}",
-        "data.max_prompt_length=80", "rollout.response_length=12", "algorithm.batch_size=16",
-        "algorithm.group_size=4", "algorithm.nminibatches=2", "env.num_envs=8", "trainer.progress=false",
-        "eval.max_prompts=12"]}
-
-
 @pytest.mark.timeout(600)
-def test_arithmetic_recipe_logs_eval_at_step_0_and_at_the_end(arithmetic_job, tmp_path):
-    run_dir = tmp_path / "arithmetic"
+def test_arithmetic_recipe_logs_eval_at_step_0_and_at_the_end(arithmetic_job, arithmetic_run):
     # gradient checkpointing on: the key is wired through FSDP2 (the unit test below checks its gradients)
-    output = run_arithmetic_job(arithmetic_job, run_dir, "trainer.total_episodes=48", "eval.every=2",
-                     "model.gradient_checkpointing=true")
+    run_dir, output = arithmetic_run
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
     evaluated = [m["step"] for m in metrics if "eval/accuracy" in m]
@@ -68,6 +53,7 @@ def test_dynamic_sampling_fills_the_batch_and_counts_what_it_dropped(arithmetic_
         # every launched group was kept by the filter or dropped; dropped ones topped the batch up
         assert m["rollout/groups_launched"] - m["rollout/groups_dropped"] + m["rollout/groups_filled"] == 4
         assert "reward/overlong_penalty_mean" in m
+    assert undocumented_metrics(metrics) == []
     assert wait_gone(str(arithmetic_job["root"])) == []
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import read_metrics, run_to_end
+from tests.jobs import read_metrics, run_to_end, undocumented_metrics
 from tests.ppo.test_job import torchrun_argv, wait_gone
 from tests.sglang_env import require_sglang_python
 
@@ -54,6 +54,7 @@ def run_chat_job(assets, run_dir, engine: str, mode: str, overrides: list[str]) 
         timeout=600 if engine == "sglang" else 300)
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
+    assert undocumented_metrics(metrics) == []
     return metrics
 
 
