@@ -46,7 +46,8 @@ GROUPS: tuple[Group, ...] = (
           "at load and printed instead.",
           "0, or a small share of the dataset; a large one means the length limit cuts much of the data."),
     )),
-    Group("Policy", "The actor's update (`ppo_epochs` and `policy_loss` in `rl_core/ppo/step.py`).", (
+    Group("Policy", "The actor's update (`ppo_epochs` and `policy_loss` in `rl_core/ppo/step.py`; the maths in "
+          "[Algorithms](algorithms.md#policy-loss)).", (
         M("policy/loss", "loss", "The actor's loss per optimizer step: the clipped surrogate, minus "
           "`algorithm.entropy_coef` x entropy, plus `kl/coef` x the KL when `algorithm.kl.placement=loss`, "
           "aggregated by `algorithm.loss_agg`.",

@@ -1,10 +1,12 @@
-"""docs/ builds with `mkdocs build --strict`, the configuration reference covers every key of the four
-jobs with a description and is what scripts/config_reference.py writes today, and the metrics reference is
-what scripts/metrics_reference.py writes today."""
+"""docs/ builds with `mkdocs build --strict`; the configuration reference covers every key of the four
+jobs with a description and is what scripts/config_reference.py writes today; the metrics reference is
+what scripts/metrics_reference.py writes today; every `path/module.name` a page names exists; and the
+algorithms page gives every loss aggregation, group baseline, rollout correction and KL estimator a formula."""
 
 import functools
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +64,38 @@ def test_the_metrics_reference_page_is_current():
     ref = metrics_reference()
     assert ref.OUTPUT.read_text() == ref.render(), \
         "docs/metrics.md is stale: run python scripts/metrics_reference.py and commit it"
+
+
+# `rl_core/ppo/algorithms.compute_gae`, `rl_core/ppo/algorithms.AdaptiveKLController.update`, `envs/tools.py:Toolbox`
+NAMED_ATTRIBUTE = re.compile(r"^((?:rl_core|workers|envs|offline)(?:/\w+)+?)(?:\.py:|\.)([A-Za-z_]\w*(?:\.\w+)*)$")
+
+
+def test_every_function_class_or_constant_a_page_names_exists():
+    """A page that names `path/module.name` names something the module has (tests/test_readme.py checks that
+    the file exists, and every config key)."""
+    from tests.test_readme import PAGES, code_spans
+
+    problems = []
+    for page in PAGES:
+        for span in code_spans(page.read_text()):
+            for token in span.split():
+                token = token.strip("(),;")
+                match = NAMED_ATTRIBUTE.match(token)
+                if not match or (REPO / token).exists() or not (REPO / f"{match.group(1)}.py").is_file():
+                    continue  # a file or a folder, which tests/test_readme.py checks
+                target = importlib.import_module(match.group(1).replace("/", "."))
+                for part in match.group(2).split("."):
+                    target = getattr(target, part, None)
+                if target is None:
+                    problems.append(f"{page.name}: {match.group(1)} has no {match.group(2)}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_algorithms_page_gives_every_mode_its_formula():
+    from rl_core.ppo.algorithms import GROUP_KINDS, KL_KINDS, LOSS_AGG_MODES, ROLLOUT_CORRECTIONS
+
+    page = (REPO / "docs" / "algorithms.md").read_text()
+    for mode in (*LOSS_AGG_MODES, *GROUP_KINDS, *ROLLOUT_CORRECTIONS):
+        assert f"\\text{{{mode}:}}" in page, f"docs/algorithms.md has no formula for {mode}"
+    for kind in KL_KINDS:
+        assert f"k_{kind[1:]} &=" in page, f"docs/algorithms.md has no formula for the {kind} estimator"
