@@ -58,7 +58,14 @@ class _Request:
 
 
 def load_agent(path: str) -> Callable:
-    """The agent function at `path`; it must be `async def fn(base_url, sample)`."""
+    """The agent function at `path` ("pkg.module:function"); it must be `async def fn(base_url, sample)`.
+
+    The function runs one trajectory: `base_url` is an OpenAI-compatible endpoint (`.../v1`) of its own,
+    whose every `chat/completions` request is one action sampled by the policy, and `sample` the prompt's
+    dataset row. It returns the reward, a number, or a dict with `reward` and other numbers, each logged as
+    `rollout/agent/<key>`. What it raises fails its trajectory, like an env's error. A trajectory is one
+    conversation: the agent sends its requests one at a time (parallel conversations are separate trajectories).
+    """
     fn = load_by_path(path, "agent", "my_pkg.my_agent:run")
     if not inspect.iscoroutinefunction(fn):
         raise TypeError(f"{path!r} is {fn!r}, not an async function: the agent must be "

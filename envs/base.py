@@ -25,11 +25,25 @@ from typing import Union
 from envs.threads import run_blocking
 
 Observation = Union[str, list[int]]
+"""A state of the trajectory, whole: text, or token ids.
+
+The first state (`Env.reset`) is the prompt. A later one (`StepResult.observation`) that extends the state so
+far, the previous state followed by the action's text (or ids), is appended to the same token sequence: only
+its new part is tokenized, on its own. Anything else starts a new sequence of the trajectory with that state
+as its context."""
 
 
 @dataclass
 class Action:
-    """What the policy did this turn: the engine's token ids and the framework's decode of them."""
+    """What the policy did this turn: the engine's token ids and the framework's decode of them.
+
+    Attributes:
+        text: The response, decoded from `token_ids` without special tokens.
+        token_ids: The ids the engine sampled, as it sampled them.
+        finish_reason: Why generation stopped: "stop" (EOS or a stop token), "length" (the token limit) or
+            another reason the engine gave.
+        logprobs: The engine's logprob of each id (pi_behaviour).
+    """
 
     text: str
     token_ids: list[int]
@@ -39,7 +53,15 @@ class Action:
 
 @dataclass
 class StepResult:
-    """The env's answer to an action. `observation=None` means there is no next state."""
+    """The env's answer to an action.
+
+    Attributes:
+        observation: The next state (see `Observation`); None ends the trajectory.
+        reward: Earned by this action: put on its last token, and added to the trajectory's total reward.
+        done: True ends the trajectory.
+        info: Details kept with the trajectory (`Trajectory.info`); a number under a key `agent/<name>` is
+            averaged over the batch into the metric `rollout/agent/<name>`.
+    """
 
     observation: Observation | None
     reward: float = 0.0
@@ -50,13 +72,20 @@ class StepResult:
 class Env:
     """Async environment. Subclass and implement `reset` and `step`; `close` is optional.
 
-    Constructor arguments come from the config (`env.kwargs`), so keep them plain values.
-    One instance serves many trajectories in turn (the pool reuses it), so `reset` must
-    clear any per-trajectory state.
+    The job builds it by import path (`env.cls`) with the keyword arguments of `env.kwargs`, so keep them
+    plain values. One instance serves many trajectories in turn (the pool reuses it), so `reset` must
+    clear any per-trajectory state. A call that raises or runs past `env.step_timeout_s` fails its
+    trajectory only (left out of training, counted in `rollout/failed`).
     """
 
     async def reset(self, sample: dict) -> Observation | None:
-        """Start a trajectory for one dataset row; return the first state (None: use the sample's prompt)."""
+        """Start a trajectory for one dataset row; return the first state (None: use the sample's prompt).
+
+        Args:
+            sample: The prompt's dataset row with every column, plus `prompt_ids` (the encoded prompt),
+                `index` (its row), `group_id` (the same for every response to the prompt) and, when
+                samples are seeded, `sampling_seed`.
+        """
         raise NotImplementedError
 
     async def step(self, action: Action) -> StepResult:
@@ -79,17 +108,19 @@ class SyncEnv:
     """Blocking twin of `Env`, for environments written without asyncio.
 
     Same methods, without `async`. Wrap an instance in `SyncEnvAdapter` (the env factory does
-    this for you) so each call runs in a worker thread.
+    this for you) so each call runs in a worker thread, one of `env.thread_pool_size`.
     """
 
     def reset(self, sample: dict) -> Observation | None:
+        """As `Env.reset`, in a worker thread."""
         raise NotImplementedError
 
     def step(self, action: Action) -> StepResult:
+        """As `Env.step`, in a worker thread."""
         raise NotImplementedError
 
     def close(self) -> None:
-        pass
+        """As `Env.close`, in a worker thread."""
 
 
 class SyncEnvAdapter(Env):

@@ -37,7 +37,17 @@ logger = logging.getLogger(__name__)
 @dataclass
 class AssistantMessage:
     """One assistant turn: its text (special tokens left out), the engine's ids, the calls parsed from it, and,
-    read by `env.reasoning_parser`, its content without reasoning and calls and its reasoning (None: none)."""
+    read by `env.reasoning_parser`, its content without reasoning and calls and its reasoning (None: none).
+
+    Attributes:
+        text: The turn as the model wrote it, special tokens left out.
+        token_ids: The ids the engine sampled.
+        tool_calls: The calls `env.tool_parser` read from the turn, in order; one that did not parse has its
+            `problem` set (`ChatEnv.call_tools` answers it with an error).
+        finish_reason: "stop" (EOS or a stop token) or "length" (cut by the token limit).
+        content: The answer without reasoning and calls; None when nothing was parsed out (then `text`).
+        reasoning_content: The reasoning (`env.reasoning_parser`); None when there is none.
+    """
 
     text: str
     token_ids: list[int]
@@ -48,6 +58,7 @@ class AssistantMessage:
 
     @property
     def message(self) -> dict:
+        """The turn as an OpenAI-style assistant message: `role`, `content` and, when parsed, `reasoning_content`."""
         message = {"role": "assistant", "content": self.text if self.content is None else self.content}
         if self.reasoning_content is not None:
             message["reasoning_content"] = self.reasoning_content
@@ -56,7 +67,15 @@ class AssistantMessage:
 
 @dataclass
 class ChatStep:
-    """The env's answer to an assistant turn: new messages (tool results, a user turn) or `done`."""
+    """The env's answer to an assistant turn: new messages (tool results, a user turn) or `done`.
+
+    Attributes:
+        messages: Messages that follow the turn, e.g. `call_tools`' tool messages or a next user turn; the
+            framework renders them with the chat template. None or empty ends the trajectory, as `done` does.
+        reward: Earned by this turn: put on its last token, and added to the trajectory's total reward.
+        done: True ends the trajectory.
+        info: Details kept with the trajectory, as `StepResult.info`.
+    """
 
     messages: list[dict] = field(default_factory=list)
     reward: float = 0.0
@@ -83,6 +102,9 @@ class ChatEnv:
 
     Constructor: `toolbox` (the job's tools, None without `env.tools`) plus the plain values of
     `env.kwargs`. One instance serves many trajectories in turn, so `reset` clears per-trajectory state.
+    The framework turns messages into tokens (the tokenizer's chat template, `env.chat_template_kwargs`) and
+    the model's turns into `AssistantMessage`s (`env.tool_parser`, `env.reasoning_parser`); the env deals in
+    messages only. `ToolUseEnv` below is a complete one.
     """
 
     def __init__(self, toolbox: Toolbox | None = None):
@@ -90,11 +112,23 @@ class ChatEnv:
         self.tool_stats = ToolStats()
 
     async def reset(self, sample: dict) -> list[dict]:
-        """The conversation's first messages for one dataset row (system and user)."""
+        """The conversation's first messages for one dataset row (system and user).
+
+        Args:
+            sample: The prompt's dataset row, as `envs.base.Env.reset` gets it.
+
+        Returns:
+            OpenAI-style messages (`{"role": ..., "content": ...}`), rendered with the tokenizer's chat
+                template and the tools' schemas.
+        """
         raise NotImplementedError
 
     async def step(self, message: AssistantMessage) -> ChatStep:
-        """React to the model's turn: tool results or a next user turn, or `done` with a reward."""
+        """React to the model's turn: tool results or a next user turn, or `done` with a reward.
+
+        Args:
+            message: The model's turn, its tool calls parsed; run them with `call_tools`.
+        """
         raise NotImplementedError
 
     async def close(self) -> None:
@@ -102,7 +136,18 @@ class ChatEnv:
 
     async def call_tools(self, calls: list[ToolCall], max_calls: int | None = None) -> list[dict]:
         """Run `calls` concurrently; one `tool` message each, in order. Failures are messages too. Calls past
-        the first `max_calls` are not run: each is answered with an error (`over_limit`)."""
+        the first `max_calls` are not run: each is answered with an error (`over_limit`).
+
+        Every call is counted for the rollout's metrics: `rollout/tool_calls_mean`, `rollout/tool_errors_mean`
+        and the errors by kind (`envs.tools.ERROR_KINDS`).
+
+        Args:
+            calls: The turn's calls (`AssistantMessage.tool_calls`).
+            max_calls: How many of them run at most; None runs all.
+
+        Returns:
+            One `{"role": "tool", "tool_call_id", "name", "content"}` message per call, for `ChatStep.messages`.
+        """
         toolbox = self.toolbox or Toolbox([])  # no env.tools: every call is answered "no tool named ..."
         run, refused = (calls, []) if max_calls is None else (calls[:max_calls], calls[max_calls:])
         results = await asyncio.gather(*(toolbox.run(call) for call in run))
@@ -143,6 +188,8 @@ class ToolUseEnv(ChatEnv):
         self.tool_turns = 0
 
     async def reset(self, sample: dict) -> list[dict]:
+        """The sample's `prompt_key` column as the conversation (a text becomes the user turn), after
+        `system_prompt` when the messages have no system turn."""
         self.tool_turns = 0
         if self.prompt_key not in sample:
             raise KeyError(f"ToolUseEnv needs a {self.prompt_key!r} column (env.kwargs.prompt_key), got {sorted(sample)}")
@@ -153,6 +200,8 @@ class ToolUseEnv(ChatEnv):
         return messages
 
     async def step(self, message: AssistantMessage) -> ChatStep:
+        """The turn's calls run and their results come back; a turn without calls, cut by the length limit or
+        past `max_tool_turns` ends the episode (`info["answered"]` says whether it was an answer)."""
         if not message.tool_calls or message.finish_reason == "length":
             return ChatStep(done=True, info={"answered": bool(not message.tool_calls)})
         if self.tool_turns >= self.max_tool_turns:

@@ -44,7 +44,16 @@ class ToolError(Exception):
 
 @dataclass
 class ToolCall:
-    """One call the model wrote: `arguments` parsed, or `problem` saying why they could not be."""
+    """One call the model wrote: `arguments` parsed, or `problem` saying why they could not be.
+
+    Attributes:
+        id: The call's id, which its `tool` message answers (`tool_call_id`).
+        name: The tool it names.
+        arguments: The arguments by name, typed by the tool's schema where the format writes text.
+        problem: Why the call could not be read; None when it parsed. Such a call is answered with an error
+            (kind `unparsed`) and never run.
+        span: Where in the turn's text the call was written (start, end).
+    """
 
     id: str
     name: str

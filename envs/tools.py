@@ -31,10 +31,23 @@ from envs.plugins import load_by_path
 from envs.tool_parsers import PARSERS, ToolCall, ToolError, hermes_tool_calls, load_parser  # noqa: F401 - re-exported
 
 ERROR_KINDS = ("unparsed", "unknown_tool", "bad_arguments", "raised", "timed_out", "over_limit")
+"""How a tool call can fail, each counted in `rollout/tool_errors/<kind>`: the call could not be read
+(`unparsed`), names no tool (`unknown_tool`), has arguments the schema refuses (`bad_arguments`), the tool
+raised (`raised`) or ran past its time (`timed_out`), or the turn had more calls than the env runs
+(`over_limit`). The model reads each failure as its tool message."""
 
 
 @dataclass
 class ToolResult:
+    """What one call gave: the `tool` message for the model, and for the metrics its error kind and time.
+
+    Attributes:
+        message: `{"role": "tool", "tool_call_id", "name", "content"}`; the content is the tool's return value
+            (a string as it is, anything else as JSON) or the error.
+        error: One of `ERROR_KINDS`, None when the tool answered.
+        seconds: How long the call took.
+    """
+
     message: dict[str, str]  # {"role": "tool", "tool_call_id", "name", "content"}
     error: str | None  # one of ERROR_KINDS, None when the tool answered
     seconds: float
@@ -49,7 +62,15 @@ class Toolbox:
     """The tools of an environment by name; `timeout_s` bounds each call, `max_threads` the blocking
     (non-async) tool calls running at once, `max_concurrent` all calls running at once: one toolbox serves a
     job's every env, so this bounds the job's total (a sandbox per call would otherwise run as many programs
-    as the policy writes calls)."""
+    as the policy writes calls).
+
+    A tool is a plain function, sync or `async`, listed in `env.tools` by import path ("pkg.module:function").
+    Its schema, what the chat template shows the model, comes from its signature and docstring: a type hint
+    on every parameter and a Google-style docstring whose `Args:` section describes each one
+    (`envs.arithmetic_tools.calc` is an example). It returns a string, or any value JSON can write; whatever
+    it raises reaches the model as an error message. The job builds the toolbox with `env.tool_timeout_s`,
+    `env.thread_pool_size` and `env.tool_concurrency`.
+    """
 
     def __init__(self, functions: list[Callable], timeout_s: float = 30.0, max_threads: int = 8,
                  max_concurrent: int = 8, mcp_servers: Sequence[dict] = ()):

@@ -44,7 +44,14 @@ class ConfigKeys:
 
 @dataclass
 class PromptDataset:
-    """Valid prompt rows (every row has a non-empty string or message list under `text_key`)."""
+    """Valid prompt rows (every row has a non-empty string or message list under `text_key`).
+
+    Attributes:
+        rows: The rows, a `datasets.Dataset`; each a dict of every column.
+        source: The file or hub name they came from, for messages.
+        text_key: The prompt's column: a string (plain text) or a list of `{role, content}` messages (a chat).
+        skipped: Malformed rows dropped when loaded with `on_malformed="skip"`.
+    """
 
     rows: Any  # datasets.Dataset
     source: str

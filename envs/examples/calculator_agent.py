@@ -28,6 +28,16 @@ def calculate(expression: str) -> str:
 
 
 async def run(base_url: str, sample: dict) -> dict:
+    """The agent function: one trajectory, driven through the job's OpenAI-compatible endpoint.
+
+    Args:
+        base_url: This trajectory's endpoint (`.../v1`): every chat completion asked of it is one action.
+        sample: The prompt's dataset row; here its `messages` and its `answer`.
+
+    Returns:
+        The reward under `reward`, and numbers of the agent's own (here `tool_calls`), logged as
+            `rollout/agent/<key>`.
+    """
     messages = list(sample["messages"])
     calls = 0
     async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:

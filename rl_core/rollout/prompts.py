@@ -129,7 +129,17 @@ class PromptSamples:
     Every sample carries its dataset row (so extra columns such as `answer` reach envs and
     reward functions), `prompt_ids`, and `group_id`: the same for the `group_size` responses of
     one prompt and unique over the run, so group baselines find their groups by id, whatever
-    the order and whatever failed."""
+    the order and whatever failed.
+
+    A sample, as `envs.base.Env.reset` and the reward functions get it, is the row's columns plus:
+
+    - `prompt_ids`: the prompt's token ids (chat template applied, `data.max_prompt_length` enforced);
+    - `index`: the row's index in the dataset;
+    - `group_id`: the prompt's group;
+    - `sampling_seed`: the engine's seed for this sample, when samples are seeded (`rollout.seeded`).
+
+    A held-out sample (`eval_samples`) has the same, without `sampling_seed`, with the row's index as its
+    `group_id`."""
 
     def __init__(self, loader: PromptLoader, group_size: int, seed: int, seeded: bool = True):
         self.loader, self.group_size, self.seed, self.seeded = loader, group_size, seed, seeded
@@ -165,9 +175,11 @@ class PromptSamples:
         return self.loader.skipped
 
     def state_dict(self) -> dict:
+        """Where the stream is (the loader's position, samples and prompts served), for a checkpoint."""
         return {"loader": self.loader.state_dict(), "served": self.served, "prompts_served": self.prompts_served}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from a checkpoint's `state_dict`: the next sample is the one the saved run would have drawn."""
         self.loader.load_state_dict(state["loader"])
         self.served = state["served"]
         self.prompts_served = state.get("prompts_served", 0)
