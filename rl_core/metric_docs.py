@@ -281,8 +281,8 @@ GROUPS: tuple[Group, ...] = (
     )),
     Group("Memory plan", "The plan made before the engines start (`workers/memory_plan.py`; see "
           "[Memory plan](memory.md#memory-plan)), logged once, in the run's first row. Sizes are per device: "
-          "one trainer rank and its engine. When the plan fits, the parts (every `*_gib` but `device_gib`) add "
-          "up to at most `memory_plan/device_gib`.", (
+          "one trainer rank and its engine. When the plan fits, the eight parts from `trainer_params_gib` to "
+          "`reserve_gib` add up to at most `memory_plan/device_gib`.", (
         M("memory_plan/trainer_params_gib", "GiB", "Trained weights, sharded over the ranks (0 with "
           "`model.cpu_offload`).", "See `memory_plan/fits`."),
         M("memory_plan/trainer_grads_gib", "GiB", "Their gradients.", "See `memory_plan/fits`."),
@@ -301,6 +301,11 @@ GROUPS: tuple[Group, ...] = (
           "(capped by memory, or `rollout.kv_tokens`) makes requests queue for KV."),
         M("memory_plan/work_tokens", "tokens", "KV the rollout's sequences in flight need on one engine.",
           "See `memory_plan/kv_tokens`."),
+        M("memory_plan/trainer_process_gib", "GiB", "On CPU only: the trainer process's planned peak resident "
+          "memory: its parts, its runtime, and twice the policy's size while it loads whole.",
+          "Close to `memory/trainer_peak_gib`, the trainer's measured peak."),
+        M("memory_plan/engine_process_gib", "GiB", "On CPU only: the engine process's planned peak resident memory: "
+          "its weights, its KV pool and its runtime.", "See `memory_plan/fits`."),
         M("memory_plan/fits", "0/1", "1 when trainer and engine fit on the device together (then the engines "
           "never release memory under `rollout.release_memory=auto`).", "1 where memory allows it."),
     )),
