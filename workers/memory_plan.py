@@ -53,6 +53,7 @@ LOGIT_COPIES = 3  # float32 logits, their log-softmax and its gradient
 ROUTER_IMBALANCE = 2.0
 CUDA_RESERVE_BYTES = 4 * GIB
 CPU_RESERVE_BYTES = 1 * GIB  # a trainer rank's and its engine's Python + torch, about 0.4 GB each
+PROCESS_RUNTIME_BYTES = GIB // 2  # on CPU, each process's Python, torch and transformers before any model
 FRAGMENTATION = 0.05  # of the device, lost to the allocators' fragmentation
 RELEASE_MODES = ("auto", "always", "never")
 
@@ -123,6 +124,7 @@ class MemoryPlan:
     fits: bool  # trainer at its peak and engine with its whole pool fit together
     trainer_fits: bool  # the trainer alone fits (else expect an out-of-memory error)
     reason: str
+    policy_whole_bytes: int = 0  # the policy's weights in the master dtype, unsharded (as loaded)
 
     @property
     def engine_kv(self) -> int:
@@ -143,11 +145,21 @@ class MemoryPlan:
                 "trainer_activations": self.trainer_activations, "engine_weights": self.engine_weights,
                 "engine_kv": self.engine_kv, "reserve": self.device.reserve_bytes}
 
+    def process_peaks(self) -> dict[str, int]:
+        """On CPU, each process's peak resident memory (what `ru_maxrss` reads): the trainer's parts, its runtime,
+        and twice the policy's size for its loading, when the mapped checkpoint file and the loaded copy are both
+        resident before FSDP shards it (SmolLM2-135M in float32: 6.1 GiB measured, 5.5 planned, at 48 x 112
+        tokens; 3.6 and 3.1 at 8 x 88); the engine's parts and its runtime."""
+        return {"trainer": self.trainer_total + 2 * self.policy_whole_bytes + PROCESS_RUNTIME_BYTES,
+                "engine": self.engine_total + PROCESS_RUNTIME_BYTES}
+
     def metrics(self) -> dict[str, float]:
         """`memory_plan/*` for the metrics log: bytes in GiB, the pool in tokens, the decision as 0/1."""
         out = {f"memory_plan/{name}_gib": value / GIB for name, value in self.parts().items()}
         out.update({"memory_plan/device_gib": self.device.total_bytes / GIB, "memory_plan/kv_tokens": self.kv_tokens,
                     "memory_plan/work_tokens": self.work_tokens, "memory_plan/fits": float(self.fits)})
+        if self.device.kind == "cpu":  # beside memory/trainer_peak_gib, the trainer process's measured peak
+            out.update({f"memory_plan/{name}_process_gib": value / GIB for name, value in self.process_peaks().items()})
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -166,6 +178,10 @@ class MemoryPlan:
                  f"  engine {size(self.engine_total)} = weights {size(self.engine_weights)} + KV {size(self.engine_kv)} "
                  f"({self.kv_tokens} tokens x {self.kv_bytes_per_token} B; the rollout needs {self.work_tokens})",
                  f"  {self.reason}; release engine memory each step: {'yes' if release else 'no'}"]
+        if dev.kind == "cpu":
+            peaks = self.process_peaks()
+            lines.append(f"  each process at its peak, with its runtime: trainer {size(peaks['trainer'])} (loading the "
+                         f"policy whole included), engine {size(peaks['engine'])}")
         if not self.trainer_fits:
             lines.append(f"  warning: the trainer alone needs {size(self.trainer_total)} of "
                          f"{size(dev.total_bytes - dev.reserve_bytes)} usable: expect out-of-memory errors; shard over "
@@ -213,7 +229,7 @@ def plan_memory(inputs: MemoryInputs, device: Device) -> MemoryPlan:
     verdict = "fit together" if fits else "do not fit together"
     reason = f"trainer and engine {verdict} ({size(together)} of {size(usable)} usable); KV {why}"
     return MemoryPlan(device, params, grads, optimizer, frozen, activations, engine_weights, per_token, work,
-                      int(kv_tokens), fits, trainer_peak <= usable, reason)
+                      int(kv_tokens), fits, trainer_peak <= usable, reason, n * inputs.master_dtype_bytes)
 
 
 def activation_bytes(inputs: MemoryInputs) -> int:

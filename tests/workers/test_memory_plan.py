@@ -218,3 +218,15 @@ def test_cpu_device_is_the_machines_memory_shared_by_the_nodes_ranks():
     assert device.kind == "cpu"
     assert abs(device.total_bytes - mem_total_kib * 1024 // 2) < 1 << 20
     assert device.reserve_bytes == GIB + int(0.05 * device.total_bytes)
+
+
+def test_on_cpu_each_process_peak_is_its_parts_its_runtime_and_loading_the_policy_whole():
+    from workers.memory_plan import PROCESS_RUNTIME_BYTES
+
+    cpu = Device.of("cpu", 12 * GIB)
+    plan = plan_memory(inputs_86m(engine_dtype_bytes=4, compute_dtype_bytes=4, dp_size=2), cpu)
+    peaks = plan.process_peaks()
+    assert peaks["trainer"] == plan.trainer_total + 2 * 92_133_888 * 4 + PROCESS_RUNTIME_BYTES
+    assert peaks["engine"] == plan.engine_total + PROCESS_RUNTIME_BYTES
+    assert plan.metrics()["memory_plan/trainer_process_gib"] == peaks["trainer"] / GIB
+    assert "memory_plan/trainer_process_gib" not in plan_memory(inputs_86m(), H100).metrics()  # a GPU's is the allocator's
