@@ -24,9 +24,9 @@ def test_release_follows_the_setting_and_the_plan(small_job, request, tmp_path, 
     else:
         run_dir = tmp_path / setting
         extra = {"never": ["rollout.release_memory=never"],
-                 # 1.07 GiB for a rank and its engine: the CPU reserve (1 GiB + 5%) leaves 17 MB, less than the
-                 # 27 MB the trainer's step needs (weights, Adam, the frozen models, a 4-sequence micro-batch)
-                 "auto-small-device": ["rollout.release_memory=auto", "rollout.device_memory_gb=1.07"]}[setting]
+                 # 1.0535 GiB for a rank and its engine: the CPU reserve (1 GiB + 5%) leaves 0.9 MiB, less than the
+                 # 1.9 MiB the small model's trainer needs (weights, Adam, the frozen models, a 4-sequence micro-batch)
+                 "auto-small-device": ["rollout.release_memory=auto", "rollout.device_memory_gb=1.0535"]}[setting]
         output = run_job(small_job, run_dir, *SHORT, *extra)
     plan = json.loads((run_dir / "memory_plan.json").read_text())
     metrics = read_metrics(run_dir)
