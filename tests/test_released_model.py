@@ -28,13 +28,10 @@ MAX_GAP = 1e-5  # float32 on both sides: the engine serves exactly the trainer's
 def cache(tmp_path_factory):
     """A conversion cache of this module's own, and the converted directory in it."""
     root = tmp_path_factory.mktemp("rl_core_cache")
-    before = os.environ.get(CACHE_ENV)
-    os.environ[CACHE_ENV] = str(root)
     lines = []
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(root))
         yield {"root": root, "model": float_checkpoint(SMOLLM2, "model.path", log=lines.append), "lines": lines}
-    finally:
-        os.environ.pop(CACHE_ENV) if before is None else os.environ.__setitem__(CACHE_ENV, before)
 
 
 def _chat_ids(tokenizer, question: str) -> list[int]:
