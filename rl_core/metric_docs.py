@@ -98,6 +98,15 @@ GROUPS: tuple[Group, ...] = (
           "the step.", "Constant when `algorithm.kl.adaptive=false`; otherwise it rises while `kl/mean` is above "
           "the target and falls while below, by at most 20% x batch size / horizon per step."),
     )),
+    Group("On-policy distillation", "The teacher's per-token signal (`distill.*`; `distill_advantages` in "
+          "`rl_core/ppo/distill.py`), logged when a teacher is set.", (
+        M("distill/reverse_kl", "nats per token", "Mean over the batch's sampled tokens of log pi_student - "
+          "log pi_teacher (pi_old's logprob against the teacher's, temperature 1): the one-sample estimate of "
+          "KL(student || teacher) that each token's advantage subtracts, times `distill.coef`.",
+          "Falls towards 0 as the student takes up the teacher's choices; a rise means the student leaves it."),
+        M("distill/teacher_logprob", "nats per token", "Mean teacher logprob of the tokens the student sampled.",
+          "Rises towards the teacher's own confidence on its answers (near 0 for a sure teacher)."),
+    )),
     Group("Rewards", "What the batch scored (`score_metrics`, `trajectory_scores`, `compute_advantages` in "
           "`rl_core/ppo/step.py`; reward functions in `rl_core/rollout/metrics.py`).", (
         M("reward/score_mean", "reward units", "Mean reward-model score of the batch, before the rejection "

@@ -270,6 +270,25 @@ class AsyncConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (docs/algorithms.md): a frozen teacher scores every sampled token, and each
+    token's advantage gets `coef * (log pi_teacher - log pi_student)`, the negative reverse-KL estimate."""
+    # The teacher, any model path the job accepts (a local teacher, FSDP2-sharded like the reference on
+    # every rank); null with teacher_url null = no distillation.
+    teacher_path: Optional[str] = None
+    # Or a server the user runs (SGLang's HTTP API) serving the teacher, too big to sit beside the trainer:
+    # rank 0 asks it for the prompt logprobs of every sequence (`/generate`, max_new_tokens 0).
+    teacher_url: Optional[str] = None
+    coef: float = 1.0  # weight of the per-token term
+    reward_coef: float = 1.0  # weight of the task reward's advantage; 0 = pure distillation
+    teacher_timeout_s: float = 300.0  # teacher_url: each request's time limit
+
+    @property
+    def enabled(self) -> bool:
+        return self.teacher_path is not None or self.teacher_url is not None
+
+
+@dataclass
 class PPOTrainerConfig(TrainerConfig):
     run_dir: str = "runs/ppo_sentiment"
     mode: str = choice("sync", ("sync", "async"))  # sync = on-policy; async = generation overlaps training (async.*)
@@ -300,6 +319,7 @@ class PPOConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     trainer: PPOTrainerConfig = field(default_factory=PPOTrainerConfig)
 
 

@@ -28,6 +28,7 @@ from rl_core.ppo.validation import check_models, validate
 from rl_core.ppo.memory import decide, plan_job_memory, report_plan
 from rl_core.ppo.evaluation import evaluate, print_eval
 from rl_core.ppo import algorithms as alg
+from rl_core.ppo.distill import RemoteTeacher, check_same_tokenizer
 from rl_core.ppo.models import PPOModels
 from rl_core.ppo.step import (Experience, StepSettings, compute_advantages, ppo_epochs, forward_passes,
                               reward_model_scores, score_metrics, task_scores)
@@ -116,7 +117,7 @@ def ppo_step(job: Job, rt: JobRuntime, step: int, progress: JobProgress) -> dict
         # 5. KL-penalised rewards, reward whitening, GAE (or group baselines by group id), advantage
         #    whitening
         with span("advantages"):
-            targets = compute_advantages(exp, scores, job.kl_ctl.value, cfg.algorithm)
+            targets = compute_advantages(exp, scores, job.kl_ctl.value, cfg.algorithm, cfg.distill)
         # 6. PPO epochs x minibatches x micro-batches, then the adaptive KL step
         with span("ppo epochs"):
             metrics.update(ppo_epochs(exp, targets, models, worker, settings, job.kl_ctl, step))
@@ -191,6 +192,7 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
         load_reward_fn(spec["fn"])
     on_every_rank(lambda: check_model_paths(cfg))
     tokenizer = loading.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    check_teacher(cfg, tokenizer)
     max_positions = loading.model_context_length(cfg.model.path)  # checked against the config at parse time
     seed_everything(rank_seed(cfg.trainer.seed, rt.rank))
     algo, run_dir = cfg.algorithm, Path(cfg.trainer.run_dir)
@@ -211,7 +213,8 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
     if rt.rank == 0 and plan is not None:
         report_plan(plan, rt.release_each_step, run_dir)
     rt.start_engines(cfg.model.path, collector.pauses_in_place, max_positions, plan and plan.kv_tokens)
-    models = PPOModels(cfg.model, algo, cfg.reward.model_path or None, tokenizer.pad_token_id, total_steps)
+    models = PPOModels(cfg.model, algo, cfg.reward.model_path or None, tokenizer.pad_token_id, total_steps,
+                       cfg.distill)
     # Every model runs the same micro-batches: balanced, length-sorted, packed when asked.
     worker = BatchWorker(rt.rank, rt.world_size, rt.device, algo.max_tokens_per_device,
                          layout.packing_layout(algo.packing, cfg.model.attn_implementation), algo.share_prompts,
@@ -295,9 +298,21 @@ def log_step(job: Job, step: int, metrics: dict) -> None:
 def check_model_paths(cfg: PPOConfig) -> None:
     """A local model path must be a model directory; anything else is a hub name, tried once."""
     for key, value in (("model.path", cfg.model.path), ("reward.model_path", cfg.reward.model_path),
-                       ("model.tokenizer_path", cfg.model.tokenizer_path)):
+                       ("model.tokenizer_path", cfg.model.tokenizer_path),
+                       ("distill.teacher_path", cfg.distill.teacher_path)):
         if value is not None:
             loading.check_model_path(value, key, need_config=key != "model.tokenizer_path")
+
+
+def check_teacher(cfg: PPOConfig, tokenizer) -> None:
+    """On-policy distillation compares logprobs token by token: the local teacher must share the student's
+    tokenizer, and a teacher server must answer (rank 0 asks it), before any engine starts."""
+    distill = cfg.distill
+    if distill.teacher_path is not None:
+        check_same_tokenizer(tokenizer, loading.load_tokenizer(distill.teacher_path),
+                             cfg.model.tokenizer_path or cfg.model.path, distill.teacher_path)
+    if distill.teacher_url is not None:
+        on_rank0(RemoteTeacher(distill.teacher_url, distill.teacher_timeout_s).check, "ask the teacher server")
 
 
 def sample_rows(tokenizer, exp, scores, n: int) -> list[dict]:

@@ -79,9 +79,11 @@ def _plan(cfg: PPOConfig, detected: Device, world_size: int, context_length: int
     device = detected
     if cfg.rollout.device_memory_gb is not None:
         device = Device.of(detected.kind, int(cfg.rollout.device_memory_gb * GIB))
-    reward_params = 0
+    reward_params = 0  # the frozen models besides the policy's own: the reward model and a local teacher
     if cfg.reward.model_path:
         reward_params = count_parameters(AutoConfig.from_pretrained(cfg.reward.model_path), sequence_classification=True)
+    if cfg.distill.teacher_path:
+        reward_params += count_parameters(AutoConfig.from_pretrained(cfg.distill.teacher_path))
     inputs = memory_inputs(cfg, AutoConfig.from_pretrained(cfg.model.path), reward_params, world_size, device,
                            context_length)
     return plan_memory(inputs, device)

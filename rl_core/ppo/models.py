@@ -1,5 +1,5 @@
 """The models of one PPO rank, FSDP2-sharded: the actor (and critic) being trained, the frozen
-reference and reward model, and what the engines need of the actor (its weights, the probe)."""
+reference, reward model and distillation teacher, and what the engines need of the actor (its weights, the probe)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Callable, Iterator
 import torch
 
 from rl_core.optim import build_optimizer, linear_anneal_schedule
-from rl_core.ppo.config import AlgorithmConfig, ModelConfig
+from rl_core.ppo.config import AlgorithmConfig, DistillConfig, ModelConfig
+from rl_core.ppo.distill import RemoteTeacher
 from workers import forward, layout, loading
 from workers.fsdp import TrainableModel, iter_full_tensors, shard_model
 from workers.lora import merged_weights, with_lora
@@ -17,10 +18,10 @@ from workers.worker import BatchWorker
 
 
 class PPOModels:
-    """Actor (+ critic) being trained, frozen reference and reward model, all FSDP2-sharded."""
+    """Actor (+ critic) being trained, frozen reference, reward model and teacher, all FSDP2-sharded."""
 
     def __init__(self, model_cfg: ModelConfig, algo: AlgorithmConfig, reward_path: str | None, pad_token_id: int,
-                 total_steps: int):
+                 total_steps: int, distill: DistillConfig | None = None):
         self.pad_token_id = pad_token_id
         policy_path = model_cfg.path
         dtype = getattr(torch, model_cfg.dtype)
@@ -55,6 +56,14 @@ class PPOModels:
         if reward_path is not None:
             rm = loading.load_reward_model(reward_path, dtype, pad_token_id, attention)
             self.reward_model = shard(loading.prepare_for_run(rm, model_cfg, trained=False)).requires_grad_(False)
+        # On-policy distillation: a frozen teacher beside the reference (counted by the memory plan, offloaded
+        # with model.cpu_offload), or the user's server behind distill.teacher_url (rank 0 asks it).
+        self.teacher, self.remote_teacher = None, None
+        if distill is not None and distill.teacher_path is not None:
+            teacher = loading.load_causal_lm(distill.teacher_path, dtype, attention)
+            self.teacher = shard(loading.prepare_for_run(teacher, model_cfg, trained=False)).requires_grad_(False)
+        if distill is not None and distill.teacher_url is not None:
+            self.remote_teacher = RemoteTeacher(distill.teacher_url, distill.teacher_timeout_s)
 
     def reference_logprobs(self, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
         """The frozen reference's logprobs of the actions (with LoRA: the actor with its adapters off)."""
@@ -62,6 +71,10 @@ class PPOModels:
             return forward.token_logprobs(self.reference, batch, temperature, actions_only=True)
         with self.actor.model.disable_adapter():
             return forward.token_logprobs(self.actor.model, batch, temperature, actions_only=True)
+
+    def teacher_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The local teacher's logprobs of the actions, of its own distribution (temperature 1, as a server's)."""
+        return forward.token_logprobs(self.teacher, batch, 1.0, actions_only=True)
 
     def trained(self) -> dict:
         """The trained models by name, as checkpoints hold them."""

@@ -23,7 +23,9 @@ import torch
 
 from rl_core.distributed import metrics_over_ranks
 from rl_core.ppo import algorithms as alg
-from rl_core.ppo.config import AlgorithmConfig, PPOConfig, RewardConfig, engine_old_logprobs_max_gap
+from rl_core.ppo.config import (AlgorithmConfig, DistillConfig, PPOConfig, RewardConfig,
+                                engine_old_logprobs_max_gap)
+from rl_core.ppo.distill import distill_advantages
 from rl_core.ppo.models import PPOModels
 from rl_core.ppo.turns import turn_credit, turn_index
 from rl_core.rewards.lm_human_preferences import truncation_ends
@@ -159,7 +161,7 @@ def forward_passes(exp: Experience, models: PPOModels, worker: BatchWorker, sett
     trainer agree), so only the reference and the critic run, and nothing when neither exists."""
     batch, temperature = exp.batch, settings.temperature
     wanted = {"old_logprobs": not old_from_engine, "ref_logprobs": models.uses_reference,
-              "values": models.critic is not None}
+              "values": models.critic is not None, "teacher_logprobs": models.teacher is not None}
 
     def scoring_pass(micro_batch):
         outputs = []
@@ -169,12 +171,17 @@ def forward_passes(exp: Experience, models: PPOModels, worker: BatchWorker, sett
             outputs.append(models.reference_logprobs(micro_batch, temperature))
         if wanted["values"]:  # OpenAI detail: the value of the state before each token, from query + response
             outputs.append(forward.token_values(models.critic.model, micro_batch))
+        if wanted["teacher_logprobs"]:  # on-policy distillation (rl_core/ppo/distill.py)
+            outputs.append(models.teacher_logprobs(micro_batch))
         return tuple(outputs)
 
     names = [name for name, needed in wanted.items() if needed]
     if names:
         with span(f"forward {' '.join(names)}"):
             batch.update(zip(names, worker.gather(batch, scoring_pass)))
+    if models.remote_teacher is not None:
+        with span("teacher logprobs"):
+            batch["teacher_logprobs"] = models.remote_teacher.logprobs(batch)
     batch.setdefault("old_logprobs", batch["behaviour_logprobs"].clone())
     batch.setdefault("ref_logprobs", batch["old_logprobs"].clone())  # no KL: KL 0
     batch.setdefault("values", torch.zeros_like(batch["old_logprobs"]))
@@ -285,7 +292,8 @@ class Targets:
     stats: dict[str, float]
 
 
-def compute_advantages(exp: Experience, scores: torch.Tensor, kl_coef: float, algo: AlgorithmConfig) -> Targets:
+def compute_advantages(exp: Experience, scores: torch.Tensor, kl_coef: float, algo: AlgorithmConfig,
+                       distill: DistillConfig | None = None) -> Targets:
     """Advantages and returns of the whole batch, computed once per step before minibatching.
 
     `scores` are the per-trajectory scores of `task_scores`. OpenAI details: the KL penalty is
@@ -294,7 +302,8 @@ def compute_advantages(exp: Experience, scores: torch.Tensor, kl_coef: float, al
     whitens per minibatch; with the recipe's one minibatch that is the same.) Group baselines
     (GRPO/RLOO/REINFORCE) replace GAE for critic-free recipes: groups are found by `group_id`, so
     order and missing members do not matter. With the KL in the loss (`algo.kl.placement`), it is
-    left out of the rewards.
+    left out of the rewards. On-policy distillation (`distill`, when the batch has `teacher_logprobs`) adds
+    the teacher's per-token term to the (scaled) reward advantages, before any whitening.
     """
     gamma, lam, kl_estimator, estimator = algo.gamma, algo.lam, algo.kl.estimator, algo.advantage_estimator
     kl_in_reward = algo.kl.placement == "reward"
@@ -326,6 +335,10 @@ def compute_advantages(exp: Experience, scores: torch.Tensor, kl_coef: float, al
         advantages = turn_credit(advantages, token_turns, mask, algo.turn_advantage, algo.turn_gamma)
         returns = advantages.clone()
         stats = {"groups/zero_variance_frac": alg.zero_variance_groups(total_reward, ids).float().mean().item()}
+    if "teacher_logprobs" in batch:  # 3''. on-policy distillation: the teacher's signal on every token
+        advantages, distill_stats = distill_advantages(advantages, old, exp.rows(batch["teacher_logprobs"]), mask,
+                                                       distill)
+        stats.update(distill_stats)
     # 4. advantage whitening
     if algo.whiten_advantages:
         advantages = alg.whiten(advantages, mask=mask)

@@ -69,6 +69,7 @@ def validate(cfg: PPOConfig) -> None:
     require(cfg.data.on_long_prompt == "truncate" or (cfg.data.start_text is None and cfg.data.end_text is None),
             "data.start_text/end_text belong to OpenAI's query mode; set data.on_long_prompt=truncate or drop them")
     validate_rewards(cfg)
+    validate_distill(cfg)
     validate_group_options(cfg)
     validate_eval(cfg)
     require(cfg.env.num_envs >= 1, "config key 'env.num_envs' must be >= 1")
@@ -154,6 +155,9 @@ def check_models(cfg: PPOConfig) -> None:
     if cfg.reward.model_path:
         check_context_length(cfg, model_context_length(cfg.reward.model_path),
                              f"reward.model_path={cfg.reward.model_path}", served=False)
+    if cfg.distill.teacher_path:
+        check_context_length(cfg, model_context_length(cfg.distill.teacher_path),
+                             f"distill.teacher_path={cfg.distill.teacher_path}", served=False)
 
 
 def check_sglang_serves_the_window(cfg: PPOConfig, policy) -> None:
@@ -185,6 +189,18 @@ def validate_rewards(cfg: PPOConfig) -> None:
         require(isinstance(spec.get("kwargs", {}), dict), f"config key '{key}.kwargs' must be a mapping")
     require(reward.fn_timeout_s > 0, "config key 'reward.fn_timeout_s' must be > 0")
     require(reward.fn_processes >= 0, "config key 'reward.fn_processes' must be >= 0 (0 = a thread pool)")
+
+
+def validate_distill(cfg: PPOConfig) -> None:
+    """On-policy distillation: one teacher, a positive weight on its term, a reward weight of 0 or more."""
+    distill = cfg.distill
+    require(distill.teacher_path is None or distill.teacher_url is None,
+            "distill.teacher_path and distill.teacher_url both name a teacher; keep one (a local teacher, or a "
+            "server for one too big to sit beside the trainer)")
+    require(distill.coef > 0, f"config key 'distill.coef' must be > 0, got {distill.coef}")
+    require(distill.reward_coef >= 0, f"config key 'distill.reward_coef' must be >= 0 (0 = pure distillation), "
+            f"got {distill.reward_coef}")
+    require(distill.teacher_timeout_s > 0, "config key 'distill.teacher_timeout_s' must be > 0")
 
 
 def validate_group_options(cfg: PPOConfig) -> None:

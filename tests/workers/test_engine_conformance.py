@@ -157,6 +157,18 @@ def test_prompt_logprobs_of_a_prefill_only_request(engine, hf_model):
 
 
 @pytest.mark.timeout(300)
+def test_a_distillation_teachers_logprobs_of_sequences_sent_at_once(engine, hf_model):
+    """distill.teacher_url: rank 0 sends every sequence of a step at once, prefill only, and reads each token's
+    logprob under the teacher (rl_core/ppo/distill.py); prompt and sampled tokens alike, as a plain forward."""
+    from rl_core.ppo.distill import teacher_input_logprobs
+
+    sequences = [PROBE, PROBE[:3] + [40, 41, 42, 43, 44], list(range(60, 100))]
+    answers = run(engine, lambda c: asyncio.gather(*(teacher_input_logprobs(c, ids) for ids in sequences)))
+    for ids, logprobs in zip(sequences, answers):
+        torch.testing.assert_close(torch.tensor(logprobs), forward_logprobs(hf_model, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.timeout(300)
 def test_ignore_eos_stop_token_ids_and_unknown_sampling_keys(engine):
     greedy = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     first = run(engine, lambda c: c.generate(PROMPTS[0], greedy))
