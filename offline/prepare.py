@@ -11,15 +11,52 @@ from __future__ import annotations
 
 from typing import Callable
 
-from offline import ARITHMETIC, CHAT_ARITHMETIC, TOOLS_ARITHMETIC, TOOLS_ARITHMETIC_SFT
+from offline import ARITHMETIC, ARITHMETIC_TEACHER, CHAT_ARITHMETIC, TOOLS_ARITHMETIC, TOOLS_ARITHMETIC_SFT
 from rl_core.offline_names import check_model_paths
 
 Log = Callable[[str], None]
+# The offline names that name a policy, each a Hugging Face model directory any model key may be given.
+MODEL_NAMES = ("tiny", ARITHMETIC, ARITHMETIC_TEACHER, TOOLS_ARITHMETIC)
+
+
+def offline_model_path(value, log: Log, progress: bool = False):
+    """The model directory an offline policy name (MODEL_NAMES) names, built if missing; any other value
+    (a path, a hub name, None) unchanged. "tiny" is the tiny sentiment policy here (the reward-model keys
+    give it another meaning and resolve it themselves)."""
+    if value == "tiny":
+        from offline.assets import ensure_tiny_assets
+
+        return str(ensure_tiny_assets(log=log, progress=progress).model_dir)
+    if value == ARITHMETIC:
+        from offline.arithmetic import ensure_arithmetic_assets
+
+        return str(ensure_arithmetic_assets(log=log).model_dir)
+    if value == ARITHMETIC_TEACHER:
+        from offline.arithmetic_teacher import ensure_arithmetic_teacher
+
+        return str(ensure_arithmetic_teacher(log=log))
+    if value == TOOLS_ARITHMETIC:
+        from offline.tools_arithmetic import ensure_tools_arithmetic_assets
+
+        return str(ensure_tools_arithmetic_assets(log=log).model_dir)
+    return value
+
+
+def resolve_model_key(cfg, key: str, log: Log, progress: bool = False) -> None:
+    """`cfg`'s model path at the dotted `key` ("model.path", "distill.teacher_path", ...) resolved in place:
+    an offline policy name replaced by its built directory (`offline_model_path`), anything else kept."""
+    *sections, name = key.split(".")
+    owner = cfg
+    for section in sections:
+        owner = getattr(owner, section)
+    setattr(owner, name, offline_model_path(getattr(owner, name), log, progress))
 
 
 def resolve_ppo_assets(cfg, log: Log):
     """A PPO config whose model, reward-model and data paths name no offline asset any more."""
-    check_model_paths(cfg, "ppo", ("tiny", ARITHMETIC, TOOLS_ARITHMETIC))
+    check_model_paths(cfg, "ppo", ("tiny", ARITHMETIC, ARITHMETIC_TEACHER, TOOLS_ARITHMETIC))
+    if cfg.model.path == ARITHMETIC_TEACHER:  # the distillation teacher as a policy (its own GRPO run, say)
+        resolve_model_key(cfg, "model.path", log)
     named = (cfg.model.path, cfg.reward.model_path, cfg.data.train_path, cfg.data.eval_path)
     if "tiny" in named:
         from offline.assets import ensure_tiny_assets
@@ -86,8 +123,10 @@ SUMS_FILE = "checksums.json"  # sha256 by relative path
 def build_all(root, log: Log, progress: bool = False, small: bool = False):
     """Every asset the recipes name, built (or reused) under `root`: tiny policy, prompts,
     sentiment preferences and reward model, arithmetic policy, problems and SFT rows, the tool-calling
-    policy, its problems and SFT rows, the released-model recipe's questions (`small`: the tests' quick versions)."""
+    policy, its problems and SFT rows, the arithmetic distillation teacher, the released-model recipe's questions
+    (`small`: the tests' quick versions)."""
     from offline.arithmetic import ensure_arithmetic_assets, ensure_arithmetic_sft_data
+    from offline.arithmetic_teacher import ensure_arithmetic_teacher
     from offline.assets import ensure_tiny_assets
     from offline.chat_arithmetic import ensure_chat_arithmetic
     from offline.reward_model import ensure_tiny_reward_model
@@ -97,6 +136,7 @@ def build_all(root, log: Log, progress: bool = False, small: bool = False):
     ensure_tiny_reward_model(tiny, log=log, small=small, progress=progress)
     ensure_arithmetic_assets(root, small=small, log=log)
     ensure_arithmetic_sft_data(root, small=small, log=log)
+    ensure_arithmetic_teacher(root, small=small, log=log)  # the arithmetic policy fine-tuned on slip-free rows
     ensure_tools_arithmetic_assets(root, small=small, log=log)  # built last: it fine-tunes the arithmetic policy
     ensure_chat_arithmetic(root, log=log)  # questions only: the released-model recipe's model is SmolLM2's
     return tiny
@@ -132,7 +172,9 @@ def resolve_sft_assets(cfg, log: Log):
     """An SFT config whose model, tokenizer and data paths name no offline asset any more."""
     from offline.arithmetic import ARITHMETIC_SFT
 
-    check_model_paths(cfg, "sft", ("tiny", ARITHMETIC, ARITHMETIC_SFT, TOOLS_ARITHMETIC_SFT))
+    check_model_paths(cfg, "sft", ("tiny", ARITHMETIC, ARITHMETIC_TEACHER, ARITHMETIC_SFT, TOOLS_ARITHMETIC_SFT))
+    if cfg.model.path == ARITHMETIC_TEACHER:  # the distillation teacher, fine-tuned further
+        resolve_model_key(cfg, "model.path", log)
     if cfg.model.path == ARITHMETIC:  # the arithmetic chat policy, fine-tuned further (sft_tools_arithmetic.yaml)
         from offline.arithmetic import ensure_arithmetic_assets
 

@@ -9,10 +9,13 @@ from rl_core.offline_names import OFFLINE_NAMES, names_offline_assets
 
 
 def test_the_registry_lists_every_name_the_builders_resolve():
-    from offline import ARITHMETIC, CHAT_ARITHMETIC, TOOLS_ARITHMETIC, TOOLS_ARITHMETIC_SFT
+    from offline import ARITHMETIC, ARITHMETIC_TEACHER, CHAT_ARITHMETIC, TOOLS_ARITHMETIC, TOOLS_ARITHMETIC_SFT
     from offline.arithmetic import ARITHMETIC_SFT
+    from offline.prepare import MODEL_NAMES
 
-    assert OFFLINE_NAMES == {"tiny", ARITHMETIC, ARITHMETIC_SFT, TOOLS_ARITHMETIC, TOOLS_ARITHMETIC_SFT, CHAT_ARITHMETIC}
+    assert OFFLINE_NAMES == {"tiny", ARITHMETIC, ARITHMETIC_SFT, ARITHMETIC_TEACHER, TOOLS_ARITHMETIC,
+                             TOOLS_ARITHMETIC_SFT, CHAT_ARITHMETIC}
+    assert set(MODEL_NAMES) <= OFFLINE_NAMES  # the policies any model key may name
 
 
 def test_a_config_of_real_paths_resolves_without_importing_a_builder(tmp_path):
