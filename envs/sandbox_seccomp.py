@@ -1,13 +1,15 @@
-"""The sandbox's seccomp filter (used by `envs.sandbox`): a classic BPF program that bwrap loads (`--seccomp FD`)
-before it starts the runner, so it binds the runner, the code and every child, and cannot be lifted.
+"""The sandbox's seccomp filter (used by `envs.sandbox`): a classic BPF program that the runner loads once it has set
+the call up and dropped its capabilities, before the code starts, so it binds the runner, the code and every
+child, and cannot be lifted.
 
 It refuses (EPERM) the system calls untrusted code has no use for and that reach state shared with the host or
-the kernel's less-trodden paths: the key store (keyctl, add_key, request_key; but joining a fresh, empty
-session keyring, which the runner does first), io_uring, new namespaces (unshare, setns, and clone with a
-CLONE_NEW* flag), mounting (mount and the new mount API, pivot_root, chroot), memfd_create/memfd_secret
-(memory no rlimit counts), bpf, perf_event_open, userfaultfd, ptrace and process_vm_*, and module, kexec,
-swap, reboot, syslog, acct and quota calls. clone3 gets ENOSYS: its flags are out of the filter's sight, and
-glibc falls back to clone, whose flags it checks. Calls of another ABI (x86's 32-bit int 0x80, x32) get
+the kernel's less-trodden paths: the key store (keyctl, add_key, request_key: the runner has joined a fresh,
+empty session keyring before), io_uring and Linux AIO (io_setup: its events are counted for the whole host),
+new namespaces (unshare, setns, and clone with a CLONE_NEW* flag), mounting (mount and the new mount API,
+pivot_root, chroot), memory no rlimit counts (memfd_create/memfd_secret, and SysV shared memory, message queues
+and semaphores: shmget, msgget, semget), bpf, perf_event_open, userfaultfd, ptrace and process_vm_*, and
+module, kexec, swap, reboot, syslog, acct and quota calls. clone3 gets ENOSYS: its flags are out of the filter's sight,
+and glibc falls back to clone, whose flags it checks. Calls of another ABI (x86's 32-bit int 0x80, x32) get
 ENOSYS, so they cannot slip past the numbers below.
 
 Written once here, without libseccomp, for the two architectures these jobs run on; the numbers are the
@@ -31,6 +33,7 @@ _X86_64 = {
     "pidfd_getfd": 438, "swapon": 167, "swapoff": 168, "reboot": 169, "syslog": 103, "acct": 163,
     "quotactl": 179, "quotactl_fd": 443, "lookup_dcookie": 212, "vhangup": 153, "memfd_create": 319,
     "memfd_secret": 447, "iopl": 172, "ioperm": 173, "uselib": 134, "clone": 56, "clone3": 435,
+    "io_setup": 206, "shmget": 29, "msgget": 68, "semget": 64,
 }
 _AARCH64 = {
     "keyctl": 219, "add_key": 217, "request_key": 218, "io_uring_setup": 425, "io_uring_enter": 426,
@@ -41,11 +44,10 @@ _AARCH64 = {
     "open_by_handle_at": 265, "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271,
     "pidfd_getfd": 438, "swapon": 224, "swapoff": 225, "reboot": 142, "syslog": 116, "acct": 89,
     "quotactl": 60, "quotactl_fd": 443, "lookup_dcookie": 18, "vhangup": 58, "memfd_create": 279,
-    "memfd_secret": 447, "clone": 220, "clone3": 435,
+    "memfd_secret": 447, "clone": 220, "clone3": 435, "io_setup": 0, "shmget": 194, "msgget": 186, "semget": 190,
 }
 ARCHES = {"x86_64": (0xC000003E, _X86_64), "aarch64": (0xC00000B7, _AARCH64)}
-SPECIAL = ("keyctl", "clone", "clone3")  # filtered on their arguments, not refused outright
-KEYCTL_JOIN_SESSION_KEYRING = 1
+SPECIAL = ("clone", "clone3")  # filtered on their arguments, not refused outright
 # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET (not NEWTIME, 0x80: clone's exit signal)
 CLONE_NEW_NAMESPACES = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
 X32_SYSCALL_BIT = 0x40000000
@@ -56,9 +58,9 @@ RET_ALLOW, RET_ERRNO = 0x7FFF0000, 0x00050000
 NR, ARCH = 0, 4
 
 
-def _arg(index: int, high: bool = False) -> int:
-    """Offset of the low (or high) 32 bits of syscall argument `index` (little-endian machines)."""
-    return 16 + 8 * index + (4 if high else 0)
+def _arg(index: int) -> int:
+    """Offset of the low 32 bits of syscall argument `index` (little-endian machines)."""
+    return 16 + 8 * index
 
 
 def syscall_numbers(machine: str | None = None) -> dict[str, int]:
@@ -78,16 +80,11 @@ def build_filter(machine: str | None = None) -> bytes:
     program = [(LD_ABS, 0, 0, ARCH), (JEQ, 0, "enosys", audit_arch), (LD_ABS, 0, 0, NR)]
     if machine == "x86_64":
         program.append((JGE, "enosys", 0, X32_SYSCALL_BIT))
-    program += [(JEQ, "clone", 0, numbers["clone"]), (JEQ, "enosys", 0, numbers["clone3"]),
-                (JEQ, "keyctl", 0, numbers["keyctl"])]
+    program += [(JEQ, "clone", 0, numbers["clone"]), (JEQ, "enosys", 0, numbers["clone3"])]
     program += [(JEQ, "eperm", 0, number) for name, number in sorted(numbers.items()) if name not in SPECIAL]
     program.append((RET, 0, 0, RET_ALLOW))
     labels = {"clone": len(program)}
     program += [(LD_ABS, 0, 0, _arg(0)), (JSET, "eperm", "allow", CLONE_NEW_NAMESPACES)]
-    labels["keyctl"] = len(program)  # only keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL): a fresh, empty keyring
-    program += [(LD_ABS, 0, 0, _arg(0)), (JEQ, 0, "eperm", KEYCTL_JOIN_SESSION_KEYRING),
-                (LD_ABS, 0, 0, _arg(1)), (JEQ, 0, "eperm", 0),
-                (LD_ABS, 0, 0, _arg(1, high=True)), (JEQ, "allow", "eperm", 0)]
     labels.update(allow=len(program), eperm=len(program) + 1, enosys=len(program) + 2)
     program += [(RET, 0, 0, RET_ALLOW), (RET, 0, 0, RET_ERRNO | errno.EPERM), (RET, 0, 0, RET_ERRNO | errno.ENOSYS)]
 
@@ -96,13 +93,3 @@ def build_filter(machine: str | None = None) -> bytes:
 
     return b"".join(struct.pack("=HBBI", code, offset(jt, i), offset(jf, i), k)
                     for i, (code, jt, jf, k) in enumerate(program))
-
-
-def filter_pipe(program: bytes) -> int:
-    """A pipe's read end holding `program`, for bwrap's `--seccomp FD` (read to its end: one per call)."""
-    read_end, write_end = os.pipe()
-    try:
-        os.write(write_end, program)  # a few hundred bytes: well within the pipe's buffer
-    finally:
-        os.close(write_end)
-    return read_end

@@ -795,7 +795,7 @@ def test_the_host_side_clean_up_removes_any_tree_and_never_raises(sandbox_tmp):
 
 def test_many_files_do_not_block_the_event_loop_when_the_call_ends():
     """150k empty files in /work: removing them on the host's filesystem blocked the trainer's loop ~1 s; now
-    they vanish with the call's tmpfs, away from the loop (memory_mb large enough for their inodes)."""
+    they vanish with the call's tmpfs, away from the loop (work_mb and memory_mb large enough for their inodes)."""
     async def main():
         gaps, done = [], False
 
@@ -809,7 +809,7 @@ def test_many_files_do_not_block_the_event_loop_when_the_call_ends():
 
         tick = asyncio.create_task(ticker())
         result = await run_python("for i in range(150_000):\n    open(f'f{i}', 'w').close()\nprint('made')",
-                                  SandboxLimits(timeout_s=30, memory_mb=1024))
+                                  SandboxLimits(timeout_s=30, memory_mb=1024, work_mb=640))
         done = True
         await tick
         return result, max(gaps)
