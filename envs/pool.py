@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Union
 
 from envs.base import Action, Env, Observation, StepResult
+from rl_core.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class EnvFailure(Exception):
     """An env raised or timed out; the trajectory using it is failed and left out of training."""
 
 
-class TooManyEnvFailures(RuntimeError):
+class TooManyEnvFailures(UserError, RuntimeError):
     """More trajectories failed in their env than `max_failed_ratio` allows."""
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from rl_core.errors import UserError
+
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 # `async` is a Python keyword, so the PPO field is `async_`; users write `async.max_staleness`.
@@ -28,7 +30,7 @@ _FIELD_TO_KEY = {v: k for k, v in _KEY_ALIASES.items()}
 MOVED_KEYS = {"trainer.eval_every": "eval.every"}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem, phrased for the user: the key, what is wrong, how to fix it."""
 
 

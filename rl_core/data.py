@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rl_core.data_files import DataSource, read_table
+from rl_core.errors import UserError
 
 MALFORMED_POLICIES = ("error", "skip")
 LONG_PROMPT_POLICIES = ("skip", "error", "truncate")
 PROMPT_KEYS = ("messages", "prompt", "text")  # looked for in this order when no key is given
 
 
-class PromptDataError(ValueError):
+class PromptDataError(UserError, ValueError):
     """A prompt file or dataset that cannot be used as it is; the message says how to fix it."""
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from rl_core.errors import UserError
 from workers import sequence_parallel
 from transformers import (
     AutoConfig,
@@ -34,7 +35,7 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 # --------------------------------------------------------------------------- model paths
 
 
-class ModelPathError(ValueError):
+class ModelPathError(UserError, ValueError):
     """A configured model path is neither a local model directory nor a model on the hub."""
 
 

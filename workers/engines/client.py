@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import aiohttp
 import orjson
 
+from rl_core.errors import UserError
 from workers.trace import span
 
 # What SGLang 0.5.23 serves of a model's context (its scheduler: max_req_len = context - 1), and so the embedded
@@ -45,7 +46,7 @@ def max_output_length(context_len: int, input_len: int) -> int:
     return max(0, context_len - OUTPUT_RESERVE - input_len)
 
 
-class EngineError(RuntimeError):
+class EngineError(UserError, RuntimeError):
     """An engine or router answered with an error, or could not be reached."""
 
     def __init__(self, url: str, status: int | None, message: str):
