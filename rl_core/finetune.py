@@ -11,13 +11,13 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from rl_core.checkpoint import export_hf, finished_run
-from rl_core.cli import JobProgress
 from rl_core.config import (LoraSettings, TrainerConfig, choice, require, validate_checkpoint_keys,
                             validate_profile_steps)
 from rl_core.distributed import DataParallel
 from rl_core.logger import MetricsLogger
 from rl_core.optim import OPTIMIZER_NAMES, build_optimizer, linear_anneal_schedule
 from rl_core.step_loop import JobSteps, run_steps as run_step_loop
+from rl_core.stop_signal import JobProgress
 from workers.fsdp import TrainableModel
 
 

@@ -19,8 +19,8 @@ from typing import Callable
 
 import torch
 
-from rl_core.cli import JobProgress
 from rl_core.profiling import profile_step
+from rl_core.stop_signal import JobProgress
 from workers.procs import setup_objects_frozen
 from workers.trace import span
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rl_core.cli import JobProgress
 from rl_core.config import TrainerConfig
 from rl_core.lifecycle import JobLifecycle
 from rl_core.run_dir import RunDirInUse, RunDirLock
 from rl_core.step_loop import JobSteps, run_steps
+from rl_core.stop_signal import JobProgress
 from workers.procs import free_port
 
 

@@ -31,10 +31,12 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
+from rl_core.errors import UserError
+
 PR_SET_PDEATHSIG = 1
 
 
-class ProcessStartError(RuntimeError):
+class ProcessStartError(UserError, RuntimeError):
     """A child process died or did not answer in time while starting."""
 
 
@@ -337,7 +339,7 @@ class ManagedProcesses:
     def stop_all(self, reason: str = "the job is shutting down") -> None:
         """Stop every owned process: SIGTERM to all, newest first (the router before its workers), then
         wait for each. All at once, so a job's stop takes the slowest child's exit, not their sum (a
-        stop signal leaves the job a few seconds: see rl_core.cli.STOP_GRACE_S)."""
+        stop signal leaves the job a few seconds: see rl_core.stop_signal.STOP_GRACE_S)."""
         owned, self._owned = self._owned[::-1], []
         for name, proc, log_path in owned:
             if proc.poll() is None:

@@ -22,9 +22,10 @@ from rl_core.distributed import DataParallel, on_every_rank, rank_seed, seed_eve
 from rl_core.dpo.config import DPOConfig, check_models, validate
 from rl_core.dpo.training import PreferencePair, heldout_metrics, to_pairs, train_step
 from rl_core import finetune
-from rl_core.cli import JobEntry, JobProgress, run_job
+from rl_core.cli import JobEntry, run_job
 from rl_core.logger import open_run_logger
 from rl_core.preferences import load_preference_splits
+from rl_core.stop_signal import JobProgress
 from workers import decode, forward, loading
 from workers.layout import make_micro_batch, packing_layout
 from workers.fsdp import shard_model

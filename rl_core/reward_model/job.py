@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 
-from rl_core.cli import JobEntry, JobProgress, run_job
+from rl_core.cli import JobEntry, run_job
 from rl_core.config import save_config
 from rl_core.distributed import DataParallel, on_every_rank, seed_everything, wait_for_rank0
 from rl_core.reward_model.config import RMConfig, check_lengths, validate
@@ -31,6 +31,7 @@ from rl_core.reward_model.sampling import load_queries
 from rl_core.reward_model.training import (Log, ReferenceSamples, Reporting, build_reward_model,
                                            export_reward_model, fit_reward_model)
 from rl_core.preferences import load_preference_splits
+from rl_core.stop_signal import JobProgress
 from workers.loading import check_model_path, context_length, load_causal_lm, load_tokenizer
 
 

@@ -13,7 +13,6 @@ from typing import Any, Callable
 import torch
 
 from rl_core.checkpoint import Checkpointer
-from rl_core.cli import JobProgress
 from rl_core.config import validate_profile_steps
 from rl_core.distributed import DataParallel, rank_seed
 from rl_core.logger import MetricsLogger, open_run_logger, progress_bar
@@ -23,6 +22,7 @@ from rl_core.reward_model.config import NormalizeConfig, RMConfig, RMTrainConfig
 from rl_core.reward_model.losses import preference_correct, preference_loss, spearman
 from rl_core.reward_model.sampling import pick_queries, sample_truncated
 from rl_core.step_loop import JobSteps, run_steps
+from rl_core.stop_signal import JobProgress
 from workers.fsdp import TrainableModel, full_state_dict, read_back, shard_model
 from workers.forward import ForwardSettings, raw_reward_scores, reward_scores
 from workers.layout import make_micro_batch, packing_layout
@@ -110,7 +110,7 @@ def heldout_metrics(model, worker: BatchWorker, examples: list, pad_id: int) -> 
 
 @dataclass
 class Reporting:
-    """Where a reward-model fit reports: `log` its console lines; `progress` (a `rl_core.cli.JobProgress`) its phase
+    """Where a reward-model fit reports: `log` its console lines; `progress` (a `rl_core.stop_signal.JobProgress`) its phase
     and step, for the line a stop signal ends with; `metrics_rows`: rank 0 writes each step's row (metrics.jsonl,
     TensorBoard; the job's, not the offline builders')."""
     log: Log = print

@@ -17,12 +17,13 @@ from pathlib import Path
 from rl_core.checkpoint import Checkpointer
 from rl_core.distributed import DataParallel, on_every_rank, seed_everything
 from rl_core import finetune
-from rl_core.cli import JobEntry, JobProgress, run_job
+from rl_core.cli import JobEntry, run_job
 from rl_core.logger import open_run_logger
 from rl_core.rewards import load_reward_fn
 from rl_core.sft.config import SFTConfig, validate
 from rl_core.sft.data import encode_rows, load_rows
 from rl_core.sft.training import generation_accuracy, heldout_metrics, train_step
+from rl_core.stop_signal import JobProgress
 from workers import loading
 from workers.layout import packing_layout
 from workers.fsdp import shard_model

@@ -62,7 +62,7 @@ def slow_prepare_run(small_job, tmp_path_factory):
     test_memory_job.py's plan that fits. (run directory, its output)"""
     import sys
 
-    from rl_core.cli import TEST_HOLD_ENV
+    from rl_core.stop_signal import TEST_HOLD_ENV
     from tests.jobs import run_to_end
     from tests.ppo.test_job import REPO
 

@@ -5,7 +5,7 @@ The arithmetic GRPO recipe (reward functions in worker processes, evaluation) on
 real engines and router, small batches. One run is stopped in each phase of step 2 in turn and the
 next one resumes it with `trainer.resume=auto`; a last run trains to the end. Signals land in a phase
 by waiting: rollouts and evaluations are made slow by the env (`tests/ppo/slow_env.py`); for the
-other phases one rank holds at the start of the phase (`RL_CORE_TEST_HOLD`, rl_core/cli.py) while the
+other phases one rank holds at the start of the phase (`RL_CORE_TEST_HOLD`, rl_core/stop_signal.py) while the
 other goes on into it, where it waits for the holding rank inside a collective: the case Python's
 signal handlers alone cannot end (today's failure: 30 s, then torchrun's SIGKILL, no line).
 """
@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from rl_core.cli import TEST_HOLD_ENV
+from rl_core.stop_signal import TEST_HOLD_ENV
 from tests.ppo.test_reliability import OUR_TRACEBACK, Job
 from tests.jobs import read_metrics
 

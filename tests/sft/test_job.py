@@ -236,7 +236,7 @@ def test_sigterm_mid_step_stops_within_seconds_and_resume_continues_then_says_no
     import signal
     import time
 
-    from rl_core.cli import TEST_HOLD_ENV
+    from rl_core.stop_signal import TEST_HOLD_ENV
     from tests.ppo.test_reliability import OUR_TRACEBACK, Job
 
     run_dir = tmp_path / "run"
