@@ -246,7 +246,10 @@ class Sandbox:
         cpu = cpu_s if cpu_s is not None else int(timeout_s) + 2
         memory, file_size = memory_mb * 2**20, max_file_mb * 2**20
         rlimits = {"RLIMIT_AS": (memory, memory), "RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_FSIZE": (file_size, file_size),
-                   "RLIMIT_NPROC": (max_processes + 1, max_processes + 1), "RLIMIT_CORE": (0, 0), **shares}
+                   "RLIMIT_NPROC": (max_processes + 1, max_processes + 1), "RLIMIT_CORE": (0, 0),
+                   # no real-time scheduling or raised priority, whatever the trainer's user was granted: a spinning
+                   # SCHED_FIFO process would take a core from the host, past the per-call cgroup's cpu quota
+                   "RLIMIT_RTPRIO": (0, 0), "RLIMIT_NICE": (0, 0), **shares}
         self.rlimits = ",".join(f"{name}={soft}:{hard}" for name, (soft, hard) in rlimits.items())
         # The call as a whole (every child, the tmpfs pages): a cgroup per call where this host lets us make one.
         # pids: the code's processes, the runner and bwrap's outer process (outside the namespace, in the cgroup);

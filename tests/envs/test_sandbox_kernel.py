@@ -67,8 +67,9 @@ asyncio.run(main())
 """
 
 
-def as_trainer(mode: str, tmp: str, script: str, *args: str) -> dict:
-    """Run a trainer `script` in `mode`; returns the JSON it printed last. Its temp dirs go under `tmp`."""
+def as_trainer(mode: str, tmp: str, script: str, *args: str, prefix: tuple[str, ...] = ()) -> dict:
+    """Run a trainer `script` in `mode` (after `prefix`, a command that execs the rest); returns the JSON it printed
+    last. Its temp dirs go under `tmp`."""
     env = {"PYTHONPATH": ROOT, "PATH": os.environ["PATH"], "TMPDIR": tmp}
     drop = []
     if mode == "non-root":
@@ -83,8 +84,8 @@ def as_trainer(mode: str, tmp: str, script: str, *args: str) -> dict:
             os.rmdir(tmp)
             pytest.skip("the project or its venv is not readable by 'nobody' here")
     try:
-        ran = subprocess.run([*drop, sys.executable, "-c", script, *args], cwd=tmp, env=env, capture_output=True,
-                             text=True, timeout=180)
+        ran = subprocess.run([*prefix, *drop, sys.executable, "-c", script, *args], cwd=tmp, env=env,
+                             capture_output=True, text=True, timeout=180)
         assert ran.returncode == 0, ran.stderr[-3000:]
         return json.loads(ran.stdout.strip().splitlines()[-1])
     finally:
@@ -93,8 +94,8 @@ def as_trainer(mode: str, tmp: str, script: str, *args: str) -> dict:
             os.rmdir(tmp)
 
 
-def call(mode: str, tmp: str, code: str, **limits) -> dict:
-    return as_trainer(mode, tmp, ONE_CALL, textwrap.dedent(code), json.dumps(limits))
+def call(mode: str, tmp: str, code: str, prefix: tuple[str, ...] = (), **limits) -> dict:
+    return as_trainer(mode, tmp, ONE_CALL, textwrap.dedent(code), json.dumps(limits), prefix=prefix)
 
 
 # --------------------------------------------------------------------------- inodes
@@ -171,7 +172,7 @@ def test_the_code_runs_with_no_capability_and_its_own_small_limits(mode, sandbox
         status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
         print(*(status[key].strip() for key in ("CapInh", "CapPrm", "CapEff", "CapAmb", "NoNewPrivs", "Seccomp")))
         print(*(resource.getrlimit(getattr(resource, f"RLIMIT_{name}"))[1]
-                for name in ("NOFILE", "SIGPENDING", "MSGQUEUE", "MEMLOCK")))
+                for name in ("NOFILE", "SIGPENDING", "MSGQUEUE", "MEMLOCK", "RTPRIO", "NICE")))
         libc = ctypes.CDLL(None, use_errno=True)
         SYS_keyctl = {"x86_64": 250, "aarch64": 219}[__import__("os").uname().machine]
         print(libc.syscall(ctypes.c_long(SYS_keyctl), ctypes.c_long(1), None), ctypes.get_errno())  # a new keyring
@@ -179,10 +180,36 @@ def test_the_code_runs_with_no_capability_and_its_own_small_limits(mode, sandbox
     assert result["exit_code"] == 0, result
     caps, limits, keyring = result["stdout"].splitlines()
     assert caps == "0000000000000000 " * 4 + "1 2"
-    nofile, sigpending, msgqueue, memlock = map(int, limits.split())
+    nofile, sigpending, msgqueue, memlock, rtprio, nice = map(int, limits.split())
     assert nofile == 256 and 0 < sigpending <= resource_share("RLIMIT_SIGPENDING")
-    assert 0 < msgqueue <= resource_share("RLIMIT_MSGQUEUE", 8) and memlock <= 64 * 1024
+    assert 0 < msgqueue <= resource_share("RLIMIT_MSGQUEUE", 8) and memlock <= 64 * 1024 and rtprio == nice == 0
     assert keyring == "-1 1"  # EPERM: the runner joined the call's keyring; the code may not make more
+
+
+GRANT_REAL_TIME = ("prlimit", "--rtprio=50:50", "--nice=30:30", "--")
+
+
+@pytest.mark.skipif(subprocess.run([*GRANT_REAL_TIME, "true"], capture_output=True).returncode != 0,
+                    reason="cannot raise RLIMIT_RTPRIO here (needs CAP_SYS_RESOURCE)")
+@pytest.mark.parametrize("mode", MODES)
+def test_a_trainer_granted_real_time_priority_does_not_pass_it_to_the_code(mode, sandbox_tmp):
+    """A trainer whose user may use real-time scheduling (RLIMIT_RTPRIO, e.g. an audio group's limits.conf): its
+    calls inherited the limit, and a SCHED_FIFO spinner takes a core from the host, past any cgroup cpu quota."""
+    result = call(mode, sandbox_tmp, """
+        import os
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+            print("SCHED_FIFO")
+        except OSError as err:
+            print(err.errno)
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, -10)
+            print("nice -10")
+        except OSError as err:
+            print(err.errno)
+    """, prefix=GRANT_REAL_TIME)
+    assert result["exit_code"] == 0, result
+    assert result["stdout"] == "1\n13\n", result["stdout"]  # EPERM, EACCES
 
 
 def resource_share(name: str, fraction: int = 16) -> int:
@@ -262,6 +289,43 @@ try:
 except OSError as err:
     print(err.errno)
 """
+
+
+LEAVE_HOG = """
+import ctypes, os, socket, time
+libc = ctypes.CDLL(None, use_errno=True)
+held = socket.socket(socket.AF_UNIX)
+held.bind("\\0rl-sandbox-answer")  # an abstract socket: no file, in the network namespace
+held.listen()
+attr = (ctypes.c_long * 8)(0, 1, 64, 0)
+queue = libc.mq_open(b"/rl-sandbox-answer", os.O_CREAT | os.O_RDWR, 0o666, attr)
+assert queue >= 0 and libc.mq_send(queue, b"42", 2, 0) == 0
+libc.prctl(15, MARKER)
+time.sleep(60)
+"""
+LEAVE_PROBE = """
+import ctypes, os, socket
+libc = ctypes.CDLL(None, use_errno=True)
+found = []
+try:
+    socket.socket(socket.AF_UNIX).connect("\\0rl-sandbox-answer")
+    found.append("socket")
+except OSError:
+    pass
+if libc.mq_open(b"/rl-sandbox-answer", os.O_RDONLY) >= 0:
+    found.append("queue")
+print(found or "ok")
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_running_call_cannot_hand_a_value_to_another_call_or_the_host(mode, sandbox_tmp):
+    """A call holding an abstract Unix socket and a POSIX message queue with a value in it: neither a concurrent call
+    nor the trainer finds either (each call has its own network and IPC namespaces)."""
+    marker = f"hog-{secrets.token_hex(4)}"
+    found = as_trainer(mode, sandbox_tmp, TWO_CALLS, textwrap.dedent(LEAVE_HOG).replace("MARKER", repr(marker.encode())),
+                       marker, textwrap.dedent(LEAVE_PROBE))
+    assert found == {"call": "ok", "trainer": "ok"}, found
 
 
 @pytest.mark.parametrize("mode", MODES)
