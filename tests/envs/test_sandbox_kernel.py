@@ -94,6 +94,14 @@ def as_trainer(mode: str, tmp: str, script: str, *args: str, prefix: tuple[str, 
             os.rmdir(tmp)
 
 
+def hog_then_probe(mode: str, tmp: str, hog: str, probe: str) -> dict:
+    """What `probe` printed in a second call and in the trainer while a first call runs `hog` (which names itself
+    MARKER when it holds what it took)."""
+    marker = f"hog-{secrets.token_hex(4)}"
+    return as_trainer(mode, tmp, TWO_CALLS, textwrap.dedent(hog).replace("MARKER", repr(marker.encode())), marker,
+                      textwrap.dedent(probe))
+
+
 def call(mode: str, tmp: str, code: str, prefix: tuple[str, ...] = (), **limits) -> dict:
     return as_trainer(mode, tmp, ONE_CALL, textwrap.dedent(code), json.dumps(limits), prefix=prefix)
 
@@ -322,10 +330,7 @@ print(found or "ok")
 def test_a_running_call_cannot_hand_a_value_to_another_call_or_the_host(mode, sandbox_tmp):
     """A call holding an abstract Unix socket and a POSIX message queue with a value in it: neither a concurrent call
     nor the trainer finds either (each call has its own network and IPC namespaces)."""
-    marker = f"hog-{secrets.token_hex(4)}"
-    found = as_trainer(mode, sandbox_tmp, TWO_CALLS, textwrap.dedent(LEAVE_HOG).replace("MARKER", repr(marker.encode())),
-                       marker, textwrap.dedent(LEAVE_PROBE))
-    assert found == {"call": "ok", "trainer": "ok"}, found
+    assert hog_then_probe(mode, sandbox_tmp, LEAVE_HOG, LEAVE_PROBE) == {"call": "ok", "trainer": "ok"}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -337,7 +342,4 @@ def test_one_call_cannot_take_a_per_user_kernel_limit_from_the_next_or_the_train
     POSIX message queue bytes and queued signals per user, and ptys for the whole host: one call took all of one
     (holding them as long as it ran) and the next call, or a non-root trainer, got EMFILE or EAGAIN. Each call now
     has a share of its own: a sixteenth of the host's."""
-    marker = f"hog-{secrets.token_hex(4)}"
-    found = as_trainer(mode, sandbox_tmp, TWO_CALLS, textwrap.dedent(hog).replace("MARKER", repr(marker.encode())),
-                       marker, textwrap.dedent(probe))
-    assert found == {"call": "ok", "trainer": "ok"}, found
+    assert hog_then_probe(mode, sandbox_tmp, hog, probe) == {"call": "ok", "trainer": "ok"}
