@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rl_core.errors import PeerFailed
-from workers.procs import free_port
+from workers.net import free_port
 
 T = TypeVar("T")
 

@@ -21,7 +21,7 @@ import torch
 
 from rl_core.profiling import profile_step
 from rl_core.stop_signal import JobProgress
-from workers.procs import setup_objects_frozen
+from workers.gc_freeze import setup_objects_frozen
 from workers.trace import span
 
 

@@ -17,7 +17,7 @@ from rl_core.lifecycle import JobLifecycle
 from rl_core.run_dir import RunDirInUse, RunDirLock
 from rl_core.step_loop import JobSteps, run_steps
 from rl_core.stop_signal import JobProgress
-from workers.procs import free_port
+from workers.net import free_port
 
 
 @pytest.fixture

@@ -19,8 +19,8 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-from workers.procs import ManagedProcesses, ProcessStartError, free_port, log_tail, stop_process, \
-    start_process, wait_http_ok
+from workers.net import free_port, wait_http_ok
+from workers.procs import ManagedProcesses, ProcessStartError, log_tail, stop_process, start_process
 
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 

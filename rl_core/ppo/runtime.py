@@ -26,7 +26,8 @@ from rl_core.rollout.rollout import RolloutSettings
 from rl_core.rollout.service import build_service
 from workers.engines.embedded.forked import EngineFork
 from workers.engines.rank_engine import EngineSpec, RankEngine
-from workers.procs import ManagedProcesses, ProcessStartError, http_problem, node_address, stop_this_process
+from workers.net import http_problem, node_address
+from workers.procs import ManagedProcesses, ProcessStartError, stop_this_process
 
 ENGINE_START_TIMEOUT_S = 300.0
 

@@ -23,7 +23,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from workers.procs import exit_now, set_parent_death_signal, setup_objects_frozen
+from workers.gc_freeze import setup_objects_frozen
+from workers.procs import exit_now, set_parent_death_signal
 
 _SPAWN = multiprocessing.get_context("spawn")  # rank 0 runs threads, which a forked child must not inherit
 _START, _CLOSE = "start", "close"

@@ -201,7 +201,7 @@ def start_http_server(port: int) -> subprocess.Popen:
 
 
 def test_a_server_at_a_url_is_listed_and_called_over_streamable_http_and_a_dead_one_is_a_message():
-    from workers.procs import free_port
+    from workers.net import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}/mcp"

@@ -187,7 +187,7 @@ def test_resume_after_sigterm_continues_step_count_and_reproduces_metrics(small_
 def test_two_nodes_on_one_machine_share_the_router(small_job, tmp_path):
     """Two torchrun launches (node 0 and node 1) rendezvous on localhost; rank 1's engine registers
     with rank 0's router. Engines bind the node address given by rollout.multi_node_host."""
-    from workers.procs import free_port
+    from workers.net import free_port
 
     run_dir = tmp_path / "multinode"
     port = free_port()

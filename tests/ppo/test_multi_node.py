@@ -156,7 +156,8 @@ def test_a_lost_node_stops_every_node_within_a_minute_and_leaves_nothing(two_hos
 
 def test_a_wrong_multi_node_host_or_an_unreachable_engine_is_one_line_before_anything_runs():
     from rl_core.ppo.runtime import check_reachable
-    from workers.procs import ProcessStartError, free_port, node_address
+    from workers.net import free_port, node_address
+    from workers.procs import ProcessStartError
 
     with pytest.raises(ProcessStartError, match=r"rollout.multi_node_host=192.0.2.7 is not an address of this node"):
         node_address("192.0.2.7", "127.0.0.1", 29500)  # TEST-NET-1: never a local address; nothing is sent

@@ -18,7 +18,8 @@ import torch
 from workers.engines.embedded import build_engine_argv
 from workers.engines.embedded.forked import EngineFork
 from workers.engines.rank_engine import EngineProcess, EngineSpec
-from workers.procs import ManagedProcesses, free_port
+from workers.net import free_port
+from workers.procs import ManagedProcesses
 
 PROMPT = [5, 17, 42, 8, 99, 3]
 

@@ -2,7 +2,7 @@
 
 import socket
 
-from workers.procs import _ephemeral_range, free_port
+from workers.net import _ephemeral_range, free_port
 
 
 def test_free_ports_lie_below_the_ephemeral_range_where_bind_0_never_lands():

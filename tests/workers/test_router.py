@@ -11,7 +11,8 @@ import pytest
 
 from workers.engines.client import EngineClient, EngineError
 from workers.engines.rank_engine import EngineSpec, start_engine
-from workers.procs import ManagedProcesses, ProcessStartError, start_process, stop_process, wait_http_ok
+from workers.net import wait_http_ok
+from workers.procs import ManagedProcesses, ProcessStartError, start_process, stop_process
 from workers.router import RouterSettings, build_router_argv, launch_router
 
 
@@ -154,7 +155,7 @@ def test_http_problem_says_what_a_health_probe_met():
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from workers.procs import free_port, http_problem
+    from workers.net import free_port, http_problem
 
     class Health(BaseHTTPRequestHandler):
         def do_GET(self):

@@ -27,7 +27,8 @@ from workers.engines.client import EngineClient, EngineError
 from workers.engines.embedded.forked import EngineFork
 from workers.engines.weights import (PROBE_TOLERANCE, WeightPusher, WeightSyncError, check_pushed_weights,
                                      sglang_encode_bucket)
-from workers.procs import ManagedProcesses, free_port, stop_process, wait_http_ok
+from workers.net import free_port, wait_http_ok
+from workers.procs import ManagedProcesses, stop_process
 from workers.trace import span
 
 RELEASE_TAGS = ("kv_cache", "weights")

@@ -13,7 +13,8 @@ from aiohttp.http_exceptions import BadHttpMessage
 from workers.engines import ENGINE_KEEPALIVE_S
 from workers.engines.embedded.runner import ModelRunner
 from workers.engines.embedded.server import LOG, EmbeddedEngine
-from workers.procs import exit_now, setup_objects_frozen
+from workers.gc_freeze import setup_objects_frozen
+from workers.procs import exit_now
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
