@@ -1,75 +1,74 @@
 """The sandbox against the host's kernel, as root and as a non-root trainer: inode caps, per-user kernel limits one
 call could take from the others, memory held outside `memory_mb`, and what the code may still change.
 
-Each test runs its calls from a trainer process of its own, either as the user running the tests ("caller") or,
-where that is root, as `nobody` too ("non-root"): a trainer that cannot switch users, whose calls run as itself.
+Each test runs its calls as a trainer: this process ("caller", the user running the tests) and, where that is root,
+a process of its own as `nobody` too ("non-root"): a trainer that cannot switch users, whose calls run as itself.
 """
 
+import asyncio
+import dataclasses
 import json
 import os
 import resource
 import secrets
+import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
+from envs.sandbox import SANDBOX_PATH, SandboxLimits, run_python
 from tests.envs.test_sandbox import IS_ROOT, ROOT, sandbox_available, sandbox_tmp  # noqa: F401 (fixtures)
 
 NOBODY = 65534
 MODES = ["caller", pytest.param("non-root", marks=pytest.mark.skipif(
     not IS_ROOT, reason="needs root to start a trainer as another, unprivileged user"))]
 
-# One call; prints its SandboxResult as JSON. argv: code, SandboxLimits fields as JSON.
-ONE_CALL = """
-import asyncio, dataclasses, json, sys
-from envs.sandbox import SandboxLimits, run_python
-result = asyncio.run(run_python(sys.argv[1], SandboxLimits(**json.loads(sys.argv[2]))))
-print(json.dumps(dataclasses.asdict(result)))
-"""
+def one_call(code: str, limits: str) -> dict:
+    """A trainer's call: `code` with the SandboxLimits fields in JSON `limits`; its SandboxResult as a dict."""
+    return dataclasses.asdict(asyncio.run(run_python(code, SandboxLimits(**json.loads(limits)))))
 
-# A hog call takes all it can of something and names itself `marker` (its comm, which the trainer sees in /proc);
-# then a second call and the trainer itself try to take one. argv: hog code, marker, probe code.
-TWO_CALLS = """
-import asyncio, json, os, shutil, subprocess, sys, time
-from envs.sandbox import SANDBOX_PATH, SandboxLimits, run_python
-hog_code, marker, probe = sys.argv[1:]
 
-def named(marker):
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+def two_calls(hog_code: str, marker: str, probe: str) -> dict:
+    """A hog call takes all it can of something and names itself `marker` (its comm, which the trainer sees in
+    /proc); then a second call and the trainer itself run `probe`. What each printed."""
+    def named() -> bool:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/comm") as f:
+                    if f.read().strip() == marker:
+                        return True
+            except OSError:
+                pass
+        return False
+
+    async def main() -> dict:
+        hog = asyncio.create_task(run_python(hog_code, SandboxLimits(timeout_s=60)))
+        deadline = time.monotonic() + 50
+        while not named() and not hog.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not hog.done(), hog.result()
+        other = await run_python(probe, SandboxLimits(timeout_s=30))
+        python = shutil.which("python3", path=SANDBOX_PATH)  # one a non-root trainer can run: the sandbox's
+        trainer = await asyncio.to_thread(subprocess.run, [python, "-I", "-c", probe], capture_output=True, text=True,
+                                          timeout=30)
+        hog.cancel()
         try:
-            if open(f"/proc/{pid}/comm").read().strip() == marker:
-                return True
-        except OSError:
+            await hog
+        except asyncio.CancelledError:
             pass
-    return False
+        return {"call": other.stdout.strip() or other.stderr, "trainer": trainer.stdout.strip() or trainer.stderr}
 
-async def main():
-    hog = asyncio.create_task(run_python(hog_code, SandboxLimits(timeout_s=60)))
-    deadline = time.monotonic() + 50
-    while not named(marker) and not hog.done() and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    assert not hog.done(), hog.result()
-    other = await run_python(probe, SandboxLimits(timeout_s=30))
-    python = shutil.which("python3", path=SANDBOX_PATH)  # one a non-root trainer can run, as the sandbox's
-    trainer = await asyncio.to_thread(subprocess.run, [python, "-I", "-c", probe], capture_output=True, text=True,
-                                      timeout=30)
-    hog.cancel()
-    try:
-        await hog
-    except asyncio.CancelledError:
-        pass
-    print(json.dumps({"call": other.stdout.strip() or other.stderr,
-                      "trainer": trainer.stdout.strip() or trainer.stderr}))
-
-asyncio.run(main())
-"""
+    return asyncio.run(main())
 
 
-def as_trainer(mode: str, tmp: str, script: str, *args: str, prefix: tuple[str, ...] = ()) -> dict:
-    """Run a trainer `script` in `mode` (after `prefix`, a command that execs the rest); returns the JSON it printed
-    last. Its temp dirs go under `tmp`."""
+def as_trainer(mode: str, tmp: str, function, *args: str, prefix: tuple[str, ...] = ()) -> dict:
+    """`function(*args)` run by a trainer: this process ("caller", without `prefix`), or a process of its own as
+    `nobody` ("non-root") or after `prefix` (a command that execs the rest). Its temp dirs go under `tmp`."""
+    if mode == "caller" and not prefix:
+        return function(*args)
     env = {"PYTHONPATH": ROOT, "PATH": os.environ["PATH"], "TMPDIR": tmp}
     drop = []
     if mode == "non-root":
@@ -83,6 +82,8 @@ def as_trainer(mode: str, tmp: str, script: str, *args: str, prefix: tuple[str, 
         if probe.returncode != 0:
             os.rmdir(tmp)
             pytest.skip("the project or its venv is not readable by 'nobody' here")
+    script = (f"import json, sys; from {__name__} import {function.__name__}; "
+              f"print(json.dumps({function.__name__}(*sys.argv[1:])))")
     try:
         ran = subprocess.run([*prefix, *drop, sys.executable, "-c", script, *args], cwd=tmp, env=env,
                              capture_output=True, text=True, timeout=180)
@@ -98,12 +99,12 @@ def hog_then_probe(mode: str, tmp: str, hog: str, probe: str) -> dict:
     """What `probe` printed in a second call and in the trainer while a first call runs `hog` (which names itself
     MARKER when it holds what it took)."""
     marker = f"hog-{secrets.token_hex(4)}"
-    return as_trainer(mode, tmp, TWO_CALLS, textwrap.dedent(hog).replace("MARKER", repr(marker.encode())), marker,
+    return as_trainer(mode, tmp, two_calls, textwrap.dedent(hog).replace("MARKER", repr(marker.encode())), marker,
                       textwrap.dedent(probe))
 
 
 def call(mode: str, tmp: str, code: str, prefix: tuple[str, ...] = (), **limits) -> dict:
-    return as_trainer(mode, tmp, ONE_CALL, textwrap.dedent(code), json.dumps(limits), prefix=prefix)
+    return as_trainer(mode, tmp, one_call, textwrap.dedent(code), json.dumps(limits), prefix=prefix)
 
 
 # --------------------------------------------------------------------------- inodes
