@@ -197,7 +197,7 @@ def main() -> None:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    # The job's trainer thread count on CPU: its cores split between the ranks (rl_core.ppo.runtime).
+    # The job's trainer thread count on CPU: its cores split between the ranks (rl_core.ppo.threads).
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.nproc))
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores (this run: {args.cpus or 'all'}); "
           f"setting {args.setting}, "

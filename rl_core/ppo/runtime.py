@@ -1,42 +1,42 @@
 """Everything a rank owns besides its models: the job lifecycle (process group, run directory),
 its engine, the router (rank 0), the rollout service (rank 0), and the clean-up that leaves no
-process behind on any exit.
+process behind on any exit. How its cores are split is `threads.py`'s; the other nodes' watch `node_watch.py`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
 import sys
-import threading
 import time
 from types import SimpleNamespace
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 
 from rl_core.distributed import on_rank0, rank_seed, wait_for_rank0
-from rl_core.lifecycle import JobLifecycle, torch_threads
+from rl_core.lifecycle import JobLifecycle
 from rl_core.ppo.config import PPOConfig, engine_dtype
+from rl_core.ppo.node_watch import NodeWatch, check_reachable
+from rl_core.ppo.threads import ThreadPolicy
 from rl_core.rollout.process import RolloutProcess, ServedVersion
 from rl_core.rollout.rollout import RolloutSettings
 from rl_core.rollout.service import build_service
 from workers.engines.embedded.forked import EngineFork
 from workers.engines.rank_engine import EngineSpec, RankEngine
 from workers.net import http_problem, node_address
-from workers.procs import ManagedProcesses, ProcessStartError, stop_this_process
+from workers.procs import ManagedProcesses
 
 ENGINE_START_TIMEOUT_S = 300.0
 
 
-class JobRuntime(JobLifecycle):
+class JobRuntime(ThreadPolicy, JobLifecycle):
     """Context manager for one rank's processes and connections; `__exit__` stops them all.
 
-    The process group, the CPU split between trainer and engine and the run directory's lock are
-    the shared job lifecycle's; this adds the engines, the router and the rollout service."""
+    The process group, the CPU split between trainer and engine (its policy: `ThreadPolicy`) and the run
+    directory's lock are the shared job lifecycle's; this adds the engines, the router and the rollout service."""
 
     def __init__(self, cfg: PPOConfig, engine_fork: EngineFork | None = None):
         """`engine_fork`: the entry point's, which an embedded engine runs in (else it starts as a command)."""
@@ -102,40 +102,6 @@ class JobRuntime(JobLifecycle):
             return "127.0.0.1"
         return node_address(self.cfg.rollout.multi_node_host, os.environ["MASTER_ADDR"],
                             int(os.environ["MASTER_PORT"]))
-
-    def engine_threads(self) -> int:
-        """An embedded engine's torch threads. Sync mode: all of this rank's cores but one, which the engine's HTTP
-        front end, the router and rank 0's rollout client need while it decodes (with every core, each of its
-        parallel ops waited at an OpenMP barrier for a thread those had descheduled: the gpu86m shape on 2 cores,
-        alternated runs, a 256 x 48-token busy period 0.36-0.37 s with 2 threads, 0.29 s with 1). Async mode:
-        half of them, since it decodes while the trainer computes on every core (2 + 2 threads on 2 cores made
-        each wait on the other's: 2.5-2.7 s a step against 2.2-2.4 s with the engine on 1)."""
-        cores = self.cpu_threads()
-        return max(1, cores - 1) if self.cfg.trainer.mode == "sync" else max(1, cores // 2)
-
-    def trainer_threads(self) -> int:
-        """The trainer's torch threads: all of this rank's cores, in async mode too: the engine decodes for part of
-        the step only (one batch per step, 0.3 s of a 1.1 s step for the gpu86m shape on 2 cores), and a trainer
-        on the cores it leaves would leave one idle the rest of the time (alternated runs: 1.01-1.14 s a step
-        with 2 trainer threads beside the engine's 1, 1.22-1.24 s with 1).
-
-        On a GPU, one: the trainer's CPU tensors are bookkeeping (layouts, advantages), and with more threads
-        each small op waits at an OpenMP barrier for a thread that shares a core with a busy neighbour, such as
-        SGLang's scheduler, which polls while idle (one H200, gpu86m: torch's 16 threads made each CPU
-        `index` 6-8 ms, 0.38 s of a 0.59 s reference forward)."""
-        return self.cpu_threads() if self.device.type == "cpu" else 1
-
-    @contextlib.contextmanager
-    def threads_beside_decoding(self) -> Iterator[None]:
-        """For the trainer's work that overlaps its engine's decoding: in async mode on CPU the engine starts on the
-        next batch when a push ends, so the next step's forward passes run beside it; on the cores it leaves, its
-        parallel ops wait on no descheduled thread (the gpu86m shape on 2 cores, alternated runs: those passes
-        0.57-0.59 s with 2 threads, 0.45-0.47 s with 1)."""
-        if self.device.type != "cpu" or self.cfg.trainer.mode == "sync":
-            yield
-            return
-        with torch_threads(max(1, self.cpu_threads() - self.engine_threads())):
-            yield
 
     def start_engines(self, policy_path: str, pauses_in_place: bool, context_length: int | None = None,
                       kv_tokens: int | None = None) -> None:
@@ -256,54 +222,3 @@ class JobRuntime(JobLifecycle):
         return stats
 
 
-def check_reachable(engines: list[tuple[str, str, dict]], timeout_s: float = 10.0) -> None:
-    """Every engine answers /health from here (node 0, where the router runs), or one line names it."""
-    for rank, (url, _, node) in enumerate(engines):
-        problem = http_problem(f"{url}/health", timeout_s)
-        if problem is None:
-            continue
-        raise ProcessStartError(f"the engine of rank {rank} on node {node['node']} ({node['host']}) at {url} cannot "
-                                f"be reached from node 0, where the router runs ({problem}); let node 0 reach that "
-                                "node's TCP ports (engines take free ports) or set rollout.multi_node_host to an "
-                                "address node 0 can reach")
-
-
-class NodeWatch:
-    """Several nodes only: notice a lost node even when no connection says so.
-
-    A killed node closes its sockets and the next collective fails at once; a node whose link is
-    cut closes nothing, and every rank would wait out the collective timeout. So each rank asks
-    one engine of every other node for /health (answered even while paused or released) six times per
-    `timeout_s` (rollout.node_timeout_s); when a node has not answered `misses` times in a row over at
-    least `timeout_s`, this rank stops, naming it. Misses are counted, not only timed, so a rank starved
-    of CPU for a while does not mistake its own silence for the other node's.
-    """
-
-    def __init__(self, rank: int, my_node: int, engines: list[tuple[str, str, dict]], timeout_s: float = 30.0,
-                 misses: int = 3):
-        self.rank, self.interval_s, self.timeout_s, self.misses = rank, timeout_s / 6, timeout_s, misses
-        self.watched: dict[int, tuple[str, str]] = {}
-        for url, _, node in engines:
-            if node["node"] != my_node:
-                self.watched.setdefault(node["node"], (url, node["host"]))
-        self.stopped = threading.Event()
-        threading.Thread(target=self._watch, name="node-watch", daemon=True).start()
-
-    def stop(self) -> None:
-        self.stopped.set()
-
-    def _watch(self) -> None:
-        missed: dict[int, list[float]] = {n: [] for n in self.watched}
-        while not self.stopped.wait(self.interval_s):
-            for number, (url, host) in self.watched.items():
-                if http_problem(f"{url}/health", timeout_s=self.interval_s) is None:
-                    missed[number] = []
-                    continue
-                missed[number].append(time.monotonic())
-                times = missed[number]
-                if len(times) >= self.misses and times[-1] - times[0] >= self.timeout_s - self.interval_s \
-                        and not self.stopped.is_set():
-                    stop_this_process(f"[rank {self.rank}] stopped: node {number} ({host}) stopped answering "
-                                      f"({url} silent for {time.monotonic() - times[0] + self.interval_s:.0f}s): it "
-                                      "died or lost its link; see its log", grace_s=10.0)
-                    return

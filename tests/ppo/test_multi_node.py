@@ -155,7 +155,7 @@ def test_a_lost_node_stops_every_node_within_a_minute_and_leaves_nothing(two_hos
 
 
 def test_a_wrong_multi_node_host_or_an_unreachable_engine_is_one_line_before_anything_runs():
-    from rl_core.ppo.runtime import check_reachable
+    from rl_core.ppo.node_watch import check_reachable
     from workers.net import free_port, node_address
     from workers.procs import ProcessStartError
 
