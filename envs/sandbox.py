@@ -23,7 +23,7 @@ util-linux `setpriv` and the stdlib:
 The limits are set by the runner (envs/sandbox_runner.py) rather than with `preexec_fn`, which is
 unsafe in a process with threads (the rollout has thread pools).
 
-Enforced (checked by tests/envs/test_sandbox.py on Linux 6.x as root):
+Enforced (checked by tests/envs/test_sandbox*.py on Linux 6.x, as root and as a non-root trainer):
   * Files: the code sees a root of its own. The system's programs and libraries (/usr and the /bin,
     /lib links) are there read-only; the project, its data and weights, the run directory, /root,
     /home, /etc and every other directory of the host are not there at all. Its only writable places
