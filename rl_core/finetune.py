@@ -18,7 +18,7 @@ from rl_core.logger import MetricsLogger
 from rl_core.optim import OPTIMIZER_NAMES, build_optimizer, linear_anneal_schedule
 from rl_core.step_loop import JobSteps, run_steps as run_step_loop
 from rl_core.stop_signal import JobProgress
-from workers.fsdp import TrainableModel
+from workers.trainable import TrainableModel
 
 
 @dataclass

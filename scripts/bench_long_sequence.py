@@ -39,7 +39,8 @@ def one_step(tokens: int, vocab: int, chunk: int, checkpointing: bool) -> dict:
 
     from rl_core.distributed import init_distributed
     from workers.forward import ForwardSettings, token_logprobs_and_entropy
-    from workers.fsdp import TrainableModel, shard_model
+    from workers.fsdp import shard_model
+    from workers.trainable import TrainableModel
     from workers.layout import make_micro_batch
     from workers.loading import enable_gradient_checkpointing
     from workers.worker import BatchWorker

@@ -36,7 +36,8 @@ def process_group():
 
 
 def trainable(model_dir, seed):
-    from workers.fsdp import TrainableModel, shard_model
+    from workers.fsdp import shard_model
+    from workers.trainable import TrainableModel
     from workers.loading import load_causal_lm
 
     torch.manual_seed(seed)

@@ -140,7 +140,7 @@ class BatchWorker:
 
         `loss_fn(model, micro_batch)` returns the micro-batch's loss *summed* (over tokens, rows or
         pairs: whatever `global_count` counts over the whole batch) and its metrics. Returns the
-        metrics of the real micro-batches (one entry each, tensors unread: `workers.fsdp.read_back`; `loss` is the scaled loss, this rank's share of it:
+        metrics of the real micro-batches (one entry each, tensors unread: `workers.read_back.read_back`; `loss` is the scaled loss, this rank's share of it:
         the mean over ranks is the batch's loss) and the micro-batches run. `micro_batches`: this batch's, made
         once for two models (PPO's actor and critic)."""
         micro = micro_batches if micro_batches is not None else self.micro_batches(batch, units)

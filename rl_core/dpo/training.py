@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workers.fsdp import read_back
 from workers.forward import token_logprobs
 from workers.layout import make_micro_batch
+from workers.read_back import read_back
 from workers.worker import BatchWorker
 
 

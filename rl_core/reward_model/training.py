@@ -23,10 +23,12 @@ from rl_core.reward_model.losses import preference_correct, preference_loss, spe
 from rl_core.reward_model.sampling import pick_queries, sample_truncated
 from rl_core.step_loop import JobSteps, run_steps
 from rl_core.stop_signal import JobProgress
-from workers.fsdp import TrainableModel, full_state_dict, read_back, shard_model
+from workers.fsdp import full_state_dict, shard_model
 from workers.forward import ForwardSettings, raw_reward_scores, reward_scores
 from workers.layout import make_micro_batch, packing_layout
 from workers.loading import init_reward_model, load_reward_model, prepare_for_run, set_reward_gain_bias
+from workers.read_back import read_back
+from workers.trainable import TrainableModel
 from workers.worker import BatchWorker
 
 Log = Callable[[str], None]

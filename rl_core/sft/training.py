@@ -13,9 +13,9 @@ import torch
 from rl_core.distributed import DataParallel
 from rl_core.sft.data import SFTExample
 from workers.decode import DecodeSettings, decode
-from workers.fsdp import read_back
 from workers.forward import host_view, token_logprobs_and_hits
 from workers.layout import grid_tokens, make_micro_batch
+from workers.read_back import read_back
 from workers.worker import BatchWorker
 
 

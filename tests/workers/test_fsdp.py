@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 from rl_core.optim import build_optimizer
 from tests.ranks import run_ranks
-from workers.fsdp import read_back
+from workers.read_back import read_back
 
 WORLD_SIZE = 2
 LR = 1e-2
@@ -44,7 +44,7 @@ def _loss_fn(global_tokens: int, dp_size: int):
 
 
 def _build_trainable(model):
-    from workers.fsdp import TrainableModel
+    from workers.trainable import TrainableModel
 
     return TrainableModel(
         model,
@@ -238,7 +238,7 @@ class CountHostReads(TorchFunctionMode):
 def test_an_optimizer_step_reads_nothing_and_its_metrics_come_back_in_one_transfer():
     """On a GPU every read of a device tensor stalls the host: the metrics of all micro-batches and the grad
     norm stay on the device through forward, backward and the optimizer step, and come back at once."""
-    from workers.fsdp import TrainableModel, read_back
+    from workers.trainable import TrainableModel
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
@@ -267,7 +267,7 @@ def test_a_non_finite_gradient_skips_the_update_decided_on_the_device(optimizer)
     """The skip of a non-finite step is the optimizer's `found_inf` (no host read) where it takes one; a plain
     SGD decides on the host. Either way the weights and the optimizer state stay as they were, and the next
     finite step trains as if the bad one had never happened."""
-    from workers.fsdp import TrainableModel
+    from workers.trainable import TrainableModel
 
     def build(m):
         if optimizer == "sgd":

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.ranks import run_ranks
-from workers.fsdp import read_back
+from workers.read_back import read_back
 
 WORLD_SIZE = 2
 FAMILIES = {"qwen3": {}, "gemma2": {"sliding_window": 8}}
@@ -50,7 +50,8 @@ def _loss(model, micro):
 def _run(model_dir: str, tokenizer, world_size: int, rank: int, group) -> dict:
     """One step's outputs and gradients, with `group` splitting the tokens (None: one process, no split)."""
     from workers.forward import ForwardSettings, raw_reward_scores, token_logprobs_and_entropy, token_values
-    from workers.fsdp import TrainableModel, shard_model
+    from workers.fsdp import shard_model
+    from workers.trainable import TrainableModel
     from workers.loading import ValueModel, init_reward_model, load_causal_lm, prepare_for_run
     from workers.worker import BatchWorker
 
