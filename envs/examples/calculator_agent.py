@@ -4,6 +4,8 @@
 
 It asks the question with a calculator tool, runs the calls the model makes and sends their results back,
 for at most `MAX_CALLS` model calls; the reward is whether the last answer holds the sample's `answer`.
+The tool is spelt as the tool recipe's `calc(expr)` (envs/arithmetic_tools.py), the one the shipped
+tool-calling policy learnt to call, so that policy calls it here too: configs/grpo_agent_arithmetic.yaml.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from envs.calculator import format_number, safe_eval
 
 MAX_CALLS = 2
 CALCULATOR = {"type": "function", "function": {
-    "name": "calculate", "description": "Evaluate an arithmetic expression such as 12 * (3 + 4).",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+    "name": "calc", "description": "Evaluate an arithmetic expression such as 12 * (3 + 4).",
+    "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]}}}
 
 
 def calculate(expression: str) -> str:
@@ -49,7 +51,7 @@ async def run(base_url: str, sample: dict) -> dict:
                 break
             for call in message.tool_calls:
                 calls += 1
-                expression = json.loads(call.function.arguments).get("expression", "")
+                expression = json.loads(call.function.arguments).get("expr", "")
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(str(expression))})
     correct = str(sample.get("answer")) in (message.content or "")
     return {"reward": float(correct), "tool_calls": calls}

@@ -21,7 +21,7 @@ from tests.envs.test_chat import chat_tokenizer_dir, tokenizer_with  # noqa: F40
 
 def scripted_calls(text: str) -> list[ToolCall]:
     """Every turn read as one calculator call (a random policy writes none)."""
-    return [ToolCall("call_0", "calculate", {"expression": f"{len(text)} * 3"})]
+    return [ToolCall("call_0", "calc", {"expr": f"{len(text)} * 3"})]
 
 
 async def recording_agent(base_url: str, sample: dict) -> dict:
@@ -38,7 +38,7 @@ async def recording_agent(base_url: str, sample: dict) -> dict:
             answers.append(response)
             messages.append(message.model_dump(exclude_none=True))
             for call in message.tool_calls or []:
-                expression = json.loads(call.function.arguments)["expression"]
+                expression = json.loads(call.function.arguments)["expr"]
                 messages.append({"role": "tool", "tool_call_id": call.id,
                                  "content": calculator_agent.calculate(expression)})
     sample["seen"].append((base_url, answers))  # the test's record, passed in the sample
@@ -114,8 +114,8 @@ def test_an_openai_client_agent_trains_on_exactly_the_sampled_tokens(chat_tokeni
         for answer in answers:  # OpenAI-shaped, the calls parsed by env.tool_parser
             (call,) = answer.choices[0].message.tool_calls
             assert answer.choices[0].finish_reason in ("tool_calls", "length")  # length: cut by max_tokens
-            assert call.type == "function" and call.function.name == "calculate"
-            assert call.function.arguments.startswith('{"expression": ')
+            assert call.type == "function" and call.function.name == "calc"
+            assert call.function.arguments.startswith('{"expr": ')
     for traj in result.trajectories:
         (sequence,) = traj.sequences  # the agent sent its conversation back as it got it: one sequence
         assert traj.num_turns == 2 and traj.env_reward == 0.5 and traj.info["tool_calls"] == 2
@@ -128,7 +128,7 @@ def test_an_openai_client_agent_trains_on_exactly_the_sampled_tokens(chat_tokeni
             assert set(sequence.versions[span]) == {3}
         (before, first), (after, _) = mine
         between = slice(len(before) + len(first["output_ids"]), len(after))
-        assert "Tool calculate: " in tokenizer.decode(sequence.input_ids[between])  # the tool's result: context
+        assert "Tool calc: " in tokenizer.decode(sequence.input_ids[between])  # the tool's result: context
         assert not any(sequence.action_mask[between])
     assert all(len(a["output_ids"]) <= 6 for _, a in calls)  # the request's max_tokens
     (failed,) = broken.failed
