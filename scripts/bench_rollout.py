@@ -51,7 +51,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workers.engines.client import EngineClient  # noqa: E402
-from workers.engines.rank_engine import EngineSpec, start_engine  # noqa: E402
+from workers.engines.launch import start_engine  # noqa: E402
+from workers.engines.spec import EngineSpec  # noqa: E402
 from workers.procs import ManagedProcesses  # noqa: E402
 from workers.router import RouterSettings, launch_router  # noqa: E402
 

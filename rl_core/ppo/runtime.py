@@ -25,7 +25,8 @@ from rl_core.rollout.process import RolloutProcess, ServedVersion
 from rl_core.rollout.rollout import RolloutSettings
 from rl_core.rollout.service import build_service
 from workers.engines.embedded.forked import EngineFork
-from workers.engines.rank_engine import EngineSpec, RankEngine
+from workers.engines.rank_engine import RankEngine
+from workers.engines.spec import EngineSpec
 from workers.net import http_problem, node_address
 from workers.procs import ManagedProcesses
 

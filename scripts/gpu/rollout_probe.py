@@ -163,7 +163,8 @@ def main() -> None:
     import torch
 
     from bench_vs_trl import KIT_SGLANG_ARGS
-    from workers.engines.rank_engine import EngineSpec, start_engine
+    from workers.engines.launch import start_engine
+    from workers.engines.spec import EngineSpec
     from workers.procs import ManagedProcesses
     from workers.router import launch_router
 

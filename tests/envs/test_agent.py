@@ -58,7 +58,8 @@ def test_an_openai_client_agent_trains_on_exactly_the_sampled_tokens(chat_tokeni
     from envs.pool import EnvPool
     from rl_core.rollout.rollout import RolloutParts, RolloutSettings, rollout
     from workers.engines.client import EngineClient
-    from workers.engines.rank_engine import EngineSpec, start_engine
+    from workers.engines.launch import start_engine
+    from workers.engines.spec import EngineSpec
     from workers.procs import ManagedProcesses
     from workers.router import launch_router
 

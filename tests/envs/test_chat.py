@@ -302,7 +302,8 @@ def test_a_multi_turn_tool_conversation_through_a_real_engine_keeps_every_sample
     from rl_core.rewards import RewardFunctions
     from rl_core.rollout.rollout import RolloutParts, RolloutSettings, rollout
     from workers.engines.client import EngineClient
-    from workers.engines.rank_engine import EngineSpec, start_engine
+    from workers.engines.launch import start_engine
+    from workers.engines.spec import EngineSpec
     from workers.procs import ManagedProcesses
     from workers.router import launch_router
 

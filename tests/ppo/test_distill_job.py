@@ -7,7 +7,8 @@ import torch
 
 from tests.jobs import read_metrics, undocumented_metrics
 from tests.ppo.test_job import run_job
-from workers.engines.rank_engine import EngineSpec, start_engine
+from workers.engines.launch import start_engine
+from workers.engines.spec import EngineSpec
 from workers.procs import ManagedProcesses
 
 
@@ -54,3 +55,21 @@ def test_two_distillation_steps_with_the_teacher_local_and_behind_a_server(small
     for key in ("distill/teacher_logprob", "distill/reverse_kl", "reward/score_mean"):
         assert first_remote[key] == pytest.approx(first_local[key], abs=1e-4), key
     assert served.count("POST /generate") >= 2 * 8  # every sequence of both steps went to the server
+
+
+@pytest.mark.timeout(600)
+def test_the_distillation_recipe_runs_with_its_offline_teacher(arithmetic_job, tmp_path):
+    """configs/opd_arithmetic.yaml as shipped, on the small arithmetic assets and the small teacher built from
+    them: a step of pure distillation (the reward only measured) between two evaluations."""
+    from offline.arithmetic_teacher import ensure_arithmetic_teacher
+
+    teacher = ensure_arithmetic_teacher(arithmetic_job["root"], small=True, log=lambda *_: None)
+    run_dir = tmp_path / "opd"
+    run_job(arithmetic_job, run_dir, "trainer.total_episodes=16", f"distill.teacher_path={teacher}",
+            config="opd_arithmetic.yaml")
+    rows = read_metrics(run_dir)
+    assert [row["step"] for row in rows] == [0, 1]
+    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[1]
+    step = rows[1]
+    assert step["distill/reverse_kl"] != 0 and step["distill/teacher_logprob"] < 0
+    assert (run_dir / "checkpoints").is_dir() is False  # save_every=6: no checkpoint after one step

@@ -17,7 +17,8 @@ from envs.sentiment import SentimentEnv
 from rl_core.rewards import batched
 from rl_core.rollout.rollout import GroupRule, RolloutParts, RolloutSettings, rollout, rollout_until
 from workers.engines.client import EngineClient
-from workers.engines.rank_engine import EngineSpec, start_engine
+from workers.engines.launch import start_engine
+from workers.engines.spec import EngineSpec
 from workers.engines.weights import WeightPusher
 from workers.procs import ManagedProcesses
 from workers.router import launch_router

@@ -17,7 +17,8 @@ import torch
 
 from workers.engines.embedded import build_engine_argv
 from workers.engines.embedded.forked import EngineFork
-from workers.engines.rank_engine import EngineProcess, EngineSpec
+from workers.engines.launch import EngineProcess
+from workers.engines.spec import EngineSpec
 from workers.net import free_port
 from workers.procs import ManagedProcesses
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from workers.engines.client import EngineClient, EngineError
-from workers.engines.rank_engine import EngineSpec, start_engine
+from workers.engines.launch import start_engine
+from workers.engines.spec import EngineSpec
 from workers.engines.weights import (WeightPusher, WeightSyncError, check_pushed_weights, flatten_bucket,
                                      serialize_for_engine)
 from tests.workers.small_models import save_small_gpt2

@@ -20,7 +20,8 @@ import torch
 from tests.sglang_env import ENGINE_KINDS, engine_calls, require_sglang_python
 from tests.workers.small_models import save_small_gpt2
 from workers.engines.client import EngineClient, EngineError
-from workers.engines.rank_engine import EngineSpec, start_engine
+from workers.engines.launch import start_engine
+from workers.engines.spec import EngineSpec
 from workers.engines.weights import (WeightPusher, WeightSyncError, check_pushed_weights, engine_probe_logprobs,
                                      flatten_bucket, serialize_for_engine)
 from workers.procs import ManagedProcesses

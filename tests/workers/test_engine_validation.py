@@ -8,7 +8,8 @@ import time
 import aiohttp
 import pytest
 
-from workers.engines.rank_engine import EngineSpec, start_engine
+from workers.engines.launch import start_engine
+from workers.engines.spec import EngineSpec
 from workers.engines.embedded.validation import DEFAULT_MAX_NEW_TOKENS, MAX_BODY_BYTES, MAX_N, MAX_ROWS
 from tests.workers.small_models import save_small_gpt2
 from workers.procs import ManagedProcesses

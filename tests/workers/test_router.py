@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from workers.engines.client import EngineClient, EngineError
-from workers.engines.rank_engine import EngineSpec, start_engine
+from workers.engines.launch import start_engine
+from workers.engines.spec import EngineSpec
 from workers.net import wait_http_ok
 from workers.procs import ManagedProcesses, ProcessStartError, start_process, stop_process
 from workers.router import RouterSettings, build_router_argv, launch_router

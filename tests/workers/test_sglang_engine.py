@@ -10,7 +10,9 @@ import sys
 import pytest
 import torch
 
-from workers.engines.rank_engine import RELEASE_TAGS, RESUME_AFTER_PUSH, RESUME_BEFORE_PUSH, EngineSpec, engine_argv
+from workers.engines.launch import engine_argv
+from workers.engines.rank_engine import RELEASE_TAGS, RESUME_AFTER_PUSH, RESUME_BEFORE_PUSH
+from workers.engines.spec import EngineSpec
 from workers.engines.sglang_engine import build_server_argv, server_env, server_kwargs
 from workers.engines.weights import (bucket_named_tensors, deserialize_for_engine, flatten_bucket,
                                      serialize_for_engine, unflatten_bucket, update_tensor_payload)

@@ -1,4 +1,5 @@
-"""One rank's inference engine as the job drives it: launched, then used only through SGLang's HTTP API.
+"""One rank's inference engine as the job drives it: launched (`launch.py`), then used only through SGLang's HTTP
+API.
 
 Both kinds (`embedded`, `sglang`) get the same calls in the same order:
 
@@ -15,8 +16,6 @@ is released, so the caller drains or pauses first.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -25,93 +24,16 @@ import torch
 
 from workers.engines.client import EngineClient, EngineError
 from workers.engines.embedded.forked import EngineFork
+from workers.engines.launch import start_engine
+from workers.engines.spec import EngineSpec
 from workers.engines.weights import (PROBE_TOLERANCE, WeightPusher, WeightSyncError, check_pushed_weights,
                                      sglang_encode_bucket)
-from workers.net import free_port, wait_http_ok
-from workers.procs import ManagedProcesses, stop_process
+from workers.procs import ManagedProcesses
 from workers.trace import span
 
 RELEASE_TAGS = ("kv_cache", "weights")
 RESUME_BEFORE_PUSH = ("weights",)
 RESUME_AFTER_PUSH = ("kv_cache",)
-
-
-@dataclasses.dataclass
-class EngineSpec:
-    """What one rank's engine serves and how it is launched."""
-    kind: str  # embedded | sglang
-    model_path: str
-    dtype: str  # float32 | bfloat16 | float16: the engine's weights
-    device: str  # cpu | cuda:N (the rank's device)
-    host: str = "127.0.0.1"
-    seed: int = 0
-    max_batch_size: int = 64
-    num_threads: int = 0  # embedded on CPU: torch threads
-    tp_size: int = 1
-    mem_fraction_static: float = 0.6
-    sglang_args: dict = dataclasses.field(default_factory=dict)
-    gpu_ids: tuple[int, ...] | None = None  # sglang: the GPUs of this rank's server
-    sglang_python: str | None = None  # sglang: the interpreter that runs the server (None: this one)
-    # sglang: the context it serves, the one the trainer checks its lengths against (workers.loading.
-    # context_length; the embedded engine reads the same from the model). None: SGLang's own derivation,
-    # which differs for some configs (it multiplies by a rope-scaling factor, reads other keys first).
-    context_length: int | None = None
-    # sglang: its KV pool in tokens (max_total_tokens; the job's memory plan), unless sglang_args sets it.
-    # The embedded engine grows its cache per decode batch and has no pool to size.
-    kv_tokens: int | None = None
-
-
-def engine_argv(spec: EngineSpec, port: int) -> tuple[list[str], dict[str, str] | None]:
-    """The command line and environment that start `spec`'s server on `port`."""
-    if spec.kind == "embedded":
-        from workers.engines.embedded import build_engine_argv
-
-        return build_engine_argv(spec, port), None
-    from workers.engines.sglang_engine import build_server_argv, server_env, server_kwargs, server_python
-
-    # (None would drop the CPU default pool: only a planned size replaces it.)
-    pool = {} if spec.kv_tokens is None else {"max_total_tokens": int(spec.kv_tokens)}
-    kwargs = server_kwargs(spec, port, extra={"random_seed": spec.seed, "context_length": spec.context_length,
-                                              **pool, **spec.sglang_args})
-    return build_server_argv(kwargs, server_python(spec.sglang_python)), server_env(spec.gpu_ids, device=spec.device)
-
-
-@dataclasses.dataclass
-class EngineProcess:
-    """A running engine server: where it answers, its process and its log."""
-    name: str  # "<kind> engine <url>", as errors and the process list call it
-    url: str
-    proc: subprocess.Popen
-    log_path: Path
-
-    def wait_ready(self, deadline_s: float) -> "EngineProcess":
-        """Block until /health answers; an engine that exits or never answers is stopped and named."""
-        try:
-            wait_http_ok(f"{self.url}/health", deadline_s, self.proc, self.log_path, name=self.name)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        stop_process(self.proc, timeout)
-
-
-def start_engine(spec: EngineSpec, log_path: Path, processes: ManagedProcesses, deadline_s: float,
-                 wait: bool = True, fork: EngineFork | None = None) -> EngineProcess:
-    """The one way an engine starts (job, tests, benchmarks): `spec`'s server on a free port of its
-    host, owned by `processes`; with `wait`, once /health answers. `fork`: the rank's pre-imported
-    child (`workers.engines.embedded.forked`), which an embedded engine runs in instead of a new Python."""
-    port = free_port(spec.host)
-    argv, env = engine_argv(spec, port)
-    url = f"http://{spec.host}:{port}"
-    name = f"{spec.kind} engine {url}"
-    if fork is not None and spec.kind == "embedded":
-        proc = processes.adopt(name, fork.start(argv, log_path, env), log_path)
-    else:
-        proc = processes.start(name, argv, log_path, env)
-    engine = EngineProcess(name, url, proc, Path(log_path))
-    return engine.wait_ready(deadline_s) if wait else engine
 
 
 class RankEngine:

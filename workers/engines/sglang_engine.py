@@ -13,13 +13,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from workers.engines import ENGINE_KEEPALIVE_S
+from workers.engines.spec import EngineSpec
 from workers.procs import ProcessStartError
-
-if TYPE_CHECKING:  # for the annotation only: rank_engine imports torch, which a command line does not need
-    from workers.engines.rank_engine import EngineSpec
 
 # Variables torchrun sets for its workers. A server that inherits them takes part in torchrun's
 # rendezvous: with TORCHELASTIC_USE_AGENT_STORE=True its own `init_process_group` becomes a store

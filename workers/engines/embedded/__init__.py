@@ -5,17 +5,15 @@ the job uses, running a Hugging Face causal LM on CPU (or one small GPU).
 
 Because it speaks SGLang's API, the router, the rollout client, the weight push and the tests
 are the same for both engines. `server.py` holds the HTTP side, `runner.py` the model and the
-continuous batching; `workers.engines.rank_engine.start_engine` launches it as a subprocess, or, in a job,
+continuous batching; `workers.engines.launch.start_engine` launches it as a subprocess, or, in a job,
 in a fork of its rank made before the job's set-up (`forked.py`: the rank's imports, not a second Python's).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # for the annotation only: rank_engine imports torch, which a command line does not need
-    from workers.engines.rank_engine import EngineSpec
+from workers.engines.spec import EngineSpec
 
 
 def build_engine_argv(spec: EngineSpec, port: int, python: str = sys.executable) -> list[str]:

@@ -1,0 +1,32 @@
+"""What one rank's engine serves and how it is launched, for either kind: the one description the launcher
+(`launch.py`) and each kind's command line (`embedded/`, `sglang_engine.py`) read. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class EngineSpec:
+    """What one rank's engine serves and how it is launched."""
+    kind: str  # embedded | sglang
+    model_path: str
+    dtype: str  # float32 | bfloat16 | float16: the engine's weights
+    device: str  # cpu | cuda:N (the rank's device)
+    host: str = "127.0.0.1"
+    seed: int = 0
+    max_batch_size: int = 64
+    num_threads: int = 0  # embedded on CPU: torch threads
+    tp_size: int = 1
+    mem_fraction_static: float = 0.6
+    sglang_args: dict = dataclasses.field(default_factory=dict)
+    gpu_ids: tuple[int, ...] | None = None  # sglang: the GPUs of this rank's server
+    sglang_python: str | None = None  # sglang: the interpreter that runs the server (None: this one)
+    # sglang: the context it serves, the one the trainer checks its lengths against (workers.loading.
+    # context_length; the embedded engine reads the same from the model). None: SGLang's own derivation,
+    # which differs for some configs (it multiplies by a rope-scaling factor, reads other keys first).
+    context_length: int | None = None
+    # sglang: its KV pool in tokens (max_total_tokens; the job's memory plan), unless sglang_args sets it.
+    # The embedded engine grows its cache per decode batch and has no pool to size.
+    kv_tokens: int | None = None
