@@ -57,6 +57,7 @@ def resolve_ppo_assets(cfg, log: Log):
     check_model_paths(cfg, "ppo", ("tiny", ARITHMETIC, ARITHMETIC_TEACHER, TOOLS_ARITHMETIC))
     if cfg.model.path == ARITHMETIC_TEACHER:  # the distillation teacher as a policy (its own GRPO run, say)
         resolve_model_key(cfg, "model.path", log)
+    resolve_model_key(cfg, "distill.teacher_path", log)  # any offline policy may teach (configs/opd_arithmetic.yaml)
     named = (cfg.model.path, cfg.reward.model_path, cfg.data.train_path, cfg.data.eval_path)
     if "tiny" in named:
         from offline.assets import ensure_tiny_assets

@@ -26,7 +26,7 @@ RESOLVERS = {"ppo": "offline.prepare:resolve_ppo_assets", "sft": "offline.prepar
 # The offline raters `labeler.name` names (the reward-model job's fresh-sample check).
 LABELERS = "offline.labeler:get_labeler"
 # The model paths each job's config gives: checked before anything is built or loaded, so a typo costs seconds.
-MODEL_KEYS = {"ppo": ("model.path", "reward.model_path", "model.tokenizer_path"),
+MODEL_KEYS = {"ppo": ("model.path", "reward.model_path", "model.tokenizer_path", "distill.teacher_path"),
               "sft": ("model.path", "model.tokenizer_path"),
               "dpo": ("model.path", "model.reference_path", "eval.reward_model_path"),
               "rm": ("model.policy_path", "model.init_from")}
