@@ -113,7 +113,7 @@ def check_command(words: list[str]) -> list[str]:
     program = words[0].rsplit("/", 1)[-1]
     if program == "rl-core" and len(words) > 1:
         for command in words[1].split("|"):  # `rl-core sft|dpo|rm`: each of them
-            if command not in (*JOBS, "plot"):
+            if command not in (*JOBS, "plot", "export"):
                 problems.append(f"rl-core has no command {command!r}")
         job = JOBS.get(words[1])
     for i, word in enumerate(words):
