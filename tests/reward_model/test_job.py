@@ -188,11 +188,11 @@ def test_validation_names_the_key_and_fix():
 def test_the_job_tells_its_progress_each_phase_for_the_stop_line(tiny_model_dir, tmp_path):
     """A stop signal's line names where the job was (`run_main`): the phases around the epoch, and each step of it
     as every job's step loop tells them, in the order the job runs them (one process, no process group)."""
-    from rl_core.stop_signal import JobProgress
     from rl_core.config import load_config
     from rl_core.distributed import DataParallel
     from rl_core.reward_model.config import RMConfig, validate
     from rl_core.reward_model.job import fit_and_export
+    from rl_core.stop_signal import JobProgress
 
     class Recorded(JobProgress):
         def __init__(self):
