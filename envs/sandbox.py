@@ -130,6 +130,7 @@ from envs.sandbox_host import (INODE_BYTES, SANDBOX_PATH, CallCgroups, _reachabl
 from envs.sandbox_output import read_capped, truncation_note, visible_text
 from envs.sandbox_runner import RUNNER, receive_report, tell_stop
 from envs.sandbox_seccomp import build_filter, syscall_numbers
+from rl_core.errors import UserError
 
 LOG = logging.getLogger(__name__)
 DEFAULT_MAX_CONCURRENCY = 8
@@ -138,7 +139,7 @@ RUNNER_GRACE_S = 5.0
 WORKDIR = "/work"  # where the call's own directory is, inside the sandbox
 TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 
-class SandboxError(RuntimeError):
+class SandboxError(UserError, RuntimeError):
     """The sandbox could not run the code at all (a setup problem, not the code's fault)."""
 
 

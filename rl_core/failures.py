@@ -21,9 +21,7 @@ from rl_core.errors import PeerFailed, UserError
 
 def is_user_error(err: BaseException) -> bool:
     """Failures whose message is the whole story: the traceback would only bury it."""
-    from envs.sandbox import SandboxError  # until envs/sandbox.py's SandboxError derives from UserError
-
-    return isinstance(err, (UserError, FileNotFoundError, SandboxError))
+    return isinstance(err, (UserError, FileNotFoundError))
 
 
 def lost_peer(err: BaseException) -> bool:

@@ -9,7 +9,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("rl_core", "workers", "envs")
 MAX_LINES = 450
 # Over the limit today, each to be split (issue 69); a module leaves this list once it is under.
-OVER_THE_LIMIT = {"rl_core/ppo/step.py"}
+OVER_THE_LIMIT: set[str] = set()
 
 
 def modules(root: Path, packages=PACKAGES) -> dict[str, Path]:

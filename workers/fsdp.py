@@ -15,8 +15,6 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from workers.read_back import read_back  # noqa: F401 - rl_core/ppo/step.py imports it from here
-from workers.trainable import TrainableModel  # noqa: F401 - rl_core/ppo/models.py imports it from here
 
 MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 from rl_core.distributed import broadcast_object, wait_for_rank0
 from rl_core.errors import JobError
 from rl_core.ppo.config import PPOConfig
-from rl_core.ppo.step import Scoring, apply_group_rule, has_reward_variance
+from rl_core.ppo.scoring import Scoring, apply_group_rule, has_reward_variance
 from rl_core.rollout.rollout import RolloutResult
 from rl_core.rollout.process import RolloutProcess
 from rl_core.rollout.service import RolloutService

@@ -15,7 +15,7 @@ import torch
 
 from rl_core.distributed import broadcast_object, wait_for_rank0
 from rl_core.ppo.config import PPOConfig, sampling_params
-from rl_core.ppo.step import Scoring, trajectory_scores
+from rl_core.ppo.scoring import Scoring, trajectory_scores
 from rl_core.rollout.trajectory import Trajectory
 
 

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from envs.factory import load_env_class
 from rl_core.checkpoint import Checkpointer, export_hf, finished_run
-from rl_core.cli import JobEntry, JobProgress, run_job
+from rl_core.cli import JobEntry, run_job
+from rl_core.stop_signal import JobProgress
 from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank, on_rank0, rank_seed,
                                  seed_everything)
 from rl_core.logger import MetricsLogger, open_run_logger, print_step

@@ -12,7 +12,8 @@ from rl_core.optim import build_optimizer, linear_anneal_schedule
 from rl_core.ppo.config import AlgorithmConfig, DistillConfig, ModelConfig
 from rl_core.ppo.distill import RemoteTeacher
 from workers import forward, layout, loading
-from workers.fsdp import TrainableModel, iter_full_tensors, shard_model
+from workers.fsdp import iter_full_tensors, shard_model
+from workers.trainable import TrainableModel
 from workers.lora import merged_weights, with_lora
 from workers.worker import BatchWorker
 

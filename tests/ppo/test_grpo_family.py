@@ -14,7 +14,7 @@ from rl_core.ppo import algorithms as alg
 from rl_core.ppo.config import AlgorithmConfig, KLConfig, RewardConfig
 from workers.worker import scale_loss
 from rl_core.ppo.step import Experience, Scoring, compute_advantages, task_scores
-from rl_core.ppo.step import apply_group_rule, has_reward_variance
+from rl_core.ppo.scoring import apply_group_rule, has_reward_variance
 from rl_core.rollout.trajectory import TokenSequence, Trajectory
 
 RESPONSE_LENGTH = 24
