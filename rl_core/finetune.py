@@ -1,5 +1,5 @@
 """What the jobs that train on fixed data (SFT, DPO) share: the optimisation section of their
-config, the trainable model built from it, the rows of each step, the console line."""
+config, the optimizer and schedule built from it, the rows of each step, the console line."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from rl_core.config import (LoraSettings, TrainerConfig, choice, require, valida
                             validate_profile_steps)
 from rl_core.distributed import DataParallel
 from rl_core.logger import MetricsLogger
-from rl_core.optim import OPTIMIZER_NAMES, build_optimizer, linear_anneal_schedule
+from rl_core.model_builder import Optimization
+from rl_core.optim import OPTIMIZER_NAMES, linear_anneal_schedule
 from rl_core.step_loop import JobSteps, run_steps as run_step_loop
 from rl_core.stop_signal import JobProgress
-from workers.trainable import TrainableModel
 
 
 @dataclass
@@ -104,18 +104,16 @@ def already_finished(trainer: FinetuneTrainerConfig, tr: FinetuneTrainConfig, st
     return done is not None
 
 
-def trainable_model(model, tr: FinetuneTrainConfig, steps: int, sharded: bool = True) -> TrainableModel:
-    """The (sharded) model with its optimizer over the trainable weights (all, or the LoRA adapters) and
-    its schedule (warmup, then annealed to zero or held)."""
+def optimization(tr: FinetuneTrainConfig, steps: int) -> Optimization:
+    """The trained model's optimizer over its trainable weights (all, or the LoRA adapters) and its schedule
+    (warmup, then annealed to zero or held), for `rl_core.model_builder.build_trained`."""
     if tr.schedule == "linear":
         schedule = lambda opt: linear_anneal_schedule(opt, steps, tr.warmup_steps)  # noqa: E731
     else:
         schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731
             opt, lambda step: min(1.0, (step + 1) / max(1, tr.warmup_steps)))
-    trained = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
-    return TrainableModel(model, lambda m: build_optimizer(trained(m), tr.optimizer, tr.lr, eps=tr.adam_eps,
-                                                           weight_decay=tr.weight_decay, betas=tuple(tr.adam_betas)),
-                          schedule, max_grad_norm=tr.max_grad_norm, sharded=sharded)
+    return Optimization(tr.optimizer, tr.lr, eps=tr.adam_eps, weight_decay=tr.weight_decay,
+                        betas=tuple(tr.adam_betas), max_grad_norm=tr.max_grad_norm, schedule=schedule)
 
 
 def step_rows(rows: list, step: int, batch_size: int, seed: int) -> list:

@@ -24,12 +24,11 @@ from rl_core.dpo.training import PreferencePair, heldout_metrics, to_pairs, trai
 from rl_core import finetune
 from rl_core.cli import JobEntry, run_job
 from rl_core.logger import open_run_logger
+from rl_core.model_builder import Placement, build_frozen, build_trained
 from rl_core.preferences import load_preference_splits
 from rl_core.stop_signal import JobProgress
 from workers import decode, forward, loading
 from workers.layout import make_micro_batch, packing_layout
-from workers.fsdp import shard_model
-from workers.lora import with_lora
 from workers.forward import ForwardSettings
 from workers.worker import BatchWorker
 
@@ -57,14 +56,10 @@ def train(cfg: DPOConfig, dp: DataParallel, progress: JobProgress | None = None)
         return
     seed_everything(cfg.trainer.seed)
     attention = cfg.model.attn_implementation
-    policy = loading.prepare_for_run(loading.load_causal_lm(cfg.model.path, attn_implementation=attention),
-                                     cfg.model, trained=True)
-    policy = with_lora(policy, cfg.model.lora, cfg.model.gradient_checkpointing)
-    shard_model(policy.to(dp.device), mixed_precision=cfg.model.mixed_precision)
-    reference = loading.prepare_for_run(loading.load_causal_lm(reference_path, attn_implementation=attention),
-                                        cfg.model, trained=False).to(dp.device).requires_grad_(False)
-    shard_model(reference, mixed_precision=cfg.model.mixed_precision)
-    trainable = finetune.trainable_model(policy, tr, total_steps)
+    trainable = build_trained(cfg.model.path, "causal_lm", cfg.model, Placement(),
+                              finetune.optimization(tr, total_steps))
+    policy = trainable.model
+    reference = build_frozen(reference_path, "causal_lm", cfg.model, Placement())
     worker = BatchWorker(dp.rank, dp.size, dp.device, tr.max_tokens_per_device, packing_layout(tr.packing, attention),
                          settings=ForwardSettings.for_job(cfg.model, dp.size, dp.device))
     checkpointer = Checkpointer(run_dir / "checkpoints", dp.rank, keep_last=cfg.trainer.keep_last,
@@ -112,8 +107,8 @@ class RewardModelEval:
         # Padded rows (the reward model's own attention kernel, whatever the policy's layout), balanced over
         # the ranks in micro-batches of at most train.max_tokens_per_device tokens, as training batches are.
         self.worker = BatchWorker(dp.rank, dp.size, dp.device, cfg.train.max_tokens_per_device)
-        self.reward_model = loading.load_reward_model(ev.reward_model_path,
-                                                     pad_token_id=tokenizer.pad_token_id).to(dp.device).eval()
+        self.reward_model = build_frozen(ev.reward_model_path, "reward", None, Placement.whole(dp.device),
+                                         pad_token_id=tokenizer.pad_token_id)
 
     @torch.no_grad()
     def __call__(self, policy) -> dict[str, float]:

@@ -3,18 +3,17 @@ reference, reward model and distillation teacher, and what the engines need of t
 
 from __future__ import annotations
 
-import functools
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
-from rl_core.optim import build_optimizer, linear_anneal_schedule
+from rl_core.model_builder import Optimization, Placement, build_frozen, build_trained
+from rl_core.optim import linear_anneal_schedule
 from rl_core.ppo.config import AlgorithmConfig, DistillConfig, ModelConfig
 from rl_core.ppo.distill import RemoteTeacher
-from workers import forward, layout, loading
-from workers.fsdp import iter_full_tensors, shard_model
-from workers.trainable import TrainableModel
-from workers.lora import merged_weights, with_lora
+from workers import forward, layout
+from workers.fsdp import iter_full_tensors
+from workers.lora import merged_weights
 from workers.worker import BatchWorker
 
 
@@ -25,44 +24,35 @@ class PPOModels:
                  total_steps: int, distill: DistillConfig | None = None):
         self.pad_token_id = pad_token_id
         policy_path = model_cfg.path
-        dtype = getattr(torch, model_cfg.dtype)
-        attention = model_cfg.attn_implementation
-        shard = functools.partial(shard_model, mixed_precision=model_cfg.mixed_precision,
-                                  cpu_offload=model_cfg.cpu_offload)
+        on_rank = Placement(sharded=True)
         # The schedule counts optimizer steps: epochs x minibatches of every PPO step (OpenAI anneals to zero).
         optimizer_steps = total_steps * algo.noptepochs * algo.nminibatches
         schedule = (lambda opt: linear_anneal_schedule(opt, optimizer_steps)) if algo.anneal_lr else None
 
-        def optimizer_for(lr: float) -> Callable:  # over the trained weights: all, or the LoRA adapters
-            return lambda m: build_optimizer([p for p in m.parameters() if p.requires_grad], algo.optimizer, lr=lr,
-                                             eps=algo.adam_eps, weight_decay=algo.weight_decay)
+        def optimization(lr: float) -> Optimization:  # over the trained weights: all, or the LoRA adapters
+            return Optimization(algo.optimizer, lr, eps=algo.adam_eps, weight_decay=algo.weight_decay,
+                                max_grad_norm=algo.max_grad_norm, schedule=schedule)
 
-        actor = loading.prepare_for_run(loading.load_causal_lm(policy_path, dtype, attention), model_cfg, trained=True)
-        actor = with_lora(actor, model_cfg.lora, model_cfg.gradient_checkpointing)
-        self.actor = TrainableModel(shard(actor), optimizer_for(algo.lr), schedule, algo.max_grad_norm)
+        self.actor = build_trained(policy_path, "causal_lm", model_cfg, on_rank, optimization(algo.lr))
         self.lora = model_cfg.lora.rank > 0
         # No KL at all (coefficient 0, not adaptive): no reference to load or run; its logprobs are pi_old's.
         self.uses_reference = algo.kl.adaptive or algo.kl.init_coef != 0
         # With LoRA the reference is the actor with its adapters off: the same frozen base, held once.
         self.reference = None
         if self.uses_reference and not self.lora:
-            reference = loading.prepare_for_run(loading.load_causal_lm(policy_path, dtype, attention), model_cfg, False)
-            self.reference = shard(reference).requires_grad_(False)
+            self.reference = build_frozen(policy_path, "causal_lm", model_cfg, on_rank)
         self.critic = None
         if algo.advantage_estimator == "gae":
-            critic = loading.ValueModel.from_pretrained(policy_path, dtype, attention)
-            critic = shard(loading.prepare_for_run(critic, model_cfg, trained=True))
-            self.critic = TrainableModel(critic, optimizer_for(algo.critic_lr or algo.lr), schedule, algo.max_grad_norm)
+            self.critic = build_trained(policy_path, "value", model_cfg, on_rank,
+                                        optimization(algo.critic_lr or algo.lr))
         self.reward_model = None
         if reward_path is not None:
-            rm = loading.load_reward_model(reward_path, dtype, pad_token_id, attention)
-            self.reward_model = shard(loading.prepare_for_run(rm, model_cfg, trained=False)).requires_grad_(False)
+            self.reward_model = build_frozen(reward_path, "reward", model_cfg, on_rank, pad_token_id=pad_token_id)
         # On-policy distillation: a frozen teacher beside the reference (counted by the memory plan, offloaded
         # with model.cpu_offload), or the user's server behind distill.teacher_url (rank 0 asks it).
         self.teacher, self.remote_teacher = None, None
         if distill is not None and distill.teacher_path is not None:
-            teacher = loading.load_causal_lm(distill.teacher_path, dtype, attention)
-            self.teacher = shard(loading.prepare_for_run(teacher, model_cfg, trained=False)).requires_grad_(False)
+            self.teacher = build_frozen(distill.teacher_path, "causal_lm", model_cfg, on_rank)
         if distill is not None and distill.teacher_url is not None:
             self.remote_teacher = RemoteTeacher(distill.teacher_url, distill.teacher_timeout_s)
 

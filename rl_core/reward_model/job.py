@@ -25,6 +25,7 @@ from pathlib import Path
 
 from rl_core.cli import JobEntry, run_job
 from rl_core.config import save_config
+from rl_core.model_builder import Placement, build_frozen
 from rl_core.distributed import DataParallel, on_every_rank, seed_everything, wait_for_rank0
 from rl_core.reward_model.config import RMConfig, check_lengths, validate
 from rl_core.reward_model.sampling import load_queries
@@ -32,7 +33,7 @@ from rl_core.reward_model.training import (Log, ReferenceSamples, Reporting, bui
                                            export_reward_model, fit_reward_model)
 from rl_core.preferences import load_preference_splits
 from rl_core.stop_signal import JobProgress
-from workers.loading import check_model_path, context_length, load_causal_lm, load_tokenizer
+from workers.loading import check_model_path, context_length, load_tokenizer
 
 
 def resolve_inputs(cfg: RMConfig, labeler) -> dict:
@@ -57,12 +58,12 @@ def fit_and_export(cfg: RMConfig, dp: DataParallel, log: Log = print, labeler=No
     started = time.perf_counter()
     inputs = resolve_inputs(cfg, labeler)
     tokenizer = load_tokenizer(inputs["policy"])
-    policy = load_causal_lm(inputs["policy"]).to(dp.device).eval()
+    policy = build_frozen(inputs["policy"], "causal_lm", None, Placement.whole(dp.device))  # samples, unsharded
     check_lengths(cfg, context_length(policy.config))
     seed = cfg.trainer.seed
     train, test = load_preference_splits(cfg.data, inputs["train"], inputs["test"], tokenizer, seed)
     queries = load_queries(inputs["prompts"], cfg.normalize.text_key, tokenizer, cfg.normalize.query_length)
-    model = build_reward_model(inputs["init_from"], tokenizer, seed, cfg.model.attn_implementation)
+    model = build_reward_model(inputs["init_from"], tokenizer, seed, cfg.model)
     reference = ReferenceSamples(policy, tokenizer, queries, cfg.normalize, dp)
     metrics = fit_reward_model(model, reference, train, test, cfg, inputs["labeler"],
                                Reporting(log, progress, metrics_rows=True))

@@ -16,19 +16,19 @@ from rl_core.checkpoint import Checkpointer
 from rl_core.config import validate_profile_steps
 from rl_core.distributed import DataParallel, rank_seed
 from rl_core.logger import MetricsLogger, open_run_logger, progress_bar
-from rl_core.optim import build_optimizer, linear_anneal_schedule
+from rl_core import model_builder
+from rl_core.optim import linear_anneal_schedule
 from rl_core.rewards.lm_human_preferences import reward_gain_bias
 from rl_core.reward_model.config import NormalizeConfig, RMConfig, RMTrainConfig, RMTrainerConfig
 from rl_core.reward_model.losses import preference_correct, preference_loss, spearman
 from rl_core.reward_model.sampling import pick_queries, sample_truncated
 from rl_core.step_loop import JobSteps, run_steps
 from rl_core.stop_signal import JobProgress
-from workers.fsdp import full_state_dict, shard_model
+from workers.fsdp import full_state_dict
 from workers.forward import ForwardSettings, raw_reward_scores, reward_scores
 from workers.layout import make_micro_batch, packing_layout
-from workers.loading import init_reward_model, load_reward_model, prepare_for_run, set_reward_gain_bias
+from workers.loading import set_reward_gain_bias
 from workers.read_back import read_back
-from workers.trainable import TrainableModel
 from workers.worker import BatchWorker
 
 Log = Callable[[str], None]
@@ -44,12 +44,11 @@ def is_sequence_classifier(path: str) -> bool:
     return any(name.endswith("ForSequenceClassification") for name in architectures)
 
 
-def build_reward_model(init_from: str, tokenizer, seed: int, attn_implementation: str | None = None):
-    """An existing reward model (head kept) or a fresh one on a causal LM (OpenAI head init)."""
-    if is_sequence_classifier(init_from):
-        return load_reward_model(init_from, pad_token_id=tokenizer.pad_token_id, attn_implementation=attn_implementation)
-    return init_reward_model(init_from, pad_token_id=tokenizer.pad_token_id, seed=seed,
-                             attn_implementation=attn_implementation)
+def build_reward_model(init_from: str, tokenizer, seed: int, run=None):
+    """An existing reward model (head kept) or a fresh one on a causal LM (OpenAI head init), loaded with
+    `run`'s keys (the job's `model` section; None: the model's defaults)."""
+    kind = "reward" if is_sequence_classifier(init_from) else "new_reward"
+    return model_builder.load(init_from, kind, run, pad_token_id=tokenizer.pad_token_id, seed=seed)
 
 
 # ----------------------------------------------------------------------------- scoring and batches
@@ -266,19 +265,13 @@ def fit_reward_model(model, reference: ReferenceSamples, train_examples: list, t
                          f"(train.batch_size={cfg.train.batch_size}); lower train.batch_size or add data")
     validate_profile_steps(tr.profile_steps, steps, f"{len(train_examples)} comparisons / train.batch_size="
                                                     f"{cfg.train.batch_size}, one epoch")
-    prepare_for_run(model, cfg.model, trained=True)
-    if dp.sharded:
-        shard_model(model.to(dp.device), mixed_precision=cfg.model.mixed_precision)
-    pad_id = tokenizer.pad_token_id
-    trainable = TrainableModel(
-        model,
-        build_optimizer=lambda m: build_optimizer(m.parameters(), cfg.train.optimizer, cfg.train.lr,
-                                                  eps=cfg.train.adam_eps),
-        # OpenAI: one epoch, LR annealed linearly to zero.
-        build_scheduler=lambda optimizer: linear_anneal_schedule(optimizer, steps),
-        max_grad_norm=cfg.train.max_grad_norm,
-        sharded=dp.sharded,
-    )
+    placement = model_builder.Placement() if dp.sharded else model_builder.Placement.whole(dp.device)
+    # OpenAI: one epoch, LR annealed linearly to zero.
+    optimization = model_builder.Optimization(cfg.train.optimizer, cfg.train.lr, eps=cfg.train.adam_eps,
+                                              max_grad_norm=cfg.train.max_grad_norm,
+                                              schedule=lambda optimizer: linear_anneal_schedule(optimizer, steps))
+    trainable = model_builder.make_trainable(model, cfg.model, placement, optimization)
+    model, pad_id = trainable.model, tokenizer.pad_token_id
     # Bars (with ETAs) on rank 0: on a CPU each sampling phase can take minutes.
     show = tr.progress and dp.rank == 0
     bar = (lambda what: f"[train_rm] {what}") if show else (lambda what: None)

@@ -19,6 +19,7 @@ from rl_core.distributed import DataParallel, on_every_rank, seed_everything
 from rl_core import finetune
 from rl_core.cli import JobEntry, run_job
 from rl_core.logger import open_run_logger
+from rl_core.model_builder import Placement, build_trained
 from rl_core.rewards import load_reward_fn
 from rl_core.sft.config import SFTConfig, validate
 from rl_core.sft.data import encode_rows, load_rows
@@ -26,8 +27,6 @@ from rl_core.sft.training import generation_accuracy, heldout_metrics, train_ste
 from rl_core.stop_signal import JobProgress
 from workers import loading
 from workers.layout import packing_layout
-from workers.fsdp import shard_model
-from workers.lora import with_lora
 from workers.forward import ForwardSettings
 from workers.worker import BatchWorker
 
@@ -56,15 +55,11 @@ def train(cfg: SFTConfig, dp: DataParallel, progress: JobProgress | None = None)
     if finetune.already_finished(cfg.trainer, tr, steps_per_epoch, total_steps, dp.rank):  # before loading the model
         return
     seed_everything(cfg.trainer.seed)  # the same initial weights on every rank
-    model = loading.load_causal_lm(cfg.model.path, attn_implementation=cfg.model.attn_implementation)
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))  # a [PAD] the tokenizer gained
-    loading.prepare_for_run(model, cfg.model, trained=True)
-    model = with_lora(model, cfg.model.lora, cfg.model.gradient_checkpointing)
-    model.to(dp.device)
-    if dp.sharded:
-        shard_model(model, mixed_precision=cfg.model.mixed_precision)
-    trainable = finetune.trainable_model(model, tr, total_steps, sharded=dp.sharded)
+    placement = Placement() if dp.sharded else Placement.whole(dp.device)
+    # One embedding row per tokenizer id: a [PAD] the tokenizer gained is fed to the model as input.
+    trainable = build_trained(cfg.model.path, "causal_lm", cfg.model, placement,
+                              finetune.optimization(tr, total_steps), vocab_size=len(tokenizer))
+    model = trainable.model
     worker = BatchWorker(dp.rank, dp.size, dp.device, tr.max_tokens_per_device,
                          packing_layout(tr.packing, cfg.model.attn_implementation),
                          settings=ForwardSettings.for_job(cfg.model, dp.size, dp.device))
