@@ -299,6 +299,15 @@ def finished_run(trainer, total_steps: int, limits: str, train_on: str) -> str |
             + f"; {train_on}, or give a new trainer.run_dir")
 
 
+def end_if_finished(trainer, total_steps: int, limits: str, train_on: str, rank: int) -> bool:
+    """Whether the run already ended (`finished_run`); then rank 0 says so in one line. Every job asks before
+    it loads a model or starts an engine; every rank reads the same run directory, so all end here or none."""
+    done = finished_run(trainer, total_steps, limits, train_on)
+    if done is not None and rank == 0:
+        print(done, flush=True)
+    return done is not None
+
+
 def _world_size_change(path: Path) -> str:
     """What a resume on another number of ranks keeps, or "" on the same number (each rank saved its RNG)."""
     saved = len(list(path.glob("rng_rank*.pt")))
@@ -328,10 +337,16 @@ def export_hf(model, tokenizer, base_path: str, out_dir: Path, rank: int, lora: 
         # Tokens the job added and never fed the model (the [PAD] of a tokenizer that padded with EOS, see
         # loading.load_tokenizer): exported as the user gave it, so the export's ids all fit its embeddings.
         tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
-    with staged_directory(out_dir) as staging:  # a resume takes an existing final/ for a finished export
-        plain.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+    save_model_directory(plain, tokenizer, out_dir)  # a resume takes an existing final/ for a finished export
     print(f"final model saved to {out_dir}", flush=True)
+
+
+def save_model_directory(model, tokenizer, out_dir: Path) -> None:
+    """Every job's export: `model` and `tokenizer` saved in Hugging Face format into `out_dir`, whole or not at
+    all (written beside it, then renamed over it: `rl_core.staging.staged_directory`)."""
+    with staged_directory(out_dir) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
 
 
 def _embedding_rows(state: dict, model) -> int:

@@ -10,11 +10,11 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from rl_core.checkpoint import export_hf, finished_run
+from rl_core.checkpoint import end_if_finished, export_hf
 from rl_core.config import (LoraSettings, TrainerConfig, choice, require, validate_checkpoint_keys,
                             validate_profile_steps)
 from rl_core.distributed import DataParallel
-from rl_core.logger import MetricsLogger
+from rl_core.logger import MetricsLogger, step_line
 from rl_core.model_builder import Optimization
 from rl_core.optim import OPTIMIZER_NAMES, linear_anneal_schedule
 from rl_core.step_loop import JobSteps, run_steps as run_step_loop
@@ -98,10 +98,7 @@ def already_finished(trainer: FinetuneTrainerConfig, tr: FinetuneTrainConfig, st
     says so in one line, to be said before any model is loaded. Every rank reads the same run directory."""
     limits = f"train.epochs={tr.epochs} of {steps_per_epoch} steps" + (
         f", train.max_steps={tr.max_steps}" if tr.max_steps else "")
-    done = finished_run(trainer, steps, limits, "raise train.epochs or train.max_steps to train on")
-    if done is not None and rank == 0:
-        print(done, flush=True)
-    return done is not None
+    return end_if_finished(trainer, steps, limits, "raise train.epochs or train.max_steps to train on", rank)
 
 
 def optimization(tr: FinetuneTrainConfig, steps: int) -> Optimization:
@@ -170,4 +167,4 @@ def log_step(logger: MetricsLogger | None, step: int, total: int, metrics: dict,
         return
     logger.log(step, metrics)
     if step == 0 or step == total or step % every == 0 or any(key.startswith("eval/") for key in metrics):
-        print(f"step {step}/{total}  " + "  ".join(f"{k}={metrics[k]:.4g}" for k in shown if k in metrics), flush=True)
+        print(step_line(step, total, metrics, shown), flush=True)

@@ -139,9 +139,6 @@ def progress_bar(iterable=None, *, total: int | None = None, desc: str, enabled:
                 mininterval=0.5 if interactive else 30.0, file=sys.stderr, initial=initial)
 
 
-def print_step(step: int, total: int, metrics: dict[str, float]) -> None:
-    """One console line per step with the numbers a glance needs."""
-    keys = ("reward/score_mean", "reward/fn_total_mean", "kl/mean", "kl/coef", "policy/entropy", "value/loss",
-            "perf/step_s")
-    shown = "  ".join(f"{k.split('/')[-1]}={metrics[k]:.3f}" for k in keys if k in metrics)
-    print(f"step {step}/{total}  {shown}", flush=True)
+def step_line(step: int, total: int, metrics: dict[str, float], shown: tuple[str, ...], prefix: str = "") -> str:
+    """Every job's console line of a step: `step N/total`, then each of the `shown` metrics the step has."""
+    return f"{prefix}step {step}/{total}  " + "  ".join(f"{k}={metrics[k]:.4g}" for k in shown if k in metrics)

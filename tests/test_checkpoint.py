@@ -1,5 +1,7 @@
 """Checkpoint retention: trainer.keep_last complete checkpoints stay, older ones go, partial ones never count."""
 
+from pathlib import Path
+
 import pytest
 
 from rl_core.checkpoint import Checkpointer
@@ -73,3 +75,29 @@ def test_an_export_stopped_midway_leaves_no_final_directory_and_a_whole_one_repl
         (staging / "model.safetensors").write_text("new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
     assert [p.name for p in final.iterdir()] == ["model.safetensors"]
+
+
+def test_the_reward_model_export_is_atomic_as_every_job_s(tmp_path, tiny_model_dir):
+    from rl_core.distributed import DataParallel
+    from rl_core.reward_model.training import export_reward_model
+    from workers.loading import init_reward_model, load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    model = init_reward_model(str(tiny_model_dir), pad_token_id=tokenizer.pad_token_id, seed=0)
+    out = tmp_path / "reward_model"
+    out.mkdir()
+    (out / "old.safetensors").write_text("old")  # an earlier export
+
+    class Stopped:  # a stop signal after the first file is written
+        config = model.config
+
+        def save_pretrained(self, path):
+            (Path(path) / "model.safetensors").write_text("partial")
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # a stop signal while the weights are being written
+        export_reward_model(Stopped(), tokenizer, out, DataParallel())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reward_model"]
+    assert [p.name for p in out.iterdir()] == ["old.safetensors"]  # the earlier export, as it was
+    export_reward_model(model, tokenizer, out, DataParallel())
+    assert (out / "config.json").is_file() and not (out / "old.safetensors").exists()

@@ -17,12 +17,12 @@ from typing import Callable
 import torch.distributed as dist
 
 from envs.factory import load_env_class
-from rl_core.checkpoint import Checkpointer, export_hf, finished_run
+from rl_core.checkpoint import Checkpointer, end_if_finished, export_hf
 from rl_core.cli import JobEntry, run_job
 from rl_core.stop_signal import JobProgress
 from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank, on_rank0, rank_seed,
                                  seed_everything)
-from rl_core.logger import MetricsLogger, open_run_logger, print_step
+from rl_core.logger import MetricsLogger, open_run_logger, step_line
 from rl_core.ppo.collect import BatchSource, make_collector
 from rl_core.ppo.config import PPOConfig, release_mode, rollout_settings
 from rl_core.ppo.validation import check_models, validate
@@ -61,10 +61,10 @@ def main(argv: list[str] | None = None, prepare: Callable[[PPOConfig, Callable[[
 def train(cfg: PPOConfig, rt: JobRuntime, progress: JobProgress | None = None) -> None:
     """`progress`: where the loop is, for the line a stop signal ends with (`run_main`'s)."""
     progress = progress or JobProgress(rt.rank)
-    done = nothing_left_to_train(cfg)  # every rank reads the same run dir: all end here, or none
-    if done is not None:
-        if rt.rank == 0:
-            print(done, flush=True)
+    tr = cfg.trainer
+    if end_if_finished(tr, tr.total_episodes // cfg.algorithm.batch_size, f"trainer.total_episodes={tr.total_episodes}"
+                       f" / algorithm.batch_size={cfg.algorithm.batch_size}", "raise trainer.total_episodes to train on",
+                       rt.rank):  # before any engine starts
         return
     job = start_job(cfg, rt)  # checks, prompts, engines, models, resume, logger, first push, rollout service
     if job.eval_due(0) and job.start_step == 0:  # the baseline every later evaluation compares with
@@ -175,14 +175,6 @@ class Job:
         return self.cfg.data.eval_path is not None and (step in (0, self.total_steps) or bool(every and step % every == 0))
 
 
-def nothing_left_to_train(cfg: PPOConfig) -> str | None:
-    """The line to end with when the run already ended (see `finished_run`): before any engine starts."""
-    tr = cfg.trainer
-    return finished_run(tr, tr.total_episodes // cfg.algorithm.batch_size,
-                        f"trainer.total_episodes={tr.total_episodes} / algorithm.batch_size={cfg.algorithm.batch_size}",
-                        "raise trainer.total_episodes to train on")
-
-
 def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
     """Everything before the first step, cheapest checks first: a bad import path, model path or
     prompt file costs seconds, not the minutes of loading models and starting engines."""
@@ -288,12 +280,16 @@ def log_step(job: Job, step: int, metrics: dict) -> None:
         metrics = {**metrics, **job.memory_plan.metrics()}
     logger.log(step, metrics)
     if step > 0:
-        print_step(step, job.total_steps, metrics)
+        print(step_line(step, job.total_steps, metrics, SHOWN), flush=True)
     if eval_rows is not None:
         logger.log_samples(step, eval_rows, table="eval_samples")
         print_eval(step, metrics)
     if sample_rows is not None and every and ((step - 1) % every == 0 or step == job.total_steps):
         logger.log_samples(step, sample_rows)
+
+
+SHOWN = ("reward/score_mean", "reward/fn_total_mean", "kl/mean", "kl/coef", "policy/entropy", "value/loss",
+         "perf/step_s")  # the console line's metrics
 
 
 def check_model_paths(cfg: PPOConfig) -> None:

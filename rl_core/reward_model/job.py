@@ -25,6 +25,7 @@ from pathlib import Path
 
 from rl_core.cli import JobEntry, run_job
 from rl_core.config import save_config
+from rl_core.errors import JobError
 from rl_core.model_builder import Placement, build_frozen
 from rl_core.distributed import DataParallel, on_every_rank, seed_everything, wait_for_rank0
 from rl_core.reward_model.config import RMConfig, check_lengths, validate
@@ -44,6 +45,11 @@ def resolve_inputs(cfg: RMConfig, labeler) -> dict:
                 check_model_path(value, key)
 
     on_every_rank(check_user_paths)
+    output_dir = Path(cfg.trainer.output_dir or Path(cfg.trainer.run_dir) / "reward_model")
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not (output_dir / "config.json").is_file():
+        # The export replaces the directory whole (written beside it, then renamed over it): never a user's folder.
+        raise JobError(f"trainer.output_dir={output_dir} holds files but no model (no config.json), and the export "
+                       "replaces the directory whole; give an empty or new directory")
     policy = cfg.model.policy_path
     return {"policy": policy, "train": cfg.data.train_path, "test": cfg.data.test_path,
             "prompts": cfg.normalize.prompts_path, "init_from": cfg.model.init_from or policy, "labeler": labeler}

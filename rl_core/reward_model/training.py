@@ -12,10 +12,10 @@ from typing import Any, Callable
 
 import torch
 
-from rl_core.checkpoint import Checkpointer
+from rl_core.checkpoint import Checkpointer, save_model_directory
 from rl_core.config import validate_profile_steps
 from rl_core.distributed import DataParallel, rank_seed
-from rl_core.logger import MetricsLogger, open_run_logger, progress_bar
+from rl_core.logger import MetricsLogger, open_run_logger, progress_bar, step_line
 from rl_core import model_builder
 from rl_core.optim import linear_anneal_schedule
 from rl_core.rewards.lm_human_preferences import reward_gain_bias
@@ -174,16 +174,18 @@ def train_one_epoch(epoch: Epoch, trainer: RMTrainerConfig, start: int, save: Ca
         if logger is not None:
             logger.log(step, metrics)
         if step % every == 0 or step == steps:
-            seen = step * epoch.cfg.batch_size
-            reporting.log(f"[train_rm] step {step}/{steps} lr {metrics['train/lr']:.2e} grad_norm "
-                          f"{metrics['train/grad_norm']:.3f} loss {epoch.totals['loss_sum'] / seen:.4f} acc "
-                          f"{epoch.totals['correct'] / seen:.3f} (running means)")
+            seen = step * epoch.cfg.batch_size  # the epoch's running means so far
+            running = {"epoch/loss": epoch.totals["loss_sum"] / seen, "epoch/accuracy": epoch.totals["correct"] / seen}
+            reporting.log(step_line(step, steps, {**metrics, **running}, SHOWN, prefix="[train_rm] "))
 
     progress = reporting.progress or JobProgress(epoch.worker.rank)
     with bar:
         run_steps(JobSteps(one_step=epoch.one_step, log=log, save=save), start, steps, trainer, epoch.worker.rank,
                   epoch.worker.device, progress)
     return epoch.results()
+
+
+SHOWN = ("train/lr", "train/grad_norm", "epoch/loss", "epoch/accuracy")  # the console line's metrics
 
 
 def _mark_invalid(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -320,7 +322,8 @@ def fit_reward_model(model, reference: ReferenceSamples, train_examples: list, t
 
 
 def export_reward_model(model, tokenizer, out_dir: str | Path, dp: DataParallel) -> None:
-    """Hugging Face seq-cls checkpoint + tokenizer on rank 0; gain/bias ride in the config."""
+    """Hugging Face seq-cls checkpoint + tokenizer on rank 0, written whole or not at all; gain/bias ride in the
+    config."""
     from transformers import AutoModelForSequenceClassification
 
 
@@ -331,9 +334,7 @@ def export_reward_model(model, tokenizer, out_dir: str | Path, dp: DataParallel)
         plain = AutoModelForSequenceClassification.from_config(copy.deepcopy(model.config))
         plain.load_state_dict(state)
         model = plain
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out_dir))
-    tokenizer.save_pretrained(str(out_dir))
+    save_model_directory(model, tokenizer, Path(out_dir))
 
 
 # ----------------------------------------------------------------------------- preference data
