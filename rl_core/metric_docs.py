@@ -107,8 +107,8 @@ GROUPS: tuple[Group, ...] = (
         M("distill/teacher_logprob", "nats per token", "Mean teacher logprob of the tokens the student sampled.",
           "Rises towards the teacher's own confidence on its answers (near 0 for a sure teacher)."),
     )),
-    Group("Rewards", "What the batch scored (`score_metrics`, `trajectory_scores`, `compute_advantages` in "
-          "`rl_core/ppo/step.py`; reward functions in `rl_core/rollout/metrics.py`).", (
+    Group("Rewards", "What the batch scored (`score_metrics` and `compute_advantages` in `rl_core/ppo/step.py`, "
+          "`trajectory_scores` in `rl_core/ppo/scoring.py`; reward functions in `rl_core/rollout/metrics.py`).", (
         M("reward/score_mean", "reward units", "Mean reward-model score of the batch, before the rejection "
           "penalty; 0 without a reward model.", "Rises over training."),
         M("reward/score_std", "reward units", "Standard deviation of the reward-model scores over the batch.",
@@ -136,7 +136,7 @@ GROUPS: tuple[Group, ...] = (
           "0; each failure is in the log, and too many stop the job (`env.max_failed_ratio`)."),
     )),
     Group("Groups", "Critic-free estimators only (`algorithm.advantage_estimator` grpo, rloo, reinforce; "
-          "`apply_group_rule` and `compute_advantages` in `rl_core/ppo/step.py`).", (
+          "`apply_group_rule` in `rl_core/ppo/scoring.py`, `compute_advantages` in `rl_core/ppo/step.py`).", (
         M("groups/count", "groups", "Prompt groups in the batch.", "batch_size / group_size."),
         M("groups/incomplete", "groups", "Groups with fewer than `algorithm.group_size` members (a failed "
           "trajectory, or a stale one dropped in async mode).", "0."),
