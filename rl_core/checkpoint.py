@@ -119,6 +119,13 @@ class Checkpointer:
         self.keep_last = keep_last
         self.on_error = on_error
 
+    @classmethod
+    def for_run(cls, trainer, rank: int) -> "Checkpointer":
+        """Every job's checkpointer: `<trainer.run_dir>/checkpoints`, with its `keep_last` and
+        `on_checkpoint_error` keys."""
+        return cls(Path(trainer.run_dir) / "checkpoints", rank, keep_last=trainer.keep_last,
+                   on_error=trainer.on_checkpoint_error)
+
     def complete(self) -> list[Path]:
         if not self.root.is_dir():
             return []

@@ -14,7 +14,7 @@ from rl_core.checkpoint import end_if_finished, export_hf
 from rl_core.config import (LoraSettings, TrainerConfig, choice, require, validate_checkpoint_keys,
                             validate_profile_steps)
 from rl_core.distributed import DataParallel
-from rl_core.logger import MetricsLogger, step_line
+from rl_core.logger import MetricsLogger, open_run_logger, step_line
 from rl_core.model_builder import Optimization
 from rl_core.optim import OPTIMIZER_NAMES, linear_anneal_schedule
 from rl_core.step_loop import JobSteps, run_steps as run_step_loop
@@ -136,9 +136,13 @@ class FixedDataSteps:
 
 def run_steps(job: FixedDataSteps, start_step: int, total_steps: int, steps_per_epoch: int, cfg,
               dp: DataParallel, logger: MetricsLogger | None, progress: JobProgress) -> None:
-    """The shared step loop with these jobs' rules: `epoch` in every row, an evaluation every `cfg.eval.every`
-    steps and at the end (when the job has one), a console line every `cfg.train.log_every` steps."""
+    """The shared step loop with these jobs' rules: `epoch` in every row, an evaluation before training (a run
+    that starts at step 0), every `cfg.eval.every` steps and at the end (when the job has one), a console line
+    every `cfg.train.log_every` steps."""
     every = cfg.eval.every
+    if job.evaluate is not None and start_step == 0:  # the baseline every later evaluation compares with
+        progress.at(0, "evaluation")
+        log_step(logger, 0, total_steps, job.evaluate(), job.shown)
 
     def one_step(step: int) -> dict:
         return {**job.one_step(step), "epoch": step / steps_per_epoch}
@@ -149,6 +153,16 @@ def run_steps(job: FixedDataSteps, start_step: int, total_steps: int, steps_per_
                      evaluate=(lambda step: job.evaluate()) if job.evaluate is not None else None,
                      eval_due=lambda step: step == total_steps or bool(every and step % every == 0))
     run_step_loop(steps, start_step, total_steps, cfg.trainer, dp.rank, dp.device, progress)
+
+
+def open_logger(cfg, dp: DataParallel, start_step: int, banner: str) -> MetricsLogger | None:
+    """Rank 0's metrics logger (rows after `start_step` dropped, as a resumed run rewrites them) and the job's
+    one line about its data and steps; None on the other ranks."""
+    if dp.rank != 0:
+        return None
+    logger = open_run_logger(cfg, start_step)
+    print(banner, flush=True)
+    return logger
 
 
 def finish(cfg, model, tokenizer, rank: int, logger: MetricsLogger | None) -> None:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from workers.balance import micro_batches_for_rank, with_stand_ins
 from workers.forward import ForwardSettings, MicroBatch
-from workers.layout import laid_out, prompt_groups, to_device
+from workers.layout import laid_out, packing_layout, prompt_groups, to_device
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.nn.Module, Batch], tuple[torch.Tensor, dict[str, float]]]
@@ -61,6 +61,14 @@ class BatchWorker:
 
     # ------------------------------------------------------------------ planning
 
+
+    @classmethod
+    def for_job(cls, run, rank: int, world_size: int, device: torch.device, max_tokens: int, packing: bool,
+                share_prompts: bool = False) -> "BatchWorker":
+        """Every job's worker: its `model` run keys (`rl_core.config.ModelRunConfig`: the attention kernel that
+        decides the packed layout, sequence parallelism, logits chunks) and its packing key."""
+        return cls(rank, world_size, device, max_tokens, packing_layout(packing, run.attn_implementation),
+                   share_prompts, ForwardSettings.for_job(run, world_size, device))
     def plan(self, batch: Batch, units: list[list[int]] | None = None) -> list[tuple[list[int], bool]]:
         """This rank's micro-batches as `(row indices, real)`; `units` (default: each row alone) stay whole."""
         lengths = row_lengths(batch["attention_mask"], real_only=self.layout is not None)

@@ -13,7 +13,6 @@ held-out prompts are sampled and scored by that reward model (eval/rm_score).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
@@ -23,13 +22,11 @@ from rl_core.dpo.config import DPOConfig, check_models, validate
 from rl_core.dpo.training import PreferencePair, heldout_metrics, to_pairs, train_step
 from rl_core import finetune
 from rl_core.cli import JobEntry, run_job
-from rl_core.logger import open_run_logger
 from rl_core.model_builder import Placement, build_frozen, build_trained
 from rl_core.preferences import load_preference_splits
 from rl_core.stop_signal import JobProgress
 from workers import decode, forward, loading
-from workers.layout import make_micro_batch, packing_layout
-from workers.forward import ForwardSettings
+from workers.layout import make_micro_batch
 from workers.worker import BatchWorker
 
 
@@ -42,7 +39,7 @@ def main(argv: list[str] | None = None, prepare=None) -> None:
 def train(cfg: DPOConfig, dp: DataParallel, progress: JobProgress | None = None) -> None:
     """`progress`: where the job is, for the line a stop signal ends with (`run_main`'s)."""
     progress = progress or JobProgress(dp.rank)
-    tr, run_dir, beta, smoothing = cfg.train, Path(cfg.trainer.run_dir), cfg.dpo.beta, cfg.dpo.label_smoothing
+    tr, beta, smoothing = cfg.train, cfg.dpo.beta, cfg.dpo.label_smoothing
     reference_path = cfg.model.reference_path or cfg.model.path
     on_every_rank(lambda: [loading.check_model_path(path, key) for key, path in
                            (("model.path", cfg.model.path), ("model.reference_path", reference_path))])
@@ -55,29 +52,21 @@ def train(cfg: DPOConfig, dp: DataParallel, progress: JobProgress | None = None)
     if finetune.already_finished(cfg.trainer, tr, steps_per_epoch, total_steps, dp.rank):  # before loading the models
         return
     seed_everything(cfg.trainer.seed)
-    attention = cfg.model.attn_implementation
     trainable = build_trained(cfg.model.path, "causal_lm", cfg.model, Placement(),
                               finetune.optimization(tr, total_steps))
     policy = trainable.model
     reference = build_frozen(reference_path, "causal_lm", cfg.model, Placement())
-    worker = BatchWorker(dp.rank, dp.size, dp.device, tr.max_tokens_per_device, packing_layout(tr.packing, attention),
-                         settings=ForwardSettings.for_job(cfg.model, dp.size, dp.device))
-    checkpointer = Checkpointer(run_dir / "checkpoints", dp.rank, keep_last=cfg.trainer.keep_last,
-                                on_error=cfg.trainer.on_checkpoint_error)
+    worker = BatchWorker.for_job(cfg.model, dp.rank, dp.size, dp.device, tr.max_tokens_per_device, tr.packing)
+    checkpointer = Checkpointer.for_run(cfg.trainer, dp.rank)
     start_step, _ = checkpointer.maybe_resume(cfg.trainer.resume, {"policy": trainable})
     scorer = RewardModelEval(cfg, tokenizer, test_pairs, dp) if cfg.eval.reward_model_path else None
-    logger = None
-    if dp.rank == 0:
-        logger = open_run_logger(cfg, start_step)
-        print(f"[dpo] {len(train_pairs)} pairs, {total_steps} steps of {tr.batch_size} on {dp.size} rank(s)", flush=True)
+    logger = finetune.open_logger(cfg, dp, start_step, f"[dpo] {len(train_pairs)} pairs, {total_steps} steps of "
+                                                       f"{tr.batch_size} on {dp.size} rank(s)")
 
     def evaluate() -> dict[str, float]:
         metrics = heldout_metrics(policy, reference, worker, test_pairs, tokenizer.pad_token_id, beta, smoothing)
         return metrics if scorer is None else {**metrics, **scorer(policy)}
 
-    if start_step == 0 and test_pairs:
-        progress.at(0, "evaluation")
-        finetune.log_step(logger, 0, total_steps, evaluate(), SHOWN)
     steps = finetune.FixedDataSteps(
         one_step=lambda step: train_step(trainable, reference, worker,
                                          finetune.step_rows(train_pairs, step, tr.batch_size, cfg.trainer.seed),

@@ -38,10 +38,9 @@ from rl_core.ppo.runtime import JobRuntime
 from rl_core.rollout.prompts import eval_samples, prompt_samples
 from rl_core.rollout.service import RolloutService
 from rl_core.step_loop import JobSteps, run_steps
-from workers import layout, loading
+from workers import loading
 from workers.engines.embedded.forked import EngineFork
 from workers.engines.weights import probe_token_ids
-from workers.forward import ForwardSettings
 from workers.memory_plan import MemoryPlan, detect_device
 from workers.trace import StepTimer, span
 from workers.worker import BatchWorker
@@ -209,16 +208,14 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
     models = PPOModels(cfg.model, algo, cfg.reward.model_path or None, tokenizer.pad_token_id, total_steps,
                        cfg.distill)
     # Every model runs the same micro-batches: balanced, length-sorted, packed when asked.
-    worker = BatchWorker(rt.rank, rt.world_size, rt.device, algo.max_tokens_per_device,
-                         layout.packing_layout(algo.packing, cfg.model.attn_implementation), algo.share_prompts,
-                         ForwardSettings.for_job(cfg.model, rt.world_size, rt.device))
+    worker = BatchWorker.for_job(cfg.model, rt.rank, rt.world_size, rt.device, algo.max_tokens_per_device,
+                                 algo.packing, algo.share_prompts)
     truncate_id = None  # OpenAI rejection sampling's truncation token, when a reward model scores
     if cfg.reward.truncate_token is not None and models.reward_model is not None:
         truncate_id = loading.single_token_id(tokenizer, cfg.reward.truncate_token, "reward.truncate_token")
     kl_ctl = (alg.AdaptiveKLController(algo.kl.init_coef, algo.kl.target, algo.kl.horizon)
               if algo.kl.adaptive else alg.FixedKLController(algo.kl.init_coef))
-    checkpointer = Checkpointer(run_dir / "checkpoints", rt.rank, keep_last=cfg.trainer.keep_last,
-                                on_error=cfg.trainer.on_checkpoint_error)
+    checkpointer = Checkpointer.for_run(cfg.trainer, rt.rank)
     start_step, saved = checkpointer.maybe_resume(cfg.trainer.resume, models.trained())
     if saved:
         kl_ctl.load_state_dict(saved["kl_controller"])

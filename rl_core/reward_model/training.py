@@ -25,8 +25,8 @@ from rl_core.reward_model.sampling import pick_queries, sample_truncated
 from rl_core.step_loop import JobSteps, run_steps
 from rl_core.stop_signal import JobProgress
 from workers.fsdp import full_state_dict
-from workers.forward import ForwardSettings, raw_reward_scores, reward_scores
-from workers.layout import make_micro_batch, packing_layout
+from workers.forward import raw_reward_scores, reward_scores
+from workers.layout import make_micro_batch
 from workers.loading import set_reward_gain_bias
 from workers.read_back import read_back
 from workers.worker import BatchWorker
@@ -277,11 +277,9 @@ def fit_reward_model(model, reference: ReferenceSamples, train_examples: list, t
     # Bars (with ETAs) on rank 0: on a CPU each sampling phase can take minutes.
     show = tr.progress and dp.rank == 0
     bar = (lambda what: f"[train_rm] {what}") if show else (lambda what: None)
-    worker = BatchWorker(dp.rank, dp.size, dp.device, cfg.train.max_tokens_per_device,
-                         packing_layout(cfg.train.packing, cfg.model.attn_implementation),
-                         settings=ForwardSettings.for_job(cfg.model, dp.size, dp.device))
-    checkpointer = Checkpointer(Path(tr.run_dir) / "checkpoints", dp.rank, keep_last=tr.keep_last,
-                                on_error=tr.on_checkpoint_error)
+    worker = BatchWorker.for_job(cfg.model, dp.rank, dp.size, dp.device, cfg.train.max_tokens_per_device,
+                                 cfg.train.packing)
+    checkpointer = Checkpointer.for_run(tr, dp.rank)
     # A checkpoint holds the weights, optimizer, schedule and RNG mid-epoch, and what came before training
     # (the first normalisation, the held-out baseline): a resumed run goes on from its step as if never stopped.
     start, saved = checkpointer.maybe_resume(tr.resume, {"reward_model": trainable})

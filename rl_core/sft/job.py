@@ -11,14 +11,12 @@ Evaluation (step 0, every `eval.every` steps, the end): held-out loss and token 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 
 from rl_core.checkpoint import Checkpointer
 from rl_core.distributed import DataParallel, on_every_rank, seed_everything
 from rl_core import finetune
 from rl_core.cli import JobEntry, run_job
-from rl_core.logger import open_run_logger
 from rl_core.model_builder import Placement, build_trained
 from rl_core.rewards import load_reward_fn
 from rl_core.sft.config import SFTConfig, validate
@@ -26,8 +24,6 @@ from rl_core.sft.data import encode_rows, load_rows
 from rl_core.sft.training import generation_accuracy, heldout_metrics, train_step
 from rl_core.stop_signal import JobProgress
 from workers import loading
-from workers.layout import packing_layout
-from workers.forward import ForwardSettings
 from workers.worker import BatchWorker
 
 
@@ -42,7 +38,7 @@ def train(cfg: SFTConfig, dp: DataParallel, progress: JobProgress | None = None)
     (`DataParallel()`, no torch.distributed call: how the arithmetic recipe's policy is built).
     `progress`: where it is, for the line a stop signal ends with (`run_main`'s)."""
     progress = progress or JobProgress(dp.rank)
-    tr, run_dir = cfg.train, Path(cfg.trainer.run_dir)
+    tr = cfg.train
     reward_fn = load_reward_fn(cfg.eval.reward_fn) if cfg.eval.reward_fn else None
     if dp.sharded:
         on_every_rank(lambda: loading.check_model_path(cfg.model.path, "model.path"))
@@ -60,16 +56,11 @@ def train(cfg: SFTConfig, dp: DataParallel, progress: JobProgress | None = None)
     trainable = build_trained(cfg.model.path, "causal_lm", cfg.model, placement,
                               finetune.optimization(tr, total_steps), vocab_size=len(tokenizer))
     model = trainable.model
-    worker = BatchWorker(dp.rank, dp.size, dp.device, tr.max_tokens_per_device,
-                         packing_layout(tr.packing, cfg.model.attn_implementation),
-                         settings=ForwardSettings.for_job(cfg.model, dp.size, dp.device))
-    checkpointer = Checkpointer(run_dir / "checkpoints", dp.rank, keep_last=cfg.trainer.keep_last,
-                                on_error=cfg.trainer.on_checkpoint_error)
+    worker = BatchWorker.for_job(cfg.model, dp.rank, dp.size, dp.device, tr.max_tokens_per_device, tr.packing)
+    checkpointer = Checkpointer.for_run(cfg.trainer, dp.rank)
     start_step, _ = checkpointer.maybe_resume(cfg.trainer.resume, {"model": trainable})
-    logger = None
-    if dp.rank == 0:
-        logger = open_run_logger(cfg, start_step)
-        print(f"[sft] {len(train_rows)} rows, {total_steps} steps of {tr.batch_size} on {dp.size} rank(s)", flush=True)
+    logger = finetune.open_logger(cfg, dp, start_step, f"[sft] {len(train_rows)} rows, {total_steps} steps of "
+                                                       f"{tr.batch_size} on {dp.size} rank(s)")
 
     def evaluate() -> dict[str, float]:
         metrics = heldout_metrics(model, worker, eval_rows, tokenizer.pad_token_id)
@@ -78,9 +69,6 @@ def train(cfg: SFTConfig, dp: DataParallel, progress: JobProgress | None = None)
                                                cfg.eval.max_new_tokens))
         return metrics
 
-    if eval_rows and start_step == 0:
-        progress.at(0, "evaluation")
-        finetune.log_step(logger, 0, total_steps, evaluate(), SHOWN)
     steps = finetune.FixedDataSteps(
         one_step=lambda step: train_step(trainable, worker, finetune.step_rows(train_rows, step, tr.batch_size,
                                                                               cfg.trainer.seed), tokenizer.pad_token_id),
