@@ -348,6 +348,15 @@ def export_hf(model, tokenizer, base_path: str, out_dir: Path, rank: int, lora: 
     print(f"final model saved to {out_dir}", flush=True)
 
 
+def finish_run(cfg, model, tokenizer, rank: int, logger) -> None:
+    """Every causal-LM job's end (PPO, SFT, DPO): the Hugging Face export to `<run_dir>/final`
+    (`trainer.export_hf`; collective when sharded), and rank 0's metrics logger closed."""
+    if cfg.trainer.export_hf:
+        export_hf(model, tokenizer, cfg.model.path, Path(cfg.trainer.run_dir) / "final", rank, cfg.model.lora)
+    if logger is not None:
+        logger.close()
+
+
 def save_model_directory(model, tokenizer, out_dir: Path) -> None:
     """Every job's export: `model` and `tokenizer` saved in Hugging Face format into `out_dir`, whole or not at
     all (written beside it, then renamed over it: `rl_core.staging.staged_directory`)."""

@@ -10,7 +10,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from rl_core.checkpoint import end_if_finished, export_hf
+from rl_core.checkpoint import end_if_finished
 from rl_core.config import (LoraSettings, TrainerConfig, choice, require, validate_checkpoint_keys,
                             validate_profile_steps)
 from rl_core.distributed import DataParallel
@@ -163,15 +163,6 @@ def open_logger(cfg, dp: DataParallel, start_step: int, banner: str) -> MetricsL
     logger = open_run_logger(cfg, start_step)
     print(banner, flush=True)
     return logger
-
-
-def finish(cfg, model, tokenizer, rank: int, logger: MetricsLogger | None) -> None:
-    """A run's end: the Hugging Face export to `<run_dir>/final` (`trainer.export_hf`; collective when
-    sharded), and rank 0's logger closed."""
-    if cfg.trainer.export_hf:
-        export_hf(model, tokenizer, cfg.model.path, Path(cfg.trainer.run_dir) / "final", rank, cfg.model.lora)
-    if logger is not None:
-        logger.close()
 
 
 def log_step(logger: MetricsLogger | None, step: int, total: int, metrics: dict, shown: tuple[str, ...],

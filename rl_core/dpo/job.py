@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from rl_core.checkpoint import Checkpointer
+from rl_core.checkpoint import Checkpointer, finish_run
 from rl_core.distributed import DataParallel, on_every_rank, rank_seed, seed_everything
 from rl_core.dpo.config import DPOConfig, check_models, validate
 from rl_core.dpo.training import PreferencePair, heldout_metrics, to_pairs, train_step
@@ -74,7 +74,7 @@ def train(cfg: DPOConfig, dp: DataParallel, progress: JobProgress | None = None)
         evaluate=evaluate if test_pairs else None, save=lambda step: checkpointer.save(step, {"policy": trainable}, {}),
         shown=SHOWN)
     finetune.run_steps(steps, start_step, total_steps, steps_per_epoch, cfg, dp, logger, progress)
-    finetune.finish(cfg, policy, tokenizer, dp.rank, logger)
+    finish_run(cfg, policy, tokenizer, dp.rank, logger)
 
 
 SHOWN = ("train/loss", "train/reward_accuracy", "train/reward_margin", "eval/loss", "eval/reward_accuracy",

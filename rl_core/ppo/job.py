@@ -17,7 +17,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from envs.factory import load_env_class
-from rl_core.checkpoint import Checkpointer, end_if_finished, export_hf
+from rl_core.checkpoint import Checkpointer, end_if_finished, finish_run
 from rl_core.cli import JobEntry, run_job
 from rl_core.stop_signal import JobProgress
 from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank, on_rank0, rank_seed,
@@ -78,11 +78,7 @@ def train(cfg: PPOConfig, rt: JobRuntime, progress: JobProgress | None = None) -
     # Rank 0's last evaluation runs on every rank's engine: no rank may stop its engine before it ends.
     dist.barrier()
     rt.stop_node_watch()  # other nodes may finish first and stop their engines
-    if cfg.trainer.export_hf:
-        export_hf(job.models.actor.model, job.tokenizer, cfg.model.path, Path(cfg.trainer.run_dir) / "final", rt.rank,
-                  cfg.model.lora)
-    if job.logger is not None:
-        job.logger.close()
+    finish_run(cfg, job.models.actor.model, job.tokenizer, rt.rank, job.logger)
 
 
 def ppo_step(job: Job, rt: JobRuntime, step: int, progress: JobProgress) -> dict[str, float]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 
-from rl_core.checkpoint import Checkpointer
+from rl_core.checkpoint import Checkpointer, finish_run
 from rl_core.distributed import DataParallel, on_every_rank, seed_everything
 from rl_core import finetune
 from rl_core.cli import JobEntry, run_job
@@ -75,7 +75,7 @@ def train(cfg: SFTConfig, dp: DataParallel, progress: JobProgress | None = None)
         evaluate=evaluate if eval_rows else None, save=lambda step: checkpointer.save(step, {"model": trainable}, {}),
         shown=SHOWN)
     finetune.run_steps(steps, start_step, total_steps, steps_per_epoch, cfg, dp, logger, progress)
-    finetune.finish(cfg, model, tokenizer, dp.rank, logger)
+    finish_run(cfg, model, tokenizer, dp.rank, logger)
 
 
 def load_data(cfg: SFTConfig, tokenizer, rank: int):
