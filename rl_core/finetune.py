@@ -1,5 +1,6 @@
 """What the jobs that train on fixed data (SFT, DPO) share: the optimisation section of their
-config, the optimizer and schedule built from it, the rows of each step, the console line."""
+config, the optimizer and schedule built from it, the rows of each step, the console line, and all of the
+job after its models are built (resume, logger, steps, export)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from rl_core.checkpoint import end_if_finished
+from rl_core.checkpoint import Checkpointer, end_if_finished, finish_run
 from rl_core.config import (LoraSettings, TrainerConfig, choice, require, validate_checkpoint_keys,
                             validate_profile_steps)
 from rl_core.distributed import DataParallel
@@ -19,6 +20,7 @@ from rl_core.model_builder import Optimization
 from rl_core.optim import OPTIMIZER_NAMES, linear_anneal_schedule
 from rl_core.step_loop import JobSteps, run_steps as run_step_loop
 from rl_core.stop_signal import JobProgress
+from workers.trainable import TrainableModel
 
 
 @dataclass
@@ -125,20 +127,32 @@ def step_rows(rows: list, step: int, batch_size: int, seed: int) -> list:
 class FixedDataSteps:
     """What a job on fixed data gives the shared step loop (rl_core/step_loop.py): `one_step(step)` trains one
     step and returns its metrics; `evaluate()` the held-out metrics (None: the job has no held-out data);
-    `save(step)` writes a checkpoint (None back: it could not be written, with
-    `trainer.on_checkpoint_error=continue`); `shown`: the metrics of the console line."""
+    `shown`: the metrics of the console line."""
 
     one_step: Callable[[int], dict]
     evaluate: Callable[[], dict] | None
-    save: Callable[[int], Path | None]
     shown: tuple[str, ...]
 
 
-def run_steps(job: FixedDataSteps, start_step: int, total_steps: int, steps_per_epoch: int, cfg,
-              dp: DataParallel, logger: MetricsLogger | None, progress: JobProgress) -> None:
+def train(job: FixedDataSteps, name: str, trainable: TrainableModel, tokenizer, banner: str, total_steps: int,
+          steps_per_epoch: int, cfg, dp: DataParallel, progress: JobProgress) -> None:
+    """The rest of a fixed-data job once its models are built: the resume (`trainable` under `name` in its
+    checkpoints), rank 0's logger and the job's `banner` line, the steps, the export."""
+    checkpointer = Checkpointer.for_run(cfg.trainer, dp.rank)
+    start_step, _ = checkpointer.maybe_resume(cfg.trainer.resume, {name: trainable})
+    logger = open_logger(cfg, dp, start_step, banner)
+    run_steps(job, lambda step: checkpointer.save(step, {name: trainable}, {}), start_step, total_steps,
+              steps_per_epoch, cfg, dp, logger, progress)
+    finish_run(cfg, trainable.model, tokenizer, dp.rank, logger)
+
+
+def run_steps(job: FixedDataSteps, save: Callable[[int], Path | None], start_step: int, total_steps: int,
+              steps_per_epoch: int, cfg, dp: DataParallel, logger: MetricsLogger | None,
+              progress: JobProgress) -> None:
     """The shared step loop with these jobs' rules: `epoch` in every row, an evaluation before training (a run
     that starts at step 0), every `cfg.eval.every` steps and at the end (when the job has one), a console line
-    every `cfg.train.log_every` steps."""
+    every `cfg.train.log_every` steps, a checkpoint through `save` every `trainer.save_every` steps (None back:
+    it could not be written, with `trainer.on_checkpoint_error=continue`)."""
     every = cfg.eval.every
     if job.evaluate is not None and start_step == 0:  # the baseline every later evaluation compares with
         progress.at(0, "evaluation")
@@ -147,7 +161,7 @@ def run_steps(job: FixedDataSteps, start_step: int, total_steps: int, steps_per_
     def one_step(step: int) -> dict:
         return {**job.one_step(step), "epoch": step / steps_per_epoch}
 
-    steps = JobSteps(one_step=one_step, save=job.save,
+    steps = JobSteps(one_step=one_step, save=save,
                      log=lambda step, metrics: log_step(logger, step, total_steps, metrics, job.shown,
                                                         every=cfg.train.log_every),
                      evaluate=(lambda step: job.evaluate()) if job.evaluate is not None else None,

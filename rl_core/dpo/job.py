@@ -16,7 +16,6 @@ import sys
 
 import torch
 
-from rl_core.checkpoint import Checkpointer, finish_run
 from rl_core.distributed import DataParallel, on_every_rank, rank_seed, seed_everything
 from rl_core.dpo.config import DPOConfig, check_models, validate
 from rl_core.dpo.training import PreferencePair, heldout_metrics, to_pairs, train_step
@@ -57,11 +56,7 @@ def train(cfg: DPOConfig, dp: DataParallel, progress: JobProgress | None = None)
     policy = trainable.model
     reference = build_frozen(reference_path, "causal_lm", cfg.model, Placement())
     worker = BatchWorker.for_job(cfg.model, dp.rank, dp.size, dp.device, tr.max_tokens_per_device, tr.packing)
-    checkpointer = Checkpointer.for_run(cfg.trainer, dp.rank)
-    start_step, _ = checkpointer.maybe_resume(cfg.trainer.resume, {"policy": trainable})
     scorer = RewardModelEval(cfg, tokenizer, test_pairs, dp) if cfg.eval.reward_model_path else None
-    logger = finetune.open_logger(cfg, dp, start_step, f"[dpo] {len(train_pairs)} pairs, {total_steps} steps of "
-                                                       f"{tr.batch_size} on {dp.size} rank(s)")
 
     def evaluate() -> dict[str, float]:
         metrics = heldout_metrics(policy, reference, worker, test_pairs, tokenizer.pad_token_id, beta, smoothing)
@@ -71,10 +66,9 @@ def train(cfg: DPOConfig, dp: DataParallel, progress: JobProgress | None = None)
         one_step=lambda step: train_step(trainable, reference, worker,
                                          finetune.step_rows(train_pairs, step, tr.batch_size, cfg.trainer.seed),
                                          tokenizer.pad_token_id, beta, smoothing),
-        evaluate=evaluate if test_pairs else None, save=lambda step: checkpointer.save(step, {"policy": trainable}, {}),
-        shown=SHOWN)
-    finetune.run_steps(steps, start_step, total_steps, steps_per_epoch, cfg, dp, logger, progress)
-    finish_run(cfg, policy, tokenizer, dp.rank, logger)
+        evaluate=evaluate if test_pairs else None, shown=SHOWN)
+    banner = f"[dpo] {len(train_pairs)} pairs, {total_steps} steps of {tr.batch_size} on {dp.size} rank(s)"
+    finetune.train(steps, "policy", trainable, tokenizer, banner, total_steps, steps_per_epoch, cfg, dp, progress)
 
 
 SHOWN = ("train/loss", "train/reward_accuracy", "train/reward_margin", "eval/loss", "eval/reward_accuracy",

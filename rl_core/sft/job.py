@@ -13,7 +13,6 @@ from __future__ import annotations
 import sys
 
 
-from rl_core.checkpoint import Checkpointer, finish_run
 from rl_core.distributed import DataParallel, on_every_rank, seed_everything
 from rl_core import finetune
 from rl_core.cli import JobEntry, run_job
@@ -57,10 +56,6 @@ def train(cfg: SFTConfig, dp: DataParallel, progress: JobProgress | None = None)
                               finetune.optimization(tr, total_steps), vocab_size=len(tokenizer))
     model = trainable.model
     worker = BatchWorker.for_job(cfg.model, dp.rank, dp.size, dp.device, tr.max_tokens_per_device, tr.packing)
-    checkpointer = Checkpointer.for_run(cfg.trainer, dp.rank)
-    start_step, _ = checkpointer.maybe_resume(cfg.trainer.resume, {"model": trainable})
-    logger = finetune.open_logger(cfg, dp, start_step, f"[sft] {len(train_rows)} rows, {total_steps} steps of "
-                                                       f"{tr.batch_size} on {dp.size} rank(s)")
 
     def evaluate() -> dict[str, float]:
         metrics = heldout_metrics(model, worker, eval_rows, tokenizer.pad_token_id)
@@ -72,10 +67,9 @@ def train(cfg: SFTConfig, dp: DataParallel, progress: JobProgress | None = None)
     steps = finetune.FixedDataSteps(
         one_step=lambda step: train_step(trainable, worker, finetune.step_rows(train_rows, step, tr.batch_size,
                                                                               cfg.trainer.seed), tokenizer.pad_token_id),
-        evaluate=evaluate if eval_rows else None, save=lambda step: checkpointer.save(step, {"model": trainable}, {}),
-        shown=SHOWN)
-    finetune.run_steps(steps, start_step, total_steps, steps_per_epoch, cfg, dp, logger, progress)
-    finish_run(cfg, model, tokenizer, dp.rank, logger)
+        evaluate=evaluate if eval_rows else None, shown=SHOWN)
+    banner = f"[sft] {len(train_rows)} rows, {total_steps} steps of {tr.batch_size} on {dp.size} rank(s)"
+    finetune.train(steps, "model", trainable, tokenizer, banner, total_steps, steps_per_epoch, cfg, dp, progress)
 
 
 def load_data(cfg: SFTConfig, tokenizer, rank: int):
