@@ -68,10 +68,14 @@ def shard_model(
     options = _fsdp_options(mixed_precision, cpu_offload)
     if mesh is not None:
         options["mesh"] = mesh
-    if (mesh.size() if mesh is not None else dist.get_world_size()) == 1:
+    trained = {p.requires_grad for p in model.parameters()}
+    if (mesh.size() if mesh is not None else dist.get_world_size()) == 1 and len(trained) == 1:
         # One rank holds every parameter whole anyway: freeing them after each forward only to gather (copy)
         # them again for the backward costs time and saves nothing but that copy's memory. (Several ranks keep
-        # FSDP's default, which already leaves the root's parameters gathered.)
+        # FSDP's default, which already leaves the root's parameters gathered.) Not with frozen and trained
+        # weights mixed (a LoRA actor, whose reference pass switches the adapters off and on): there the first
+        # backward's reshard left sharded adapters without requires_grad, and the next micro-batch failed with
+        # "element 0 of tensors does not require grad" (tests/ppo/test_lora.py, one rank).
         options["reshard_after_forward"] = False
     for block in find_transformer_blocks(model) if blocks is None else blocks:
         fully_shard(block, **options)
