@@ -78,14 +78,11 @@ class RemoteTeacher:
 
 async def teacher_input_logprobs(client: EngineClient, input_ids: list[int]) -> list[float]:
     """The server's logprob of each token of `input_ids` after the first (a prefill, nothing generated)."""
-    answer = await client.post("/generate", {
-        "input_ids": input_ids, "return_logprob": True, "logprob_start_len": 0,
-        "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}}, timeout_s=client.timeout_s)
-    entries = (answer.get("meta_info") or {}).get("input_token_logprobs") or []
-    if len(entries) != len(input_ids) or [int(e[1]) for e in entries] != input_ids:
-        raise TeacherError(f"the teacher at {client.base_url} answered {len(entries)} input logprobs for a sequence "
-                           f"of {len(input_ids)} tokens (or other tokens); it must serve the student's vocabulary")
-    return [float(e[0]) for e in entries[1:]]  # the first token has no logprob (null)
+    logprobs = await client.prompt_logprobs(input_ids)
+    if logprobs is None:
+        raise TeacherError(f"the teacher at {client.base_url} did not answer a logprob for each of the {len(input_ids)} "
+                           "tokens of a sequence; it must serve the student's vocabulary")
+    return logprobs
 
 
 def check_same_tokenizer(student, teacher, student_path: str, teacher_path: str) -> None:

@@ -98,3 +98,14 @@ def arithmetic_run(arithmetic_job, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("arithmetic") / "run"
     return run_dir, run_job(arithmetic_job, run_dir, "trainer.total_episodes=48", "eval.every=2",
                             "model.gradient_checkpointing=true", timeout=480, config="grpo_arithmetic.yaml")
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    """A gloo group of one rank for the tests that build a rank's models in this process (FSDP2 needs one)."""
+    import torch.distributed as dist
+
+    store = tmp_path_factory.mktemp("store") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

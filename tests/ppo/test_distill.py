@@ -7,7 +7,6 @@ import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rl_core.config import ConfigError, load_config
 from rl_core.ppo.config import AlgorithmConfig, DistillConfig, KLConfig, ModelConfig, PPOConfig
@@ -70,14 +69,6 @@ def test_group_advantages_get_the_teacher_term_on_each_action_token_of_every_seq
             reward_coef
         assert targets.advantages[~acting].abs().sum() == 0  # prompts and padding get nothing
         assert targets.stats["distill/reverse_kl"] == pytest.approx((old - teacher)[acting].mean().item())
-
-
-@pytest.fixture(scope="module")
-def process_group(tmp_path_factory):
-    store = tmp_path_factory.mktemp("store") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ micro-batches each, actor and critic)."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rl_core.ppo import algorithms as alg
 from rl_core.ppo.config import AlgorithmConfig, ModelConfig, RewardConfig
@@ -17,14 +16,6 @@ from rl_core.profiling import DeviceReads
 from rl_core.rollout.trajectory import TokenSequence, Trajectory
 from workers.loading import init_reward_model
 from workers.worker import BatchWorker
-
-@pytest.fixture(scope="module")
-def process_group(tmp_path_factory):
-    store = tmp_path_factory.mktemp("store") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 def trajectory(prompt: int, response: int, token: int) -> Trajectory:
     seq = TokenSequence()

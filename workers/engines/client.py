@@ -165,6 +165,18 @@ class EngineClient:
             payload["rid"] = rid
         return await self.post("/generate", payload, timeout_s if timeout_s is not None else self.timeout_s)
 
+    async def prompt_logprobs(self, input_ids: Sequence[int]) -> list[float] | None:
+        """Prefill only (`max_new_tokens: 0`, `logprob_start_len: 0`): the engine's logprob of each token of
+        `input_ids` after the first, from raw logits; None when the answer does not cover exactly those tokens.
+        The weight probe and a distillation teacher's server both ask this."""
+        answer = await self.post("/generate", {
+            "input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}, timeout_s=self.timeout_s)
+        entries = (answer.get("meta_info") or {}).get("input_token_logprobs") or []
+        if len(entries) != len(input_ids) or [int(e[1]) for e in entries] != list(input_ids):
+            return None
+        return [float(e[0]) for e in entries[1:]]  # the first token has no logprob (null)
+
     # ------------------------------------------------------------ info and control
 
     async def health(self, timeout_s: float = 5.0) -> bool:

@@ -377,14 +377,11 @@ def probe_token_ids(tokenizer, min_tokens: int = 8) -> list[int]:
 
 async def engine_probe_logprobs(client: EngineClient, probe_ids: list[int]) -> list[float]:
     """The engine's logprob of every probe token after the first (prefill only, raw logits)."""
-    answer = await client.post("/generate", {
-        "input_ids": probe_ids, "return_logprob": True, "logprob_start_len": 0,
-        "sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}, timeout_s=client.timeout_s)
-    entries = (answer.get("meta_info") or {}).get("input_token_logprobs") or []
-    if len(entries) != len(probe_ids) or [int(e[1]) for e in entries] != probe_ids:
-        raise WeightSyncError(f"engine {client.base_url} answered the weight probe with "
-                              f"{len(entries)} input logprobs for {len(probe_ids)} tokens")
-    return [float(e[0]) for e in entries[1:]]  # the first token has no logprob (null)
+    logprobs = await client.prompt_logprobs(probe_ids)
+    if logprobs is None:
+        raise WeightSyncError(f"engine {client.base_url} answered the weight probe with other input logprobs than "
+                              f"one for each of its {len(probe_ids)} tokens")
+    return logprobs
 
 
 async def check_pushed_weights(client: EngineClient, version: str, probe_ids: list[int],
