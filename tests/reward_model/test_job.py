@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.jobs import read_metrics, torchrun
+from tests.jobs import read_metrics, torchrun, undocumented_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 OPENINGS = ["the old man walked to the market", "she looked at the garden", "the children went to the river",
@@ -103,6 +103,7 @@ def test_the_shared_step_loop_logs_each_step_once_and_traces_the_listed_one(rm_r
     assert sum(row["train/accuracy"] for row in rows) / 6 == pytest.approx(metrics["train_accuracy"], rel=1e-5)
     assert all(row["train/grad_norm"] > 0 and row["perf/step_s"] > 0 for row in rows)
     assert rows[0]["train/lr"] > rows[-1]["train/lr"] > 0  # OpenAI: annealed linearly towards zero over the epoch
+    assert undocumented_metrics(rows) == [], "add these to rl_core/metric_docs.py"
     profile = tmp / "run" / "profile"
     assert sorted(p.relative_to(profile).as_posix() for p in profile.rglob("*.json")) == [
         "step_3/rank0.pt.trace.json", "step_3/rank1.pt.trace.json"]
