@@ -25,7 +25,7 @@ HEADER = """# Metrics reference
      tests/test_docs.py fails when this page is stale, tests/ppo/test_metric_docs.py when a run logs a
      name that has no entry. -->
 
-Every metric the PPO and GRPO-family job (`rl_core.train`) logs: its unit, what the number is, and what a
+Every metric the jobs log (PPO and the GRPO family, `rl_core.train`; SFT, DPO and reward models): its unit, what the number is, and what a
 healthy run shows. Rank 0 writes one JSON object per step to `<run_dir>/metrics.jsonl`, the same numbers to
 TensorBoard (`<run_dir>/tensorboard`) and, with `trainer.wandb=true`, to Weights & Biases; a name is logged
 only when its feature is on, so a row holds some of the names below. `rl-core plot RUN_DIR` draws the main
