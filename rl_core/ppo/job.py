@@ -281,8 +281,8 @@ def log_step(job: Job, step: int, metrics: dict) -> None:
         logger.log_samples(step, sample_rows)
 
 
-SHOWN = ("reward/score_mean", "reward/fn_total_mean", "kl/mean", "kl/coef", "policy/entropy", "value/loss",
-         "perf/step_s")  # the console line's metrics
+SHOWN = ("reward/score_mean", "reward/fn_total_mean", "kl/mean", "kl/coef", "distill/reverse_kl", "policy/entropy",
+         "value/loss", "perf/step_s")  # the console line's metrics, those the step logged
 
 
 def check_model_paths(cfg: PPOConfig) -> None:
