@@ -26,7 +26,7 @@ def read_metrics(run_dir) -> list[dict]:
 
 
 def undocumented_metrics(rows: list[dict]) -> list[str]:
-    """The names in a job's metrics rows (PPO, SFT, DPO, reward model) that have no entry in rl_core/metric_docs.py,
+    """The names in a job's metrics rows (PPO, SFT, DPO, reward model) that have no entry in rl_core/metric_docs/,
     so docs/metrics.md does not explain them: add one there and run scripts/metrics_reference.py."""
     from rl_core.metric_docs import undocumented
 

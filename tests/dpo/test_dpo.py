@@ -95,7 +95,7 @@ def test_dpo_starts_at_log_2_learns_and_one_rank_matches_two(dpo_job, two_ranks,
     assert "eval/rm_score" in first and "eval/rm_score" in last
     for key in ("train/logps_chosen", "train/logps_rejected", "train/reward_chosen", "train/reward_rejected"):
         assert key in rows[1]
-    assert undocumented_metrics(rows) == [], "add these to rl_core/metric_docs.py"
+    assert undocumented_metrics(rows) == [], "add these to rl_core/metric_docs/"
     assert AutoModelForCausalLM.from_pretrained(two / "final") is not None and "final model saved" in output
 
     one = tmp_path / "one"

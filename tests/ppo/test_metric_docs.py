@@ -1,6 +1,6 @@
 """docs/metrics.md explains every metric the PPO job logs: every name in the rows of real runs (PPO with a critic
 in sync and async mode, profiled; the arithmetic GRPO recipe with evaluations) has an entry in
-rl_core/metric_docs.py. The runs are the session's shared ones (tests/ppo/conftest.py), so this costs no job of
+rl_core/metric_docs/. The runs are the session's shared ones (tests/ppo/conftest.py), so this costs no job of
 its own; the dynamic-sampling, tool and agent jobs check their rows the same way (`undocumented_metrics`)."""
 
 import pytest
@@ -14,7 +14,7 @@ def test_every_metric_the_ppo_and_grpo_runs_log_has_an_entry(sync_run, async_run
     names = set()
     for run_dir, _ in (sync_run, async_run, arithmetic_run):
         rows = read_metrics(run_dir)
-        assert undocumented_metrics(rows) == [], f"{run_dir}: add these to rl_core/metric_docs.py"
+        assert undocumented_metrics(rows) == [], f"{run_dir}: add these to rl_core/metric_docs/"
         names |= {name for row in rows for name in row}
     # the runs reach every family the check is for: a critic, async, the profiler, the plan, groups, evaluation
     for name in ("value/loss", "async/batches_taken", "profile/kernel_ops", "memory_plan/fits", "groups/count",

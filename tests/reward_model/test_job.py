@@ -103,7 +103,7 @@ def test_the_shared_step_loop_logs_each_step_once_and_traces_the_listed_one(rm_r
     assert sum(row["train/accuracy"] for row in rows) / 6 == pytest.approx(metrics["train_accuracy"], rel=1e-5)
     assert all(row["train/grad_norm"] > 0 and row["perf/step_s"] > 0 for row in rows)
     assert rows[0]["train/lr"] > rows[-1]["train/lr"] > 0  # OpenAI: annealed linearly towards zero over the epoch
-    assert undocumented_metrics(rows) == [], "add these to rl_core/metric_docs.py"
+    assert undocumented_metrics(rows) == [], "add these to rl_core/metric_docs/"
     profile = tmp / "run" / "profile"
     assert sorted(p.relative_to(profile).as_posix() for p in profile.rglob("*.json")) == [
         "step_3/rank0.pt.trace.json", "step_3/rank1.pt.trace.json"]

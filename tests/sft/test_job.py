@@ -46,7 +46,7 @@ def test_sft_learns_evaluates_checkpoints_and_exports(sft_job, tmp_path):
     assert losses[0] > losses[1] > losses[2] and losses[2] < 0.95 * losses[0], losses  # held-out loss falls
     assert rows[-1]["train/loss"] < rows[1]["train/loss"]
     assert all(r["train/tokens"] > 0 for r in rows[1:])
-    assert undocumented_metrics(rows) == [], "add these to rl_core/metric_docs.py"
+    assert undocumented_metrics(rows) == [], "add these to rl_core/metric_docs/"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000006", "step_00000012"]
     final = run_dir / "final"
     model = AutoModelForCausalLM.from_pretrained(final)
