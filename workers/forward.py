@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 from workers.layout import host_view, model_inputs
 from workers.loading import score_head
 from workers.sequence_parallel import SequenceGroup
+from workers.vision import vision_model_inputs
 
 
 # float32 logits up to this size are computed whole: chunking them (and recomputing each chunk in backward)
@@ -125,6 +126,8 @@ def _run_inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict:
     rows' mask and the group for the attention (`workers.sequence_parallel`)."""
     inputs = model_inputs(batch, _model_config(model))
     group = settings_of(batch).sequence
+    if "image_grid_thw" in batch:  # a vision-language micro-batch (`workers.vision.with_vision`)
+        inputs = vision_model_inputs(batch, inputs, sequence_parallel=group is not None)
     if group is None:
         return inputs
     return {**inputs, "input_ids": group.shard(inputs["input_ids"]),
