@@ -212,3 +212,23 @@ def test_bad_pads_and_unreadable_images_raise_one_clear_error(tmp_path):
         load_images(tmp_path / "missing.png")
     opened = load_images([_encoded(_noise(8, 4, 0)), Image.new("L", (3, 3))])
     assert [(image.mode, image.size) for image in opened] == [("RGB", (8, 4)), ("RGB", (3, 3))]
+
+
+def test_inconsistent_images_raise_one_clear_error(family):
+    model, processor = family
+    rows, images = _rows(processor, model.config.vision_config.spatial_merge_size)
+    grids = torch.cat([inputs["image_grid_thw"] for inputs in images])
+    pixel_values = torch.cat([inputs["pixel_values"] for inputs in images])
+    # The last sequence repeats the first one's prompt ids but shows another image under the same pads: sharing
+    # that prompt would show the first image to both, so the forward refuses rather than train on it.
+    other = vision_inputs(processor, [_noise(56, 56, 9)])["pixel_values"]
+    swapped = torch.cat([pixel_values[:-len(other)], other])
+    batch = with_vision(make_micro_batch(rows, PAD_ID), model, swapped, grids)
+    token_logprobs_and_entropy(model, pack(batch), actions_only=True)  # unshared: each sequence its own image
+    with pytest.raises(ValueError, match="^rows packed as sharing a prompt show different images"):
+        token_logprobs_and_entropy(model, pack(batch, share_prompts=True), actions_only=True)
+    # Engine ids not expanded (one pad per image) do not match their grids.
+    pad_id = model.config.image_token_id
+    short = [{"input_ids": [5, pad_id, 6, 7], "action_mask": [0, 0, 1, 1]}]
+    with pytest.raises(ValueError, match="^row 0: the image at column 1 has 1 pads but its grid makes 4"):
+        with_vision(make_micro_batch(short, PAD_ID), model, pixel_values[:16], torch.tensor([[1, 4, 4]]))
