@@ -14,7 +14,7 @@ from PIL import Image
 from offline.vision import FAMILIES, IMAGE_PAD, save_vision_model
 from workers.forward import ForwardSettings, MicroBatch, token_logprobs_and_entropy
 from workers.layout import make_micro_batch, pack
-from workers.vision import (expand_image_pads, image_token_counts, load_images, load_processor,
+from workers.vision import (collapse_image_pads, expand_image_pads, image_token_counts, load_images, load_processor,
                             mrope_position_ids, vision_inputs, with_vision)
 
 PAD_ID = 1  # the tiny tokenizer's [PAD]
@@ -198,6 +198,7 @@ def test_positions_are_qwens_3d_positions_in_every_layout(family):
 
 def test_bad_pads_and_unreadable_images_raise_one_clear_error(tmp_path):
     assert expand_image_pads([3, 9, 4, 9], 9, [2, 1]) == [3, 9, 9, 4, 9]
+    assert collapse_image_pads([3, 9, 9, 4, 9], 9) == [3, 9, 4, 9]  # what the engine is sent back
     with pytest.raises(ValueError, match=r"^the token ids hold 2 image pad tokens \(id 9\) for 3 images"):
         expand_image_pads([3, 9, 4, 9], 9, [2, 1, 4])
     with pytest.raises(ValueError, match=r"^the token ids hold 0 image pad tokens \(id 9\) for 1 images"):
