@@ -103,7 +103,7 @@ def make_trainable(model: nn.Module, run, placement: Placement, optimization: Op
     if lora is not None and not isinstance(model, loading.ValueModel):  # the critic trains every weight
         model = with_lora(model, lora, run.gradient_checkpointing)
     return TrainableModel(place(model, run, placement), optimization.build, optimization.schedule,
-                          optimization.max_grad_norm, sharded=placement.sharded)
+                          optimization.max_grad_norm)
 
 
 def place(model: nn.Module, run, placement: Placement) -> nn.Module:

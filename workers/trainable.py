@@ -1,36 +1,17 @@
-"""One trainable model on every rank: a sharded model with its optimizer, LR schedule and gradient clipping, its
-gradients accumulated over micro-batches, its checkpoints.
-
-Loss-scaling rule (the caller applies it): ranks hold different numbers of sequences after
-balancing, so each rank sums its losses, divides by the *global* count and multiplies by
-``dp_size``; FSDP averages gradients over ranks, so the result equals the single-process
-gradient of the whole minibatch.
-"""
+"""One trainable model on every rank: a sharded model with its optimizer, LR schedule and gradient clipping, and
+its checkpoints. The gradients it steps on are accumulated by the job's micro-batch loop (`workers.worker`, which
+also holds the loss-scaling rule)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
-
-
-def _check_same_count_on_all_ranks(count: int) -> None:
-    """Each backward is a collective, so every rank must run the same number of micro-batches."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    counts = torch.tensor([count, -count], dtype=torch.int64, device=device)
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-    if counts[0].item() != count or -counts[1].item() != count:
-        raise ValueError(f"ranks hold different numbers of micro-batches (this rank {count}, max "
-                         f"{counts[0].item()}, min {-counts[1].item()}); balance into a multiple of dp_size")
 
 
 class TrainableModel:
@@ -45,33 +26,11 @@ class TrainableModel:
         build_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
         build_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         max_grad_norm: float | None = 1.0,
-        sharded: bool = True,
     ):
         self.model = model
-        # An unsharded model (e.g. the RM bootstrap inside another job's process group) must not
-        # run the cross-rank micro-batch check: the other ranks are not training it.
-        self.sharded = sharded
         self.optimizer = build_optimizer(model)
         self.scheduler = build_scheduler(self.optimizer) if build_scheduler is not None else None
         self.max_grad_norm = max_grad_norm
-
-    def forward_backward(self, micro_batches: Iterable[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, list]:
-        """Accumulate gradients over micro-batches; ``loss_fn`` returns an already-scaled loss.
-
-        Returns each metric as a list with one entry per micro-batch (``loss`` included), tensors left where
-        they were computed: the caller reads a whole step's numbers back at once (`read_back`).
-        """
-        micro_batches = list(micro_batches)
-        if self.sharded:
-            _check_same_count_on_all_ranks(len(micro_batches))
-        self.model.train()
-        metrics: dict[str, list] = {}
-        for micro_batch in micro_batches:
-            loss, micro_metrics = loss_fn(self.model, micro_batch)
-            loss.backward()
-            for key, value in {"loss": loss, **micro_metrics}.items():
-                metrics.setdefault(key, []).append(value.detach() if isinstance(value, torch.Tensor) else value)
-        return metrics
 
     def step(self) -> torch.Tensor:
         """Clip, step optimizer and schedule, zero grads; returns the pre-clip global grad norm (a 0-dim tensor

@@ -98,7 +98,11 @@ class BatchWorker:
         return MicroBatch(to_device(micro, self.device), self.settings, host=micro)
 
     def micro_batches(self, batch: Batch, units: list[list[int]] | None = None) -> list[tuple[Batch, bool]]:
-        return [(self.micro_batch(batch, indices), real) for indices, real in self.plan(batch, units)]
+        """This rank's micro-batches of `batch` as `(micro-batch, real)`, the same count on every rank (checked:
+        each forward and backward is a collective)."""
+        micro_batches = [(self.micro_batch(batch, indices), real) for indices, real in self.plan(batch, units)]
+        check_same_count_on_all_ranks(len(micro_batches), self.world_size, self.device)
+        return micro_batches
 
     # ------------------------------------------------------------------ forward only
 
@@ -141,31 +145,37 @@ class BatchWorker:
 
     # ------------------------------------------------------------------ training
 
+    def scaled_loss(self, loss_sum: torch.Tensor, global_count: float,
+                    real: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss scaling rule (module docstring) on one micro-batch's summed loss: what to run `backward` on (0 x
+        the loss for a stand-in), and this rank's share of the batch's loss, detached (the mean over ranks is the
+        batch's loss; a sequence group's ranks share one)."""
+        scaled = scale_loss(loss_sum, global_count, self.world_size) * float(real)
+        return scaled, scaled.detach() / self.sp_size
+
     def forward_backward(self, trainable, batch: Batch, loss_fn: LossFn, global_count: float,
-                         units: list[list[int]] | None = None,
-                         micro_batches: list[tuple[Batch, bool]] | None = None) -> tuple[dict[str, list], list[Batch]]:
-        """Accumulate `trainable`'s gradients over this rank's micro-batches of `batch`.
+                         units: list[list[int]] | None = None) -> tuple[dict[str, list], list[Batch]]:
+        """Accumulate `trainable`'s gradients over this rank's micro-batches of `batch` (the fine-tuning jobs'
+        loop; PPO's `train_minibatch` runs its own for two models).
 
         `loss_fn(model, micro_batch)` returns the micro-batch's loss *summed* (over tokens, rows or
-        pairs: whatever `global_count` counts over the whole batch) and its metrics. Returns the
-        metrics of the real micro-batches (one entry each, tensors unread: `workers.read_back.read_back`; `loss` is the scaled loss, this rank's share of it:
-        the mean over ranks is the batch's loss) and the micro-batches run. `micro_batches`: this batch's, made
-        once for two models (PPO's actor and critic)."""
-        micro = micro_batches if micro_batches is not None else self.micro_batches(batch, units)
-
-        def scaled(model, item):
-            micro_batch, real = item
-            loss, metrics = loss_fn(model, micro_batch)
-            if "loss" in metrics or "real" in metrics:
-                raise ValueError(f"loss_fn's metrics {sorted(metrics)} use a key the worker sets ('loss', 'real'); "
+        pairs: whatever `global_count` counts over the whole batch) and its metrics. Returns the metrics of the
+        real micro-batches (one entry each, tensors unread: `workers.read_back.read_back`; `loss` is this rank's
+        share of the scaled loss) and the micro-batches run."""
+        micro_batches = self.micro_batches(batch, units)
+        trainable.model.train()
+        metrics: dict[str, list] = {}
+        for micro_batch, real in micro_batches:
+            loss, micro_metrics = loss_fn(trainable.model, micro_batch)
+            if "loss" in micro_metrics:
+                raise ValueError(f"loss_fn's metrics {sorted(micro_metrics)} use the key the worker sets ('loss'); "
                                  "rename it")
-            return scale_loss(loss, global_count, self.world_size) * float(real), {**metrics, "real": float(real)}
-
-        metrics = trainable.forward_backward(micro, scaled)
-        real = metrics.pop("real")
-        metrics["loss"] = [loss / self.sp_size for loss in metrics["loss"]]  # a sequence group's ranks share one loss
-        return {key: [v for v, keep in zip(values, real) if keep] for key, values in metrics.items()}, \
-            [micro_batch for micro_batch, keep in micro if keep]
+            scaled, micro_metrics["loss"] = self.scaled_loss(loss, global_count, real)
+            scaled.backward()
+            if real:
+                for key, value in micro_metrics.items():
+                    metrics.setdefault(key, []).append(value.detach() if isinstance(value, torch.Tensor) else value)
+        return metrics, [micro_batch for micro_batch, real in micro_batches if real]
 
     # ------------------------------------------------------------------ collectives
 
@@ -179,6 +189,17 @@ class BatchWorker:
         totals = torch.tensor(values if self.owner else [0.0] * len(values), dtype=torch.float64, device=self.device)
         self.all_reduce(totals)
         return totals.tolist()
+
+
+def check_same_count_on_all_ranks(count: int, world_size: int, device: torch.device) -> None:
+    """Each forward and backward is a collective, so every rank must run the same number of micro-batches."""
+    if world_size == 1:
+        return
+    counts = torch.tensor([count, -count], dtype=torch.int64, device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    if counts[0].item() != count or -counts[1].item() != count:
+        raise ValueError(f"ranks hold different numbers of micro-batches (this rank {count}, max "
+                         f"{counts[0].item()}, min {-counts[1].item()}); balance into a multiple of dp_size")
 
 
 def scale_loss(loss_sum: torch.Tensor, global_count: float, fsdp_ranks: int) -> torch.Tensor:

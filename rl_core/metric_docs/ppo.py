@@ -16,7 +16,7 @@ PPO_GROUPS: tuple[Group, ...] = (
           "at load and printed instead.",
           "0, or a small share of the dataset; a large one means the length limit cuts much of the data."),
     )),
-    Group("Policy", "The actor's update (`ppo_epochs` and `policy_loss` in `rl_core/ppo/step.py`; the maths in "
+    Group("Policy", "The actor's update (`train_minibatch` and `policy_loss` in `rl_core/ppo/step.py`; the maths in "
           "[Algorithms](algorithms.md#policy-loss)).", (
         M("policy/loss", "loss", "The actor's loss per optimizer step: the clipped surrogate, minus "
           "`algorithm.entropy_coef` x entropy, plus `kl/coef` x the KL when `algorithm.kl.placement=loss`, "

@@ -31,8 +31,8 @@ from rl_core.ppo.evaluation import evaluate, print_eval
 from rl_core.ppo import algorithms as alg
 from rl_core.ppo.distill import RemoteTeacher, check_same_tokenizer
 from rl_core.ppo.models import PPOModels
-from rl_core.ppo.step import (Experience, StepSettings, compute_advantages, ppo_epochs, forward_passes,
-                              reward_model_scores, score_metrics, task_scores)
+from rl_core.ppo.step import (Experience, StepSettings, compute_advantages, forward_passes, minibatch_order,
+                              reward_model_scores, score_metrics, task_scores, train_minibatch, update_metrics)
 from rl_core.rewards import load_reward_fn
 from rl_core.ppo.runtime import JobRuntime
 from rl_core.rollout.prompts import eval_samples, prompt_samples
@@ -101,7 +101,7 @@ def ppo_step(job: Job, rt: JobRuntime, step: int, progress: JobProgress) -> dict
         old_from_engine = settings.old_logprobs_from_engine(job.probe_gap)
         exp = Experience.from_trajectories(trajectories, job.tokenizer.pad_token_id)
         with span("forward passes"), rt.threads_beside_decoding():  # async: the engine decodes the next batch
-            forward_passes(exp, models, worker, settings, old_from_engine)
+            exp = forward_passes(exp, models, worker, settings, old_from_engine)
         metrics.update(score_metrics(exp, old_from_engine))
         metrics["perf/old_logprobs_from_engine"] = float(old_from_engine)
     progress.at(step + 1, "update")
@@ -112,11 +112,19 @@ def ppo_step(job: Job, rt: JobRuntime, step: int, progress: JobProgress) -> dict
         metrics.update(stats)
         # 5. KL-penalised rewards, reward whitening, GAE (or group baselines by group id), advantage
         #    whitening
+        kl_coef = job.kl_ctl.value
         with span("advantages"):
-            targets = compute_advantages(exp, scores, job.kl_ctl.value, cfg.algorithm, cfg.distill)
-        # 6. PPO epochs x minibatches x micro-batches, then the adaptive KL step
+            advantages, reward_stats = compute_advantages(exp, scores, kl_coef, cfg.algorithm, cfg.distill)
+            exp = exp.with_rows("advantages", advantages)
+        # 6. PPO epochs x minibatches (`train_minibatch`: its micro-batches, backward, optimizer step), then the
+        #    adaptive KL step (OpenAI): the coefficient steers this batch's KL towards the target
         with span("ppo epochs"):
-            metrics.update(ppo_epochs(exp, targets, models, worker, settings, job.kl_ctl, step))
+            history = []
+            for epoch, number, trajectory_ids in minibatch_order(len(trajectories), settings, step):
+                with span(f"ppo epoch {epoch} minibatch {number}"):
+                    history.append(train_minibatch(exp.select(trajectory_ids), models, worker, settings, kl_coef))
+            metrics.update(update_metrics(history, reward_stats, models, kl_coef))
+            job.kl_ctl.update(reward_stats["kl/mean"], len(trajectories))
     progress.at(step + 1, "weight push")
     with timer("sync"):  # 7. new weights into every engine, checked by version and probe logprobs
         metrics.update(push_weights(rt, job, step + 1))

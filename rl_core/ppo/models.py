@@ -67,6 +67,25 @@ class PPOModels:
         """The local teacher's logprobs of the actions, of its own distribution (temperature 1, as a server's)."""
         return forward.token_logprobs(self.teacher, batch, 1.0, actions_only=True)
 
+    def scoring_outputs(self, names: tuple[str, ...], temperature: float,
+                        batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The step's forward-only outputs `names` on one micro-batch, in that order (`BatchWorker.gather`'s fn):
+        old and reference logprobs, values, the local teacher's logprobs."""
+        def output(name: str) -> torch.Tensor:
+            if name == "old_logprobs":
+                return forward.token_logprobs(self.actor.model, batch, temperature, actions_only=True)
+            if name == "ref_logprobs":
+                return self.reference_logprobs(batch, temperature)
+            if name == "values":  # OpenAI detail: the value of the state before each token, from query + response
+                return forward.token_values(self.critic.model, batch)
+            return self.teacher_logprobs(batch)  # on-policy distillation (rl_core/ppo/distill.py)
+
+        return tuple(output(name) for name in names)
+
+    def reward_scores(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+        """The reward model's score of each row of one micro-batch (`BatchWorker.gather`'s fn)."""
+        return (forward.reward_scores(self.reward_model, batch),)
+
     def trained(self) -> dict:
         """The trained models by name, as checkpoints hold them."""
         return {"actor": self.actor} if self.critic is None else {"actor": self.actor, "critic": self.critic}

@@ -1,14 +1,16 @@
 """One PPO / GRPO step after the rollout, in the order it runs; `rl_core/ppo/job.py` calls these in turn.
 
 1. The batch (`Experience`): the rollout's trajectories become one set of `[N, T]` tensors, a row per
-   sequence, built once; every later stage adds its `[N, T]` results and selects rows by index.
+   sequence, built once; each later phase returns its `[N, T]` rows (`STEP_BATCH_ROWS`, the contract) and
+   selects rows by index.
 2. Forward passes (`forward_passes`, `reward_model_scores`): old and reference logprobs, values and
-   reward-model scores, forward only through the batch worker (`workers/worker.py`).
+   reward-model scores, forward only, each micro-batch's outputs from `PPOModels.scoring_outputs`.
 3. Rewards (`task_scores`): `rl_core/ppo/scoring.py`'s one definition of a trajectory's score before the KL.
 4. Advantages (`compute_advantages`): KL-penalised per-token rewards, whitening, GAE, or group
    baselines, once over the whole batch.
-5. PPO epochs (`ppo_epochs`): epochs x minibatches x micro-batches of the clipped losses, then the
-   adaptive KL step. Weight sync follows in the job.
+5. PPO epochs (`minibatch_order`, `train_minibatch`, `update_metrics`): epochs x minibatches x micro-batches
+   of the clipped losses, each micro-batch's backward in `train_minibatch`. The job's `ppo_step` runs the
+   minibatch loop and the adaptive KL step; weight sync follows.
 
 Every per-token quantity is aligned to token positions (see workers/forward.py). Multi-turn
 trajectories hold several sequences; advantages run over the chain of all their generated tokens in
@@ -17,7 +19,8 @@ order (`Experience.rows`), and the results go back to the sequences' rows (`Expe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -63,12 +66,20 @@ class StepSettings:
 # --------------------------------------------------------------------------- 1. the batch
 
 
-@dataclass
+# The step batch's contract: the `[N, T]` rows each phase adds. A phase returns its rows and `ppo_step` adds them
+# (`Experience.with_rows`, which refuses any other key and any overwrite); later phases select rows by index.
+STEP_BATCH_ROWS: dict[str, tuple[str, ...]] = {
+    "rollout": ("input_ids", "attention_mask", "position_ids", "action_mask", "behaviour_logprobs", "token_rewards"),
+    "forward passes": ("old_logprobs", "ref_logprobs", "values", "teacher_logprobs"),
+    "advantages": ("advantages", "returns"),
+}
+
+
+@dataclass(frozen=True)
 class Experience:
     """One step's batch, built once at the rollout boundary: every sequence of every trajectory as a
-    row of `[N, T]` tensors in `batch` (`input_ids`, `attention_mask`, `position_ids`, `action_mask`,
-    `behaviour_logprobs`, `token_rewards`). Later stages add theirs (`old_logprobs`, `ref_logprobs`,
-    `values`, then `advantages`, `returns`) and select rows by index; nothing is re-collated."""
+    row of `[N, T]` tensors in `batch`, the keys of `STEP_BATCH_ROWS`, phase by phase; nothing is re-collated.
+    `scores` and `rejected` come with the forward passes (the reward model's)."""
     trajectories: list[Trajectory]
     sequences: list[TokenSequence]
     traj_seqs: list[list[int]]  # row (sequence) indices of every trajectory, in order
@@ -92,6 +103,14 @@ class Experience:
         return cls(trajectories, sequences, traj_seqs, batch, layout.pad_rows(chains, max(map(len, chains)), -1,
                                                                               torch.long))
 
+    def with_rows(self, phase: str, rows: dict[str, torch.Tensor], **fields) -> "Experience":
+        """This batch with `phase`'s rows added (and any other `fields` set): a new Experience, this one unchanged."""
+        unexpected, overwritten = set(rows) - set(STEP_BATCH_ROWS[phase]), set(rows) & set(self.batch)
+        if unexpected or overwritten:
+            raise ValueError(f"the {phase} phase may add only {STEP_BATCH_ROWS[phase]} to the step batch, each once; "
+                             f"it returned {sorted(unexpected)} besides, and {sorted(overwritten)} again")
+        return replace(self, batch={**self.batch, **rows}, **fields)
+
     def rows(self, per_token: torch.Tensor) -> torch.Tensor:
         """`[N, T]` -> `[n_traj, L]`: each trajectory's sequences laid end to end (the GAE chain, prompts
         as holes), 0 after its end."""
@@ -114,39 +133,29 @@ class Experience:
 
 
 def forward_passes(exp: Experience, models: PPOModels, worker: BatchWorker, settings: StepSettings,
-                   old_from_engine: bool) -> None:
-    """Adds `old_logprobs`, `ref_logprobs` and `values` to the batch, and the reward-model scores.
+                   old_from_engine: bool) -> Experience:
+    """The batch with `old_logprobs`, `ref_logprobs`, `values` (and a teacher's `teacher_logprobs`) and the reward
+    model's scores: forward only, every rank's share gathered to every rank.
 
     `old_from_engine`: pi_old is the engine's sampling logprobs (the caller checked that engine and
     trainer agree), so only the reference and the critic run, and nothing when neither exists."""
-    batch, temperature = exp.batch, settings.temperature
     wanted = {"old_logprobs": not old_from_engine, "ref_logprobs": models.uses_reference,
               "values": models.critic is not None, "teacher_logprobs": models.teacher is not None}
-
-    def scoring_pass(micro_batch):
-        outputs = []
-        if wanted["old_logprobs"]:
-            outputs.append(forward.token_logprobs(models.actor.model, micro_batch, temperature, actions_only=True))
-        if wanted["ref_logprobs"]:
-            outputs.append(models.reference_logprobs(micro_batch, temperature))
-        if wanted["values"]:  # OpenAI detail: the value of the state before each token, from query + response
-            outputs.append(forward.token_values(models.critic.model, micro_batch))
-        if wanted["teacher_logprobs"]:  # on-policy distillation (rl_core/ppo/distill.py)
-            outputs.append(models.teacher_logprobs(micro_batch))
-        return tuple(outputs)
-
-    names = [name for name, needed in wanted.items() if needed]
+    names = tuple(name for name, needed in wanted.items() if needed)
+    rows = {}
     if names:
         with span(f"forward {' '.join(names)}"):
-            batch.update(zip(names, worker.gather(batch, scoring_pass)))
+            outputs = worker.gather(exp.batch, functools.partial(models.scoring_outputs, names, settings.temperature))
+            rows.update(zip(names, outputs))
     if models.remote_teacher is not None:
         with span("teacher logprobs"):
-            batch["teacher_logprobs"] = models.remote_teacher.logprobs(batch)
-    batch.setdefault("old_logprobs", batch["behaviour_logprobs"].clone())
-    batch.setdefault("ref_logprobs", batch["old_logprobs"].clone())  # no KL: KL 0
-    batch.setdefault("values", torch.zeros_like(batch["old_logprobs"]))
+            rows["teacher_logprobs"] = models.remote_teacher.logprobs(exp.batch)
+    rows.setdefault("old_logprobs", exp.batch["behaviour_logprobs"].clone())
+    rows.setdefault("ref_logprobs", rows["old_logprobs"].clone())  # no KL: KL 0
+    rows.setdefault("values", torch.zeros_like(rows["old_logprobs"]))
     with span("reward model scores"):
-        exp.scores, exp.rejected = reward_model_scores(exp, models, worker, settings.scoring)
+        scores, rejected = reward_model_scores(exp, models, worker, settings.scoring)
+    return exp.with_rows("forward passes", rows, scores=scores, rejected=rejected)
 
 
 def reward_model_scores(exp: Experience, models: PPOModels, worker: BatchWorker,
@@ -158,7 +167,7 @@ def reward_model_scores(exp: Experience, models: PPOModels, worker: BatchWorker,
     if models.reward_model is None:
         return scores, rejected
     rows, rejected = reward_model_rows(exp, scoring.truncate_id, scoring.truncate_after)
-    return worker.gather(rows, lambda b: (forward.reward_scores(models.reward_model, b),))[0], rejected
+    return worker.gather(rows, models.reward_scores)[0], rejected
 
 
 def reward_model_rows(exp: Experience, truncate_token: int | None,
@@ -213,17 +222,10 @@ def task_scores(exp: Experience, scoring: Scoring) -> tuple[torch.Tensor, dict[s
 # --------------------------------------------------------------------------- 4. advantages
 
 
-@dataclass
-class Targets:
-    """What the PPO epochs train towards, per sequence, plus the step's reward statistics."""
-    advantages: torch.Tensor  # [N, T], like the batch's rows
-    returns: torch.Tensor
-    stats: dict[str, float]
-
-
 def compute_advantages(exp: Experience, scores: torch.Tensor, kl_coef: float, algo: AlgorithmConfig,
-                       distill: DistillConfig | None = None) -> Targets:
-    """Advantages and returns of the whole batch, computed once per step before minibatching.
+                       distill: DistillConfig | None = None) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The batch's `advantages` and `returns` rows (`[N, T]`), computed once per step before minibatching, and
+    the step's reward statistics.
 
     `scores` are the per-trajectory scores of `task_scores`. OpenAI details: the KL penalty is
     folded into per-token rewards with the score on the last action token; rewards are whitened
@@ -273,62 +275,71 @@ def compute_advantages(exp: Experience, scores: torch.Tensor, kl_coef: float, al
         advantages = alg.whiten(advantages, mask=mask)
     stats.update({"kl/mean": kl_per_episode.mean().item(), "reward/total_mean": total_reward.mean().item(),
                   "reward/non_score_mean": (-reward_kl_coef * kl_per_episode).mean().item()})
-    return Targets(exp.split(advantages), exp.split(returns), stats)
+    return {"advantages": exp.split(advantages), "returns": exp.split(returns)}, stats
 
 
 # --------------------------------------------------------------------------- 5. PPO epochs
 
 
-def ppo_epochs(exp: Experience, targets: Targets, models: PPOModels, worker: BatchWorker, settings: StepSettings,
-           kl_ctl, step: int) -> dict[str, float]:
-    """`noptepochs` passes over freshly shuffled minibatches; then the adaptive KL step."""
+def minibatch_order(n_traj: int, settings: StepSettings, step: int) -> list[tuple[int, int, list[int]]]:
+    """`(epoch, number, trajectory indices)` of every minibatch of the step: `noptepochs` passes over freshly
+    shuffled minibatches, the same permutation on every rank (ranks must agree on each minibatch's contents).
+    Advantages were computed over whole groups before this point, so any split is safe; a batch short of failed
+    trajectories gives minibatches that differ in size by at most one."""
     algo = settings.algo
-    n_traj = len(exp.trajectories)
-    kl_coef = kl_ctl.value
-    # Same permutation on every rank: ranks must agree on each minibatch's contents.
     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
-    exp.batch.update(advantages=targets.advantages, returns=targets.returns)
-    history: dict[str, list] = {}  # per optimizer step; tensors stay on the device until the one read below
-    for epoch in range(algo.noptepochs):
-        # Advantages were computed over whole groups before this point, so any split is safe; a batch
-        # short of failed trajectories gives minibatches that differ in size by at most one.
-        for number, minibatch in enumerate(minibatch_indices(n_traj, algo.nminibatches, generator)):
-            with span(f"ppo epoch {epoch} minibatch {number}"):
-                for key, value in train_minibatch(exp.select(minibatch), models, worker, settings, kl_coef).items():
-                    history.setdefault(key, []).append(value)
-    # Adaptive KL (OpenAI): steer the per-episode KL of this batch towards the target.
-    kl_ctl.update(targets.stats["kl/mean"], n_traj)
-    # Every rank's rows, not rank 0's alone: a rank's loss is its share of the global loss x dp_size, so the
-    # mean over ranks is the global loss; the other averages (clip fraction, entropy) become means over ranks.
-    out = metrics_over_ranks({k: reduce_metric(k, v) for k, v in read_back(history).items()})
-    out.update(targets.stats)
-    out["kl/coef"] = kl_coef
-    out["policy/lr"] = models.actor.current_lr()
-    out["policy/optimizer_steps"] = len(history["policy/loss"])
-    return out
+    return [(epoch, number, minibatch) for epoch in range(algo.noptepochs)
+            for number, minibatch in enumerate(minibatch_indices(n_traj, algo.nminibatches, generator))]
 
 
 def train_minibatch(rows: dict[str, torch.Tensor], models: PPOModels, worker: BatchWorker,
                     settings: StepSettings, kl_coef: float) -> dict:
-    """One optimizer step of the actor (and the critic) on a minibatch's rows (every rank holds them all;
-    the worker takes this rank's share and divides the loss by the minibatch's *global* count). Its metrics
-    stay tensors where they were computed: a read per optimizer step would stall a GPU each time."""
+    """One optimizer step of the actor (and the critic) on a minibatch's rows, their micro-batch loop and backward
+    here. Every rank holds the rows and runs its share (`worker.micro_batches`); each micro-batch's summed loss is
+    scaled by the minibatch's *global* count (`worker.scaled_loss`). Metrics stay tensors where they were computed:
+    a read per optimizer step would stall a GPU each time."""
     algo = settings.algo
     count = alg.global_denominator(rows["action_mask"], algo.loss_agg, settings.norm_length).item()
-    micro = worker.micro_batches(rows)
-    metrics, ran = worker.forward_backward(models.actor, rows, lambda m, b: policy_loss(m, b, settings, kl_coef),
-                                           count, micro_batches=micro)
-    out = {k: reduce_metric(k, v) for k, v in metrics.items() if k != "loss"}
-    ran = [host_view(b) for b in ran]
+    micro_batches = worker.micro_batches(rows)  # actor and critic run the same ones
+    history: dict[str, list] = {}
+    for trainable in models.trained().values():
+        trainable.model.train()
+    for micro_batch, real in micro_batches:
+        loss, metrics = policy_loss(models.actor.model, micro_batch, settings, kl_coef)
+        scaled, metrics["policy/loss"] = worker.scaled_loss(loss, count, real)
+        scaled.backward()
+        if models.critic is not None:
+            loss, value_metrics = value_loss(models.critic.model, micro_batch, algo)
+            worker.scaled_loss(loss, count, real)[0].backward()
+            metrics.update(value_metrics)
+        if real:  # a stand-in micro-batch (weight 0) only keeps the ranks' collectives in step
+            for key, value in metrics.items():
+                history.setdefault(key, []).append(value)
+    ran = [host_view(micro_batch) for micro_batch, real in micro_batches if real]
+    out = {key: reduce_metric(key, values) for key, values in history.items()}
+    out["policy/loss"] = sum(history["policy/loss"])  # this rank's share of the loss: the mean over ranks is it
     out["perf/padding_fraction"] = sum(layout.padding_fraction(b) for b in ran) / max(len(ran), 1)
     out["perf/train_grid_tokens"] = sum(layout.grid_tokens(b) for b in ran)  # positions a rank ran per minibatch
-    out["policy/loss"] = sum(metrics["loss"])
     out["policy/grad_norm"] = models.actor.step()
     if models.critic is not None:
-        metrics, _ = worker.forward_backward(models.critic, rows, lambda m, b: value_loss(m, b, algo), count,
-                                             micro_batches=micro)
-        out.update({k: reduce_metric(k, v) for k, v in metrics.items() if k != "loss"})
         out["value/grad_norm"] = models.critic.step()
+    return out
+
+
+def update_metrics(history: list[dict], stats: dict[str, float], models: PPOModels, kl_coef: float) -> dict:
+    """The PPO epochs' metrics: each optimizer step's (`train_minibatch`) reduced over the steps and then over
+    the ranks, read back once, with the advantages' `stats`."""
+    per_key: dict[str, list] = {}
+    for minibatch in history:
+        for key, value in minibatch.items():
+            per_key.setdefault(key, []).append(value)
+    # Every rank's rows, not rank 0's alone: a rank's loss is its share of the global loss x dp_size, so the
+    # mean over ranks is the global loss; the other averages (clip fraction, entropy) become means over ranks.
+    out = metrics_over_ranks({k: reduce_metric(k, v) for k, v in read_back(per_key).items()})
+    out.update(stats)
+    out["kl/coef"] = kl_coef
+    out["policy/lr"] = models.actor.current_lr()
+    out["policy/optimizer_steps"] = len(history)
     return out
 
 

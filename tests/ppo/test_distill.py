@@ -60,15 +60,15 @@ def test_group_advantages_get_the_teacher_term_on_each_action_token_of_every_seq
     group = [(1 - 1 / 3) / (std + 1e-6), (0 - 1 / 3) / (std + 1e-6), (0 - 1 / 3) / (std + 1e-6)]
 
     for reward_coef in (1.0, 0.0):
-        targets = compute_advantages(exp, scores, 0.0, algo, DistillConfig(teacher_path="t", coef=0.5,
+        targets, stats = compute_advantages(exp, scores, 0.0, algo, DistillConfig(teacher_path="t", coef=0.5,
                                                                              reward_coef=reward_coef))
         expected = torch.zeros(4, width)
         by_traj = [0, 0, 0, 1, 1, 1, 2]  # the action tokens' trajectories, in row order
         expected[acting] = torch.tensor([reward_coef * group[t] for t in by_traj]) + 0.5 * (teacher - old)[acting]
-        assert targets.advantages.flatten().tolist() == pytest.approx(expected.flatten().tolist(), abs=1e-5), \
+        assert targets["advantages"].flatten().tolist() == pytest.approx(expected.flatten().tolist(), abs=1e-5), \
             reward_coef
-        assert targets.advantages[~acting].abs().sum() == 0  # prompts and padding get nothing
-        assert targets.stats["distill/reverse_kl"] == pytest.approx((old - teacher)[acting].mean().item())
+        assert targets["advantages"][~acting].abs().sum() == 0  # prompts and padding get nothing
+        assert stats["distill/reverse_kl"] == pytest.approx((old - teacher)[acting].mean().item())
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_the_local_teacher_scores_the_actions_as_its_own_forward_pass(process_gr
     worker = BatchWorker(0, 1, torch.device("cpu"), max_tokens=16, layout=layout)
     settings = StepSettings(algo, Scoring(-1.0, None, 0, None, 4, 0, 1.0), temperature=0.7, norm_length=4, seed=0,
                             engine_old_logprobs_max_gap=float("inf"))
-    forward_passes(exp, models, worker, settings, old_from_engine=True)
+    exp = forward_passes(exp, models, worker, settings, old_from_engine=True)
 
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
     for row, seq in enumerate(exp.sequences):

@@ -5,6 +5,7 @@ GRPO / RLOO / REINFORCE baselines found by group id (any order, missing members)
 shaping), GSPO (sequence-level ratio), and where the KL to the reference goes.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -139,14 +140,13 @@ def scored(trajs, kl_per_token=0.0):
     exp.batch["old_logprobs"] = kl_per_token * real  # log(pi/ref) = kl_per_token
     exp.batch["ref_logprobs"] = torch.zeros_like(real)
     exp.batch["values"] = torch.zeros_like(real)
-    exp.scores = torch.zeros(len(trajs))
-    exp.rejected = torch.zeros(len(trajs), dtype=torch.bool)
+    exp = dataclasses.replace(exp, scores=torch.zeros(len(trajs)), rejected=torch.zeros(len(trajs), dtype=torch.bool))
     return exp
 
 
 def first_advantage(targets, trajs):
     """Each one-sequence trajectory's advantage on its last token (rows are right-padded to the longest)."""
-    return [round(row[traj.num_tokens - 1].item(), 5) for row, traj in zip(targets.advantages, trajs)]
+    return [round(row[traj.num_tokens - 1].item(), 5) for row, traj in zip(targets["advantages"], trajs)]
 
 
 def test_advantages_are_computed_by_group_before_minibatching_with_a_failed_trajectory():
@@ -156,16 +156,16 @@ def test_advantages_are_computed_by_group_before_minibatching_with_a_failed_traj
              make_traj(7, 3, fn_reward=0.0), make_traj(8, 2, fn_reward=1.0)]
     exp = scored(trajs)
     scores, _ = task_scores(exp, Scoring.from_config(RewardConfig(), ALGO, RESPONSE_LENGTH))
-    targets = compute_advantages(exp, scores, 0.0, algorithm(advantage_estimator="grpo"))
+    targets, stats = compute_advantages(exp, scores, 0.0, algorithm(advantage_estimator="grpo"))
     # prompt 8: [1, 0, 1] mean 2/3, std sqrt(1/3); prompt 7 (2 left): [1, 0] mean 1/2, std sqrt(1/2)
     s8, s7 = math.sqrt(1 / 3), math.sqrt(1 / 2)
     expected = [(1 / 3) / s8, 0.5 / s7, (-2 / 3) / s8, -0.5 / s7, (1 / 3) / s8]
     assert first_advantage(targets, trajs) == pytest.approx(expected, abs=1e-4)
-    for adv, traj in zip(targets.advantages, trajs):  # the same advantage on every generated token, 0 on the prompt
+    for adv, traj in zip(targets["advantages"], trajs):  # the same advantage on every generated token, 0 on the prompt
         last = traj.num_tokens - 1
         assert adv[:2].abs().sum() == 0 and torch.allclose(adv[2:last + 1], adv[last].expand(traj.num_action_tokens))
         assert adv[last + 1:].abs().sum() == 0
-    assert targets.stats["groups/zero_variance_frac"] == 0.0
+    assert stats["groups/zero_variance_frac"] == 0.0
     # nminibatches = 2 cuts the 5 trajectories 3 + 2 at random; the advantages were fixed above over
     # whole groups, so whatever minibatch a response lands in, it trains with the value computed here.
     from workers.balance import minibatch_indices
@@ -184,13 +184,13 @@ def test_kl_in_the_reward_for_rloo_and_left_to_the_loss_for_grpo():
     trajs = [make_traj(0, 2, fn_reward=1.0), make_traj(0, 4, fn_reward=1.0)]
     exp = scored(trajs, kl_per_token=0.1)
     scores, _ = task_scores(exp, Scoring.from_config(RewardConfig(), ALGO, RESPONSE_LENGTH))
-    in_reward = compute_advantages(exp, scores, 0.5, algorithm(advantage_estimator="rloo", placement="reward"))
+    in_reward, in_reward_stats = compute_advantages(exp, scores, 0.5, algorithm(advantage_estimator="rloo", placement="reward"))
     # totals: 1 - 0.5 * 0.2 = 0.9 and 1 - 0.5 * 0.4 = 0.8; RLOO: 0.9 - 0.8, 0.8 - 0.9
     assert first_advantage(in_reward, trajs) == pytest.approx([0.1, -0.1], abs=1e-6)
-    assert in_reward.stats["reward/non_score_mean"] == pytest.approx(-0.5 * 0.3)
-    in_loss = compute_advantages(exp, scores, 0.5, algorithm(advantage_estimator="grpo", placement="loss"))
-    assert first_advantage(in_loss, trajs) == [0.0, 0.0] and in_loss.stats["reward/non_score_mean"] == 0.0
-    assert in_loss.stats["kl/mean"] == pytest.approx(0.3)  # still measured (adaptive controller, logs)
+    assert in_reward_stats["reward/non_score_mean"] == pytest.approx(-0.5 * 0.3)
+    in_loss, in_loss_stats = compute_advantages(exp, scores, 0.5, algorithm(advantage_estimator="grpo", placement="loss"))
+    assert first_advantage(in_loss, trajs) == [0.0, 0.0] and in_loss_stats["reward/non_score_mean"] == 0.0
+    assert in_loss_stats["kl/mean"] == pytest.approx(0.3)  # still measured (adaptive controller, logs)
     # k3 with gradient, as the trainer adds it to the loss: d/dlogp [exp(ref - logp) - (ref - logp) - 1] = 1 - exp(ref - logp)
     logp = torch.tensor([0.1, -0.2], requires_grad=True)
     alg.kl_penalty(logp, torch.zeros(2), "k3").sum().backward()
@@ -201,7 +201,7 @@ def test_task_scores_add_reward_functions_penalise_truncation_and_shape_overlong
     trajs = [make_traj(0, 3, fn_reward=1.0), make_traj(0, 10, fn_reward=1.0, finish="length"),
              make_traj(0, 9, fn_reward=0.0)]
     exp = scored(trajs)
-    exp.scores = torch.tensor([0.5, 0.5, 0.5])  # as if a reward model scored them too
+    exp = dataclasses.replace(exp, scores=torch.tensor([0.5, 0.5, 0.5]))  # as if a reward model scored them too
     scores, stats = task_scores(exp, Scoring.from_config(RewardConfig(), ALGO, 10))
     torch.testing.assert_close(scores, torch.tensor([1.5, 1.5, 0.5]))
     truncating = RewardConfig(truncated_penalty=-2.0)

@@ -10,8 +10,8 @@ import torch
 from rl_core.ppo import algorithms as alg
 from rl_core.ppo.config import AlgorithmConfig, ModelConfig, RewardConfig
 from rl_core.ppo.models import PPOModels
-from rl_core.ppo.step import (Experience, Scoring, StepSettings, compute_advantages, forward_passes, ppo_epochs,
-                              score_metrics, task_scores)
+from rl_core.ppo.step import (Experience, Scoring, StepSettings, compute_advantages, forward_passes, minibatch_order,
+                              score_metrics, task_scores, train_minibatch, update_metrics)
 from rl_core.profiling import DeviceReads
 from rl_core.rollout.trajectory import TokenSequence, Trajectory
 from workers.loading import init_reward_model
@@ -40,11 +40,14 @@ def test_a_ppo_step_reads_the_device_back_three_times(process_group, tiny_model_
     before = [p.detach().clone() for p in models.actor.model.parameters()]
 
     with DeviceReads([models.actor.model, models.critic.model, models.reference, models.reward_model]) as counter:
-        forward_passes(exp, models, worker, settings, old_from_engine=False)
+        exp = forward_passes(exp, models, worker, settings, old_from_engine=False)
         metrics = score_metrics(exp, old_from_engine=False)
         scores, _ = task_scores(exp, settings.scoring)
-        targets = compute_advantages(exp, scores, kl_ctl.value, algo)
-        metrics.update(ppo_epochs(exp, targets, models, worker, settings, kl_ctl, step=0))
+        advantages, stats = compute_advantages(exp, scores, kl_ctl.value, algo)
+        exp = exp.with_rows("advantages", advantages)
+        history = [train_minibatch(exp.select(ids), models, worker, settings, kl_ctl.value)
+                   for _, _, ids in minibatch_order(len(exp.trajectories), settings, step=0)]
+        metrics.update(update_metrics(history, stats, models, kl_ctl.value))
 
     # one copy of the policy's, reference's and critic's outputs, one of the reward model's scores, and every
     # metric of the 4 optimizer steps (losses, clip fractions, grad norms) at the end

@@ -68,7 +68,7 @@ def test_gae_runs_over_both_sequences_of_a_trajectory_in_order(gamma, lam):
 
     algo = AlgorithmConfig(gamma=gamma, lam=lam, whiten_rewards=True, advantage_estimator="gae",
                            kl=KLConfig(estimator="k1"))
-    targets = compute_advantages(exp, scores, kl_coef, algo)
+    targets, stats = compute_advantages(exp, scores, kl_coef, algo)
 
     def chain(seqs):
         out = []
@@ -84,11 +84,11 @@ def test_gae_runs_over_both_sequences_of_a_trajectory_in_order(gamma, lam):
         return [float(per_seq[s][t]) for s in seq_ids for t, acting in enumerate(exp.sequences[s].action_mask)
                 if acting]
     for t, seq_ids in enumerate(exp.traj_seqs):
-        assert actions_of(targets.advantages, seq_ids) == pytest.approx(expected_adv[t], abs=1e-5)
-        assert actions_of(targets.returns, seq_ids) == pytest.approx(expected_ret[t], abs=1e-5)
+        assert actions_of(targets["advantages"], seq_ids) == pytest.approx(expected_adv[t], abs=1e-5)
+        assert actions_of(targets["returns"], seq_ids) == pytest.approx(expected_ret[t], abs=1e-5)
     for s, seq in enumerate(exp.sequences):  # prompt and observation tokens get nothing
-        assert all(float(targets.advantages[s][t]) == 0.0 for t, acting in enumerate(seq.action_mask) if not acting)
-    assert targets.stats["kl/mean"] == pytest.approx(
+        assert all(float(targets["advantages"][s][t]) == 0.0 for t, acting in enumerate(seq.action_mask) if not acting)
+    assert stats["kl/mean"] == pytest.approx(
         sum(sum(old - ref for old, ref, _, _ in c) for c in chains) / 2, abs=1e-6)
 
 

@@ -46,13 +46,13 @@ def advantages(estimator: str, turn_advantage: str, turn_gamma: float = 1.0) -> 
     trajs = group()
     exp = Experience.from_trajectories(trajs)
     zeros = torch.zeros_like(exp.batch["attention_mask"], dtype=torch.float32)
-    exp.batch.update(old_logprobs=zeros, ref_logprobs=zeros.clone(), values=zeros.clone())
-    exp.scores, exp.rejected = torch.zeros(3), torch.zeros(3, dtype=torch.bool)
+    exp = exp.with_rows("forward passes", dict(old_logprobs=zeros, ref_logprobs=zeros.clone(), values=zeros.clone()),
+                        scores=torch.zeros(3), rejected=torch.zeros(3, dtype=torch.bool))
     algo = AlgorithmConfig(advantage_estimator=estimator, whiten_advantages=False, turn_advantage=turn_advantage,
                            turn_gamma=turn_gamma, kl=KLConfig(placement="loss"))
     scores, _ = task_scores(exp, Scoring.from_config(RewardConfig(), algo, 24))
-    targets = compute_advantages(exp, scores, 0.0, algo)
-    return [[round(x, 5) for x in row[:len(seq)].tolist()] for row, seq in zip(targets.advantages, exp.sequences)]
+    targets, _ = compute_advantages(exp, scores, 0.0, algo)
+    return [[round(x, 5) for x in row[:len(seq)].tolist()] for row, seq in zip(targets["advantages"], exp.sequences)]
 
 
 def per_token(a0: float, a1: float, a2: float, gamma: float) -> list[list[float]]:

@@ -31,6 +31,22 @@ def _rows(tokenizer) -> list[dict]:
     return rows
 
 
+def _accumulate(trainable, micro_batches, loss_fn, world_size: int = 1) -> dict[str, list]:
+    """A job's micro-batch loop (`BatchWorker.forward_backward` without the balancing): the count check, then
+    `loss_fn`'s already-scaled loss backward per micro-batch; each metric a list, tensors unread."""
+    from workers.worker import check_same_count_on_all_ranks
+
+    check_same_count_on_all_ranks(len(micro_batches), world_size, torch.device("cpu"))
+    trainable.model.train()
+    metrics: dict[str, list] = {}
+    for micro_batch in micro_batches:
+        loss, micro_metrics = loss_fn(trainable.model, micro_batch)
+        loss.backward()
+        for key, value in {"loss": loss, **micro_metrics}.items():
+            metrics.setdefault(key, []).append(value.detach() if isinstance(value, torch.Tensor) else value)
+    return metrics
+
+
 def _loss_fn(global_tokens: int, dp_size: int):
     """Token-mean NLL scaled per the rule: sum on this rank / global count * dp_size."""
     from workers.forward import token_logprobs
@@ -94,7 +110,7 @@ def _worker(rank: int, model_dir: str, out_dir: str) -> None:
     trainable = _build_trainable(model)
     micro_batches = _micro_batches(tokenizer, RANK_MICRO_BATCH_ROWS[rank])
     loss_fn = _loss_fn(_global_tokens(tokenizer), WORLD_SIZE)
-    results["metrics"] = read_back(trainable.forward_backward(micro_batches, loss_fn))
+    results["metrics"] = read_back(_accumulate(trainable, micro_batches, loss_fn, WORLD_SIZE))
     results["grad_norm"] = trainable.step().item()
     results["trained"] = full_state_dict(model)
 
@@ -106,14 +122,14 @@ def _worker(rank: int, model_dir: str, out_dir: str) -> None:
     results["lr"] = (trainable.current_lr(), restored.current_lr())
     # A second identical step on both proves the optimizer moments and step count came back too.
     for each in (trainable, restored):
-        each.forward_backward(micro_batches, loss_fn)
+        _accumulate(each, micro_batches, loss_fn, WORLD_SIZE)
         each.step()
     results["second_step"] = (full_state_dict(trainable.model), full_state_dict(restored.model))
 
     results["scorers"] = _scorer_outputs(tokenizer, model_dir, shard=True)
 
     try:  # rank 1 brings one micro-batch fewer: every rank must refuse rather than hang
-        trainable.forward_backward(micro_batches[: 2 - rank], loss_fn)
+        _accumulate(trainable, micro_batches[: 2 - rank], loss_fn, WORLD_SIZE)
         results["mismatch_error"] = None
     except ValueError as error:
         results["mismatch_error"] = str(error)
@@ -135,7 +151,7 @@ def single_process_step(tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
     trainable = _build_trainable(load_causal_lm(tiny_model_dir))
     micro_batches = _micro_batches(tokenizer, [[0, 1, 2, 3, 4]])
-    trainable.forward_backward(micro_batches, _loss_fn(_global_tokens(tokenizer), dp_size=1))
+    _accumulate(trainable, micro_batches, _loss_fn(_global_tokens(tokenizer), dp_size=1))
     grad_norm = trainable.step().item()
     return {name: p.detach().clone() for name, p in trainable.model.state_dict().items()}, grad_norm
 
@@ -242,7 +258,7 @@ def test_an_optimizer_step_reads_nothing_and_its_metrics_come_back_in_one_transf
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
-    trainable = TrainableModel(model, lambda m: build_optimizer(m.parameters(), "adam", lr=0.1), sharded=False)
+    trainable = TrainableModel(model, lambda m: build_optimizer(m.parameters(), "adam", lr=0.1))
     micro_batches = [{"x": torch.randn(3, 4)} for _ in range(4)]
 
     def loss_fn(m, batch):
@@ -252,7 +268,7 @@ def test_an_optimizer_step_reads_nothing_and_its_metrics_come_back_in_one_transf
     with torch.no_grad():
         outs = [model(b["x"]) for b in micro_batches]
     with CountHostReads() as counter:
-        metrics = trainable.forward_backward(micro_batches, loss_fn)
+        metrics = _accumulate(trainable, micro_batches, loss_fn)
         metrics["grad_norm"] = [trainable.step()]
         assert counter.reads == []
         metrics = read_back(metrics)
@@ -277,12 +293,12 @@ def test_a_non_finite_gradient_skips_the_update_decided_on_the_device(optimizer)
     def train(poison_first: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 2)
-        trainable = TrainableModel(model, build, sharded=False)
+        trainable = TrainableModel(model, build)
         x = torch.randn(3, 4)
         norms = []
         for poisoned in ([True, False] if poison_first else [False]):
-            trainable.forward_backward([{"x": x * (float("nan") if poisoned else 1.0)}],
-                                       lambda m, b: (m(b["x"]).pow(2).sum(), {}))
+            _accumulate(trainable, [{"x": x * (float("nan") if poisoned else 1.0)}],
+                        lambda m, b: (m(b["x"]).pow(2).sum(), {}))
             norms.append(trainable.step())
         return [p.detach().clone() for p in model.parameters()], torch.stack(norms)
 

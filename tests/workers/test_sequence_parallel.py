@@ -73,7 +73,7 @@ def _run(model_dir: str, tokenizer, world_size: int, rank: int, group) -> dict:
     outputs = worker.gather(batch, lambda micro: (
         *token_logprobs_and_entropy(policy, micro, temperature=0.9, actions_only=True),
         token_values(critic, micro), raw_reward_scores(reward_model, micro)))
-    trainable = TrainableModel(policy, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), sharded=sharded)
+    trainable = TrainableModel(policy, lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
     count = float(batch["action_mask"].sum())
     metrics, _ = worker.forward_backward(trainable, batch, _loss, count)
     metrics = read_back(metrics)
