@@ -121,3 +121,16 @@ def test_reward_model_reads_the_last_sequence_cut_at_the_truncation_token():
     unchanged, none_rejected = reward_model_rows(exp, truncate_token=None, truncate_after=0)
     assert torch.equal(unchanged["attention_mask"], exp.batch["attention_mask"][[0, 1, 3, 4]])
     assert not none_rejected.any()
+
+
+def test_a_phase_adds_only_its_declared_rows_and_never_overwrites_the_batch():
+    seq, _ = sequence(context=2, actions=2, offset=0.0)
+    exp = Experience.from_trajectories([Trajectory([seq], {})])
+    zeros = torch.zeros_like(exp.batch["input_ids"], dtype=torch.float32)
+    scored = exp.with_rows("forward passes", {"old_logprobs": zeros}, scores=torch.ones(1))
+    assert "old_logprobs" in scored.batch and "old_logprobs" not in exp.batch  # a new batch, the old one as it was
+    assert scored.scores.tolist() == [1.0] and exp.scores is None
+    with pytest.raises(ValueError, match=r"may add only .*'advantages'.*\['values'\] besides"):
+        scored.with_rows("advantages", {"advantages": zeros, "values": zeros})
+    with pytest.raises(ValueError, match=r"\['old_logprobs'\] again"):
+        scored.with_rows("forward passes", {"old_logprobs": zeros})
