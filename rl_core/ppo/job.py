@@ -238,12 +238,16 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
 
 
 def push_weights(rt: JobRuntime, job: Job, version: int) -> dict[str, float]:
-    """Every rank's engine gets the trainer's weights as `version`, checked by the probe's logprobs."""
+    """Every rank's engine gets the trainer's weights as `version`, checked by version and the probe's logprobs
+    (`RankEngine.push`). Collective: the full tensors are gathered from every rank's shards."""
     models, collector = job.models, job.collector
     with collector.weight_push():
         with span("trainer probe logprobs"):
             trainer_logprobs = models.probe_logprobs(job.probe, job.worker)
-        stats = rt.sync_weights(models.actor_weights(), version, job.probe, trainer_logprobs, collector.pauses_in_place)
+        dist.barrier()
+        stats = rt.engine.push(models.actor_weights(), version, job.probe, trainer_logprobs, collector.pauses_in_place)
+        rt.served_version.set(version)
+        dist.barrier()
     job.probe_gap = max_over_ranks(stats["weight_sync/probe_gap"])  # every rank decides the same
     return stats
 

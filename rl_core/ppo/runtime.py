@@ -11,9 +11,7 @@ import socket
 import sys
 import time
 from types import SimpleNamespace
-from typing import Iterable
 
-import torch
 import torch.distributed as dist
 
 from rl_core.distributed import on_rank0, rank_seed, wait_for_rank0
@@ -211,15 +209,5 @@ class JobRuntime(ThreadPolicy, JobLifecycle):
         control flow.
         """
         return self.engine.release_memory() if self.release_each_step else 0.0
-
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                     probe_ids: list[int], trainer_logprobs: list[float], pause_in_place: bool) -> dict[str, float]:
-        """Every rank pushes its full weights into its engine, checked by version and probe logprobs
-        (`RankEngine.push`). Collective: the tensors are gathered from every rank."""
-        dist.barrier()
-        stats = self.engine.push(named_tensors, version, probe_ids, trainer_logprobs, pause_in_place)
-        self.served_version.set(version)
-        dist.barrier()
-        return stats
 
 

@@ -16,9 +16,10 @@ is released, so the caller drains or pauses first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -74,7 +75,8 @@ class RankEngine:
     def release_memory(self) -> float:
         """Free KV cache and weights for training (the engine must be idle); returns the seconds it took."""
         started = time.perf_counter()
-        self._call(self.client.release_memory(RELEASE_TAGS), "releasing memory")
+        with self._failure_named("releasing memory"):
+            self._loop.run_until_complete(asyncio.wait_for(self.client.release_memory(RELEASE_TAGS), self.timeout_s))
         self.released = True
         return time.perf_counter() - started
 
@@ -89,43 +91,46 @@ class RankEngine:
             # The trainer's cached activation blocks would otherwise stay reserved while the engine takes
             # its weights and KV cache back (OOM on resume; the memory plan counts on this).
             torch.cuda.empty_cache()
+        pushing = self._push_and_check(named_tensors, str(version), probe_ids, trainer_logprobs, pause_in_place)
+        with self._failure_named(f"the weight push of version {version}"):
+            return self._loop.run_until_complete(asyncio.wait_for(pushing, self.timeout_s))
 
-        async def push_and_check() -> dict[str, float]:
-            if pause_in_place:
-                await self.client.pause_generation("in_place")
-            try:
-                with span("push"):  # resume weights, gather and send the buckets, flush, resume the KV cache
-                    stats = await self._push(named_tensors, str(version), flush_cache=not pause_in_place)
-            finally:
-                if pause_in_place:
-                    await self.client.continue_generation()
-            with span("probe"):
-                probing = time.perf_counter()
-                stats["weight_sync/probe_gap"] = await check_pushed_weights(self.client, str(version), probe_ids,
-                                                                            trainer_logprobs, self.probe_tolerance)
-                stats["weight_sync/probe_s"] = time.perf_counter() - probing
-            return stats
-
-        return self._call(push_and_check(), f"the weight push of version {version}")
-
-    async def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str,
-                    flush_cache: bool) -> dict[str, Any]:
+    async def _push_and_check(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str,
+                              probe_ids: list[int], trainer_logprobs: list[float],
+                              pause_in_place: bool) -> dict[str, Any]:
+        """The push's calls in their order (module docstring): pause, resume the weights, the buckets, resume the
+        KV cache, continue; then the check of version and probe."""
         resume_s = 0.0  # timed apart from the push: on a GPU the memory saver's remapping is its own cost
-        if self.released:
-            started = time.perf_counter()
-            await self.client.resume_memory(RESUME_BEFORE_PUSH)
-            resume_s += time.perf_counter() - started
-        stats = await self.pusher.push(self.client, named_tensors, version, flush_cache)
-        if self.released:
-            started = time.perf_counter()
-            await self.client.resume_memory(RESUME_AFTER_PUSH)
-            resume_s += time.perf_counter() - started
-            self.released = False
-        return {**stats, "weight_sync/resume_s": resume_s}
-
-    def _call(self, coro, what: str):
+        if pause_in_place:
+            await self.client.pause_generation("in_place")
         try:
-            return self._loop.run_until_complete(asyncio.wait_for(coro, self.timeout_s))
+            with span("push"):  # resume weights, gather and send the buckets, flush, resume the KV cache
+                if self.released:
+                    started = time.perf_counter()
+                    await self.client.resume_memory(RESUME_BEFORE_PUSH)
+                    resume_s += time.perf_counter() - started
+                stats = await self.pusher.push(self.client, named_tensors, version, flush_cache=not pause_in_place)
+                if self.released:
+                    started = time.perf_counter()
+                    await self.client.resume_memory(RESUME_AFTER_PUSH)
+                    resume_s += time.perf_counter() - started
+                    self.released = False
+        finally:
+            if pause_in_place:
+                await self.client.continue_generation()
+        stats["weight_sync/resume_s"] = resume_s
+        with span("probe"):
+            probing = time.perf_counter()
+            stats["weight_sync/probe_gap"] = await check_pushed_weights(self.client, version, probe_ids,
+                                                                        trainer_logprobs, self.probe_tolerance)
+            stats["weight_sync/probe_s"] = time.perf_counter() - probing
+        return stats
+
+    @contextlib.contextmanager
+    def _failure_named(self, what: str) -> Iterator[None]:
+        """An engine call's failure as one error naming the engine, what was asked and the engine's log."""
+        try:
+            yield
         except (EngineError, WeightSyncError, asyncio.TimeoutError) as err:
             raise RuntimeError(f"engine {self.url} failed during {what}: {err or type(err).__name__}; "
                                f"its log: {self.log_path}") from err

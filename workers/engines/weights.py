@@ -306,7 +306,13 @@ class WeightPusher:
         started = time.perf_counter()
         parity = self._pushes % 2
         self._pushes += 1
-        session = await _begin_session(client)
+        try:  # a weight-update session; SGLang <= 0.5.20 has none (404) and takes updates without one
+            await client.post("/begin_weight_update")
+            session = True
+        except EngineError as err:
+            if err.status != 404:
+                raise
+            session = False
         casted = ((name, self._cast(tensor)) for name, tensor in named_tensors)
         sent_bytes = count = 0
         pack_s = 0.0
@@ -318,8 +324,13 @@ class WeightPusher:
                 if on_gpu:
                     torch.cuda.synchronize()  # the receiver reads the tensors through IPC: they must be written
                 pack_s += time.perf_counter() - packing
-                await self._send(client, update_tensor_payload(serialized, self.tp_size, is_last, version,
-                                                               flush_cache), on_gpu)
+                reply = await client.post("/update_weights_from_tensor", update_tensor_payload(
+                    serialized, self.tp_size, is_last, version, flush_cache), timeout_s=client.timeout_s)
+                if isinstance(reply, dict) and reply.get("success") is False:
+                    raise WeightSyncError(f"{client.base_url}/update_weights_from_tensor refused a bucket: "
+                                          f"{reply.get('message', '')}")
+                if on_gpu:
+                    torch.cuda.ipc_collect()  # the server holds no more references to this bucket
                 sent_bytes += sum(tensor_nbytes(t) for _, t in bucket)
                 count += 1
         except BaseException:
@@ -332,15 +343,6 @@ class WeightPusher:
         return {"weight_sync/push_s": time.perf_counter() - started, "weight_sync/pack_s": pack_s,
                 "weight_sync/bytes": float(sent_bytes), "weight_sync/buckets": float(count)}
 
-    @staticmethod
-    async def _send(client: EngineClient, body: dict, on_gpu: bool) -> None:
-        reply = await client.post("/update_weights_from_tensor", body, timeout_s=client.timeout_s)
-        if isinstance(reply, dict) and reply.get("success") is False:
-            raise WeightSyncError(f"{client.base_url}/update_weights_from_tensor refused a bucket: "
-                                  f"{reply.get('message', '')}")
-        if on_gpu:
-            torch.cuda.ipc_collect()  # the server holds no more references to this bucket
-
 
 def _with_last(buckets: Iterable[list]) -> Iterator[tuple[list, bool]]:
     """(bucket, is_last) pairs; a bucket is known to be last once the source is exhausted."""
@@ -351,17 +353,6 @@ def _with_last(buckets: Iterable[list]) -> Iterator[tuple[list, bool]]:
         previous = bucket
     if previous is not None:
         yield previous, True
-
-
-async def _begin_session(client: EngineClient) -> bool:
-    """Open a weight-update session; SGLang <= 0.5.20 has none (404) and takes updates without one."""
-    try:
-        await client.post("/begin_weight_update")
-    except EngineError as err:
-        if err.status != 404:
-            raise
-        return False
-    return True
 
 
 # ---------------------------------------------------------------- check
