@@ -38,7 +38,7 @@ def gpu86m_batch(seed: int = 0):
     """The step's `[N, T]` batch as the PPO job builds it: each group's 8 rows share their prompt."""
     import torch
 
-    from workers.layout import make_micro_batch
+    from workers.layout import rows_to_batch
 
     generator = torch.Generator().manual_seed(seed)
     rows = []
@@ -50,7 +50,7 @@ def gpu86m_batch(seed: int = 0):
                          for key in ("old_logprobs", "ref_logprobs", "advantages")}
             rows.append({"input_ids": prompt + response,
                          "action_mask": [0] * PROMPT_TOKENS + [1] * RESPONSE_TOKENS, **per_token})
-    return make_micro_batch(rows, pad_token_id=0)
+    return rows_to_batch(rows, pad_token_id=0)
 
 
 def spin(stop, parent: int) -> None:

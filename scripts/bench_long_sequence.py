@@ -41,7 +41,7 @@ def one_step(tokens: int, vocab: int, chunk: int, checkpointing: bool) -> dict:
     from workers.forward import ForwardSettings, token_logprobs_and_entropy
     from workers.fsdp import shard_model
     from workers.trainable import TrainableModel
-    from workers.layout import make_micro_batch
+    from workers.layout import rows_to_batch
     from workers.loading import enable_gradient_checkpointing
     from workers.worker import BatchWorker
 
@@ -57,7 +57,7 @@ def one_step(tokens: int, vocab: int, chunk: int, checkpointing: bool) -> dict:
     trainable = TrainableModel(shard_model(model), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4))
     prompt = 64
     ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
-    batch = make_micro_batch([{"input_ids": ids, "action_mask": [0] * prompt + [1] * (tokens - prompt)}], 0)
+    batch = rows_to_batch([{"input_ids": ids, "action_mask": [0] * prompt + [1] * (tokens - prompt)}], 0)
     batch["advantages"] = torch.ones(batch["input_ids"].shape)
     worker = BatchWorker(0, 1, torch.device("cpu"), tokens, settings=ForwardSettings(logits_chunk=chunk))
 

@@ -56,7 +56,7 @@ def packing_check(model_dir: Path, device: str) -> list[dict]:
     import torch
 
     from workers.forward import token_logprobs
-    from workers.layout import laid_out, make_micro_batch, packing_layout
+    from workers.layout import laid_out, rows_to_batch, packing_layout
     from workers.loading import load_causal_lm
 
     generator = torch.Generator().manual_seed(0)
@@ -65,7 +65,7 @@ def packing_check(model_dir: Path, device: str) -> list[dict]:
         ids = torch.randint(3, 250, (length,), generator=generator).tolist()
         rows.append({"input_ids": [0] * pads + ids, "attention_mask": [0] * pads + [1] * length,
                      "action_mask": [0] * (pads + length // 2) + [1] * (length - length // 2)})
-    batch = make_micro_batch(rows, pad_token_id=0)
+    batch = rows_to_batch(rows, pad_token_id=0)
     kernels = [("sdpa", torch.float32, 1e-4)]
     if importlib.util.find_spec("flash_attn") is not None and device == "cuda":
         kernels.append(("flash_attention_2", torch.bfloat16, 5e-2))

@@ -194,12 +194,12 @@ def test_loader_resumes_from_its_state_dict():
 def test_loader_with_processor_skips_rows_without_a_query(tokenizer):
     rows = [{"text": "one. two."}, {"text": "no period"}, {"text": "three. four."}]
     processor = QueryProcessor(tokenizer, query_length=24, end_text=".")
-    loader = PromptLoader(rows, batch_size=4, seed=1, processor=processor)
+    loader = PromptLoader(rows, batch_size=4, seed=1, encode=processor)
     batch = loader.next_batch()
     assert len(batch) == 4 and all(item.index != 1 for item in batch)
     assert all(item.prompt_ids == _ids(tokenizer, rows[item.index]["text"]) for item in batch)
     assert loader.skipped >= 1
-    hopeless = PromptLoader([{"text": "no period"}], batch_size=1, seed=1, processor=processor)
+    hopeless = PromptLoader([{"text": "no period"}], batch_size=1, seed=1, encode=processor)
     with pytest.raises(PromptDataError, match="no prompt yields a query"):
         hopeless.next_batch()
 
@@ -267,7 +267,7 @@ def test_long_prompts_are_skipped_and_counted_or_refused_never_cut(chat_tokenize
     assert len(_ids(chat_tokenizer, long)) > limit
     rows = [{"text": short}, {"text": long}, {"text": long}]
     encode = PromptEncoder(chat_tokenizer, limit, on_long="skip")
-    loader = PromptLoader(rows, batch_size=4, seed=1, processor=encode)
+    loader = PromptLoader(rows, batch_size=4, seed=1, encode=encode)
     batch = loader.next_batch()
     assert [item.index for item in batch] == [0, 0, 0, 0]  # only the short prompt, whole
     assert all(item.prompt_ids == _ids(chat_tokenizer, short) for item in batch)

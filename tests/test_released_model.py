@@ -85,7 +85,7 @@ def test_the_trainers_logprobs_equal_the_models_own_padded_and_packed(cache):
     from transformers import AutoTokenizer
 
     from workers.forward import ForwardSettings, MicroBatch, token_logprobs_and_entropy
-    from workers.layout import make_micro_batch, pack
+    from workers.layout import rows_to_batch, pack
     from workers.loading import load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(cache["model"])
@@ -96,7 +96,7 @@ def test_the_trainers_logprobs_equal_the_models_own_padded_and_packed(cache):
         prompt = _chat_ids(plain, question)
         reply = plain(answer, add_special_tokens=False)["input_ids"] + [plain.eos_token_id]
         rows.append({"input_ids": prompt + reply, "action_mask": [0] * len(prompt) + [1] * len(reply)})
-    batch = make_micro_batch(rows, pad_token_id=tokenizer.pad_token_id)
+    batch = rows_to_batch(rows, pad_token_id=tokenizer.pad_token_id)
     model = load_causal_lm(cache["model"]).eval()
     with torch.no_grad():
         expected = []

@@ -315,7 +315,7 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def raw_reward_scores(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """``[b]`` head output at each row's last real token, before gain/bias (`batch` from
-    `make_micro_batch`, packed or not).
+    `rows_to_batch`, packed or not).
 
     OpenAI detail: the reward is the score of the last token of query+response. The index comes
     from ``attention_mask`` (not HF's pad-id search), so any pad id and padding side work. The

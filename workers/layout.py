@@ -25,7 +25,7 @@ def prepare_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """
     missing = [key for key in REQUIRED_BATCH_KEYS if key not in batch]
     if missing:
-        raise ValueError(f"micro-batch lacks {missing}; build it with make_micro_batch()")
+        raise ValueError(f"micro-batch lacks {missing}; build it with rows_to_batch()")
     attention_mask = batch["attention_mask"]
     input_ids = batch["input_ids"].masked_fill(~attention_mask.bool(), 0)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": batch["position_ids"]}
@@ -46,8 +46,9 @@ def pad_rows(rows: Sequence[Sequence[float]], length: int, value: float, dtype: 
     return out
 
 
-def make_micro_batch(rows: list[dict[str, list]], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Collate rows into right-padded ``[b, T]`` tensors.
+def rows_to_batch(rows: list[dict[str, list]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """A job's rows (lists per token) as one batch of right-padded ``[N, T]`` tensors: the whole step's batch,
+    which the worker later cuts into micro-batches.
 
     Each row needs ``input_ids`` and ``action_mask`` (same length); any other key is a per-token
     float list of the same length (``old_logprobs``, ``advantages``, ...) and is padded with 0.
@@ -55,7 +56,7 @@ def make_micro_batch(rows: list[dict[str, list]], pad_token_id: int) -> dict[str
     every listed token is real.
     """
     if not rows:
-        raise ValueError("make_micro_batch got no rows; a micro-batch needs at least one sequence")
+        raise ValueError("rows_to_batch got no rows; a batch needs at least one sequence")
     keys = set(rows[0])
     for i, row in enumerate(rows):
         if set(row) != keys:
@@ -98,7 +99,7 @@ def padding_fraction(batch: dict[str, torch.Tensor]) -> float:
 
 def pack(batch: dict[str, torch.Tensor], share_prompts: bool = False, one_row: bool = False,
          multiple: int = 1) -> dict[str, torch.Tensor]:
-    """`batch` (from `make_micro_batch`) plus the layout the model then runs on: each row's real tokens
+    """`batch` (from `rows_to_batch`) plus the layout the model then runs on: each row's real tokens
     back to back in as few rows as hold them (first fit, longest first, each row as long as the
     longest unit, so attention costs about what it did padded and only the padding goes).
 
@@ -199,7 +200,7 @@ def packing_layout(packing: bool, attn_implementation: str | None) -> str | None
 
 def laid_out(batch: dict[str, torch.Tensor], layout: str | None, share_prompts: bool = False,
              multiple: int = 1) -> dict[str, torch.Tensor]:
-    """`batch` (from `make_micro_batch`) in the `packing_layout` the job runs (`multiple`: see `pack`)."""
+    """`batch` (from `rows_to_batch`) in the `packing_layout` the job runs (`multiple`: see `pack`)."""
     if layout is None:
         return batch
     return pack(batch, share_prompts=share_prompts, one_row=layout == "one_row", multiple=multiple)

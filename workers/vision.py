@@ -8,7 +8,7 @@ Conventions:
   (`image_token_counts`, `expand_image_pads`; `collapse_image_pads` is the way back).
 - Images of a micro-batch. ``pixel_values`` and ``image_grid_thw`` hold every image of the micro-batch in the
   order its pads appear in the padded rows (row by row, left to right): the concatenation of each sequence's
-  own processor output. `with_vision` adds them, with the 3-D rotary positions, to a `make_micro_batch`
+  own processor output. `with_vision` adds them, with the 3-D rotary positions, to a `rows_to_batch`
   micro-batch; `workers.layout.pack` keeps them, and `vision_model_inputs` (called by
   `workers.forward`) gives the model its images in the order of the layout it runs on, padded or packed.
 """
@@ -223,7 +223,7 @@ def mrope_position_ids(model, batch: dict[str, torch.Tensor], image_grid_thw: to
 
 def with_vision(batch: dict[str, torch.Tensor], model, pixel_values: torch.Tensor,
                 image_grid_thw: torch.Tensor) -> dict[str, torch.Tensor]:
-    """`batch` (right after `make_micro_batch`, before `pack`; ids with expanded pads) with its images: every
+    """`batch` (right after `rows_to_batch`, before `pack`; ids with expanded pads) with its images: every
     image of the micro-batch in the order of its pads (row by row), their padded 3-D positions, and where each
     image's first pad is (flat index into the padded rows), which `vision_model_inputs` reorders images by."""
     if "packed_index" in batch:

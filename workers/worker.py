@@ -1,6 +1,6 @@
 """One rank's path from a step's batch to its models, the same for every job (PPO, SFT, DPO, reward model).
 
-A job builds one tensor batch per step (`layout.make_micro_batch` of all its rows: `[N, T]` token
+A job builds one tensor batch per step (`layout.rows_to_batch` of all its rows: `[N, T]` token
 tensors, any `[N]` per-row tensors) that every rank holds whole. The worker then:
 
 1. balances rows across ranks by tokens and cuts this rank's share into length-sorted micro-batches,
@@ -19,7 +19,7 @@ groups; the ranks of a sequence group run the same micro-batches, each on 1/N of
 micro-batch holds up to N x `max_tokens`.
 
 A job supplies only its loss (`loss_fn(model, micro_batch) -> (summed loss, metrics)`) or, forward
-only, what to compute (`gather`, `sums`).
+only, what to compute (`compute_and_share`, `sums`).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class BatchWorker:
     # ------------------------------------------------------------------ forward only
 
     @torch.no_grad()
-    def gather(self, batch: Batch, fn: Callable[[Batch], tuple[torch.Tensor, ...]],
+    def compute_and_share(self, batch: Batch, fn: Callable[[Batch], tuple[torch.Tensor, ...]],
                units: list[list[int]] | None = None) -> list[torch.Tensor]:
         """`fn(micro_batch)` over this rank's share; every rank gets every row's outputs.
 

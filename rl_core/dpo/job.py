@@ -25,7 +25,7 @@ from rl_core.model_builder import Placement, build_frozen, build_trained
 from rl_core.preferences import load_preference_splits
 from rl_core.stop_signal import JobProgress
 from workers import decode, forward, loading
-from workers.layout import make_micro_batch
+from workers.layout import rows_to_batch
 from workers.worker import BatchWorker
 
 
@@ -103,8 +103,8 @@ class RewardModelEval:
         rows = [{"input_ids": q + r, "action_mask": [0] * len(q) + [1] * len(r)}
                 for q, r in zip(self.mine, responses)]
         # Every rank's rows, scored by the worker (each rank's own copy of the reward model: no collective inside).
-        batch = make_micro_batch(self.dp.concat(rows), self.tokenizer.pad_token_id)
-        (scores,) = self.worker.gather(batch, lambda micro: (forward.reward_scores(self.reward_model, micro),))
+        batch = rows_to_batch(self.dp.concat(rows), self.tokenizer.pad_token_id)
+        (scores,) = self.worker.compute_and_share(batch, lambda micro: (forward.reward_scores(self.reward_model, micro),))
         return {"eval/rm_score": float(scores.sum()) / self.count}
 
 

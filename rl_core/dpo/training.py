@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.forward import token_logprobs
-from workers.layout import make_micro_batch
+from workers.layout import rows_to_batch
 from workers.read_back import read_back
 from workers.worker import BatchWorker
 
@@ -41,7 +41,7 @@ def collate(pairs: list[PreferencePair], pad_token_id: int) -> tuple[dict[str, t
     pairs as the worker's units (a pair's two rows share a micro-batch); `action_mask` marks the response."""
     rows = [{"input_ids": ids, "action_mask": [0] * p.prompt_length + [1] * (len(ids) - p.prompt_length)}
             for p in pairs for ids in (p.chosen, p.rejected)]
-    batch = make_micro_batch(rows, pad_token_id)
+    batch = rows_to_batch(rows, pad_token_id)
     batch["chosen"] = torch.tensor([1, 0] * len(pairs), dtype=torch.bool)
     return batch, [[2 * i, 2 * i + 1] for i in range(len(pairs))]
 

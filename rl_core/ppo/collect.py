@@ -11,7 +11,7 @@ weights) or, with `async.partial_rollout`, the engines pause requests in place a
 on the new weights.
 
 Every rank builds the same collector (what the engines must do around a push is the same on
-every rank) and takes each step's batch from it (`BatchSource.batch`); only rank 0 has the rollout
+every rank) and takes each step's batch from it (`Collector.batch`); only rank 0 has the rollout
 service and the prompts, and sends the batch to the others.
 """
 
@@ -32,7 +32,7 @@ from rl_core.rollout.service import RolloutService
 from workers.engines.client import EngineError
 
 
-class BatchSource:
+class Collector:
     """One step's trajectories on every rank. Rank 0 (`start`ed with the rollout service) collects them as its mode
     says (`collect`), applies the group estimators' rule to incomplete groups, and broadcasts them."""
 
@@ -80,7 +80,7 @@ class BatchSource:
         return self.prompts.state_dict()
 
 
-class SyncCollector(BatchSource):
+class SyncCollector(Collector):
     engines_idle_while_training = True  # every request has returned before training starts
     pauses_in_place = False
 
@@ -105,7 +105,7 @@ class SyncCollector(BatchSource):
         yield  # nothing is generating
 
 
-class AsyncCollector(BatchSource):
+class AsyncCollector(Collector):
     engines_idle_while_training = False
 
     def __init__(self, cfg: PPOConfig, prompts):

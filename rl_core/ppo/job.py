@@ -23,7 +23,7 @@ from rl_core.stop_signal import JobProgress
 from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank, on_rank0, rank_seed,
                                  seed_everything)
 from rl_core.logger import MetricsLogger, open_run_logger, step_line
-from rl_core.ppo.collect import BatchSource, make_collector
+from rl_core.ppo.collect import Collector, make_collector
 from rl_core.ppo.config import PPOConfig, release_mode, rollout_settings
 from rl_core.ppo.validation import check_models, validate
 from rl_core.ppo.memory import decide, plan_job_memory, report_plan
@@ -151,7 +151,7 @@ class Job:
     worker: BatchWorker  # every model's micro-batches on this rank
     settings: StepSettings
     kl_ctl: object  # alg.AdaptiveKLController or alg.FixedKLController
-    collector: BatchSource  # the step's batch, sync or async
+    collector: Collector  # the step's batch, sync or async
     checkpointer: Checkpointer
     probe: list[int]  # token ids whose logprobs engine and trainer must agree on after each push
     start_step: int

@@ -101,7 +101,7 @@ class PPOModels:
     def probe_logprobs(self, probe_ids: list[int], worker: BatchWorker) -> list[float]:
         """The actor's logprob of each probe token after the first, from raw logits (as SGLang reports them),
         laid out as the trainer's micro-batches are."""
-        probe = layout.make_micro_batch([{"input_ids": probe_ids, "action_mask": [1] * len(probe_ids)}],
+        probe = layout.rows_to_batch([{"input_ids": probe_ids, "action_mask": [1] * len(probe_ids)}],
                                         self.pad_token_id)
         with torch.no_grad():
             logprobs = forward.token_logprobs(self.actor.model, worker.micro_batch(probe, [0]), temperature=1.0)

@@ -37,7 +37,7 @@ from workers import forward, layout
 from workers.balance import minibatch_indices
 from workers.forward import host_view
 from workers.read_back import read_back
-from workers.layout import make_micro_batch
+from workers.layout import rows_to_batch
 from workers.trace import span
 from workers.worker import BatchWorker
 
@@ -95,7 +95,7 @@ class Experience:
             traj_seqs.append(list(range(len(sequences), len(sequences) + len(traj.sequences))))
             sequences.extend(traj.sequences)
         # attention_mask: a left-padded query keeps its [PAD]s in the row but the engine never saw them.
-        batch = make_micro_batch([{"input_ids": s.input_ids, "action_mask": s.action_mask,
+        batch = rows_to_batch([{"input_ids": s.input_ids, "action_mask": s.action_mask,
                                    "attention_mask": s.attention_mask, "behaviour_logprobs": s.behaviour_logprobs,
                                    "token_rewards": s.token_rewards} for s in sequences], pad_token_id)
         width = batch["input_ids"].shape[1]
@@ -145,7 +145,7 @@ def forward_passes(exp: Experience, models: PPOModels, worker: BatchWorker, sett
     rows = {}
     if names:
         with span(f"forward {' '.join(names)}"):
-            outputs = worker.gather(exp.batch, functools.partial(models.scoring_outputs, names, settings.temperature))
+            outputs = worker.compute_and_share(exp.batch, functools.partial(models.scoring_outputs, names, settings.temperature))
             rows.update(zip(names, outputs))
     if models.remote_teacher is not None:
         with span("teacher logprobs"):
@@ -167,7 +167,7 @@ def reward_model_scores(exp: Experience, models: PPOModels, worker: BatchWorker,
     if models.reward_model is None:
         return scores, rejected
     rows, rejected = reward_model_rows(exp, scoring.truncate_id, scoring.truncate_after)
-    return worker.gather(rows, models.reward_scores)[0], rejected
+    return worker.compute_and_share(rows, models.reward_scores)[0], rejected
 
 
 def reward_model_rows(exp: Experience, truncate_token: int | None,

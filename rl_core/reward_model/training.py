@@ -26,7 +26,7 @@ from rl_core.step_loop import JobSteps, run_steps
 from rl_core.stop_signal import JobProgress
 from workers.fsdp import full_state_dict
 from workers.forward import raw_reward_scores, reward_scores
-from workers.layout import make_micro_batch
+from workers.layout import rows_to_batch
 from workers.loading import set_reward_gain_bias
 from workers.read_back import read_back
 from workers.worker import BatchWorker
@@ -62,8 +62,8 @@ def score_sequences(model, sequences: list[list[int]], pad_id: int, worker: Batc
     collective under FSDP."""
     score = reward_scores if normalized else raw_reward_scores
     model.eval()
-    batch = make_micro_batch([{"input_ids": ids, "action_mask": [1] * len(ids)} for ids in sequences], pad_id)
-    return worker.gather(batch, lambda micro: (score(model, micro),))[0]
+    batch = rows_to_batch([{"input_ids": ids, "action_mask": [1] * len(ids)} for ids in sequences], pad_id)
+    return worker.compute_and_share(batch, lambda micro: (score(model, micro),))[0]
 
 
 def collate(examples: list, pad_id: int) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
@@ -76,7 +76,7 @@ def collate(examples: list, pad_id: int) -> tuple[dict[str, torch.Tensor], list[
                          "use one preference format per file")
     (responses,) = sizes
     rows = [{"input_ids": ids, "action_mask": [1] * len(ids)} for example in examples for ids in example.input_ids]
-    batch = make_micro_batch(rows, pad_id)
+    batch = rows_to_batch(rows, pad_id)
     batch["best"] = torch.tensor([example.best for example in examples]).repeat_interleave(responses)
     batch["margin"] = torch.tensor([float(example.margin) for example in examples]).repeat_interleave(responses)
     batch["responses"] = torch.tensor(responses)  # one number for the batch: how to view scores per comparison

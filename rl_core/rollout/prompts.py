@@ -18,7 +18,7 @@ from rl_core.prompt_encoding import PromptEncoder, QueryProcessor, encode_row, r
 
 @dataclass(frozen=True)
 class PromptItem:
-    """One prompt of a batch: its dataset index, its row, and its token ids when a processor is set."""
+    """One prompt of a batch: its dataset index, its row, and its token ids when the loader encodes."""
 
     index: int
     row: dict
@@ -36,12 +36,13 @@ class _Position:
 class PromptLoader:
     """Endless batches of prompts in a seeded order, reshuffled every epoch, resumable.
 
-    Batches run across epoch boundaries so every batch is full. With a `processor`, rows that
-    yield no query (missing start/end text) are skipped and counted in `skipped`.
+    Batches run across epoch boundaries so every batch is full. With an `encode` (a row's text -> its prompt ids,
+    or None: `PromptEncoder` or `QueryProcessor`), rows that yield none (too long, missing start/end text) are
+    skipped and counted in `skipped`.
     """
 
     def __init__(self, dataset: PromptDataset | Sequence[dict], batch_size: int, seed: int,
-                 processor: QueryProcessor | None = None, shuffle: bool = True,
+                 encode: PromptEncoder | QueryProcessor | None = None, shuffle: bool = True,
                  text_key: str | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -50,7 +51,7 @@ class PromptLoader:
         self.dataset = dataset
         self.batch_size = batch_size
         self.seed = seed
-        self.processor = processor
+        self.encode = encode
         self.shuffle = shuffle
         self.text_key = text_key or getattr(dataset, "text_key", "text")
         self._state = _Position(order=self._order(0))
@@ -86,8 +87,8 @@ class PromptLoader:
             index = self._next_index()
             row = self.dataset[index]
             prompt_ids = None
-            if self.processor is not None:
-                prompt_ids = self.processor(row[self.text_key])
+            if self.encode is not None:
+                prompt_ids = self.encode(row[self.text_key])
                 if prompt_ids is None:
                     self._state.skipped += 1
                     misses += 1
@@ -203,7 +204,7 @@ def prompt_samples(data_cfg, prompts_path: str, tokenizer, batch_size: int, grou
         print(f"skipped {dataset.skipped} malformed prompt rows in {dataset.source}")
     encode = prompt_encoder(data_cfg, tokenizer, template_kwargs)
     refuse_long_prompts(dataset, encode)
-    loader = PromptLoader(dataset, batch_size // group_size, seed=seed, processor=encode)
+    loader = PromptLoader(dataset, batch_size // group_size, seed=seed, encode=encode)
     return PromptSamples(loader, group_size, seed, seeded)
 
 

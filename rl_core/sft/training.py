@@ -14,14 +14,14 @@ from rl_core.distributed import DataParallel
 from rl_core.sft.data import SFTExample
 from workers.decode import DecodeSettings, decode
 from workers.forward import host_view, token_logprobs_and_hits
-from workers.layout import grid_tokens, make_micro_batch
+from workers.layout import grid_tokens, rows_to_batch
 from workers.read_back import read_back
 from workers.worker import BatchWorker
 
 
 def collate(examples: list[SFTExample], pad_token_id: int) -> dict[str, torch.Tensor]:
     """The step's `[N, T]` batch: `action_mask` marks the trained tokens."""
-    return make_micro_batch([{"input_ids": e.input_ids, "action_mask": e.loss_mask} for e in examples], pad_token_id)
+    return rows_to_batch([{"input_ids": e.input_ids, "action_mask": e.loss_mask} for e in examples], pad_token_id)
 
 
 def token_sums(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ import torch
 
 from offline.families import FAMILIES, save_family_model
 from workers.forward import ForwardSettings, MicroBatch, token_logprobs_and_entropy
-from workers.layout import make_micro_batch, pack
+from workers.layout import rows_to_batch, pack
 from workers.loading import load_causal_lm
 
 WINDOW = 8  # shorter than the sequences below, so sliding-window layers really slide
@@ -28,7 +28,7 @@ def _batch():
     lengths = (27, 19, 23)
     rows = [{"input_ids": torch.randint(3, 290, (n,), generator=generator).tolist(),
              "action_mask": [0] * 6 + [1] * (n - 6)} for n in lengths]
-    return make_micro_batch(rows, pad_token_id=1)
+    return rows_to_batch(rows, pad_token_id=1)
 
 
 def _reference(model, batch, temperature):

@@ -71,10 +71,10 @@ def _build_trainable(model):
 
 
 def _micro_batches(tokenizer, groups):
-    from workers.layout import make_micro_batch
+    from workers.layout import rows_to_batch
 
     rows = _rows(tokenizer)
-    return [make_micro_batch([rows[i] for i in group], tokenizer.pad_token_id) for group in groups]
+    return [rows_to_batch([rows[i] for i in group], tokenizer.pad_token_id) for group in groups]
 
 
 def _global_tokens(tokenizer) -> int:

@@ -7,7 +7,7 @@ import torch
 from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
 
 from workers.forward import entropy_from_logits, logprobs_from_logits, raw_reward_scores, reward_scores, token_logprobs, token_logprobs_and_entropy, token_values
-from workers.layout import make_micro_batch, padding_fraction
+from workers.layout import rows_to_batch, padding_fraction
 from workers.loading import ValueModel, init_reward_model, load_causal_lm, load_reward_model, load_tokenizer, set_reward_gain_bias
 
 
@@ -26,7 +26,7 @@ def _batch(tokenizer, texts, n_actions=3):
     for text in texts:
         ids = tokenizer(text)["input_ids"]
         rows.append({"input_ids": ids, "action_mask": [0] * (len(ids) - n_actions) + [1] * n_actions})
-    return make_micro_batch(rows, tokenizer.pad_token_id)
+    return rows_to_batch(rows, tokenizer.pad_token_id)
 
 
 def test_token_logprobs_match_manual_gather_with_temperature(policy, tokenizer):
@@ -80,9 +80,9 @@ def test_left_padded_query_inside_row_matches_unpadded(policy, tokenizer):
     query = tokenizer("the dark room")["input_ids"]
     response = tokenizer(" was cold and sad.")["input_ids"]
     pad = tokenizer.pad_token_id
-    plain = make_micro_batch([{"input_ids": query + response,
+    plain = rows_to_batch([{"input_ids": query + response,
                                "action_mask": [0] * len(query) + [1] * len(response)}], pad)
-    padded = make_micro_batch([{"input_ids": [pad] * 3 + query + response,
+    padded = rows_to_batch([{"input_ids": [pad] * 3 + query + response,
                                 "attention_mask": [0] * 3 + [1] * (len(query) + len(response)),
                                 "action_mask": [0] * (3 + len(query)) + [1] * len(response)}], pad)
     assert padded["position_ids"][0, 3:].tolist() == list(range(len(query) + len(response)))
@@ -217,19 +217,19 @@ def test_a_pad_id_outside_the_vocabulary_never_reaches_the_model(tiny_model_dir)
     model = load_causal_lm(tiny_model_dir)
     vocab = model.get_input_embeddings().num_embeddings
     rows = [{"input_ids": [5, 6, 7, 8], "action_mask": [0, 1, 1, 1]}, {"input_ids": [9, 10], "action_mask": [0, 1]}]
-    out_of_vocab = token_logprobs(model, make_micro_batch(rows, pad_token_id=vocab), temperature=0.7)
-    in_vocab = token_logprobs(model, make_micro_batch(rows, pad_token_id=3), temperature=0.7)
-    mask = make_micro_batch(rows, pad_token_id=3)["attention_mask"].bool()
+    out_of_vocab = token_logprobs(model, rows_to_batch(rows, pad_token_id=vocab), temperature=0.7)
+    in_vocab = token_logprobs(model, rows_to_batch(rows, pad_token_id=3), temperature=0.7)
+    mask = rows_to_batch(rows, pad_token_id=3)["attention_mask"].bool()
     torch.testing.assert_close(out_of_vocab[mask], in_vocab[mask])
     assert model.get_input_embeddings().num_embeddings == vocab
 
 
-def test_make_micro_batch_pads_right_and_counts_positions():
+def test_rows_to_batch_pads_right_and_counts_positions():
     rows = [
         {"input_ids": [5, 6, 7, 8], "action_mask": [0, 0, 1, 1], "advantages": [0.0, 0.0, 0.5, -0.5]},
         {"input_ids": [9, 10], "action_mask": [0, 1], "advantages": [0.0, 2.0]},
     ]
-    batch = make_micro_batch(rows, pad_token_id=99)
+    batch = rows_to_batch(rows, pad_token_id=99)
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8], [9, 10, 99, 99]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3], [0, 1, 2, 2]]
@@ -239,13 +239,13 @@ def test_make_micro_batch_pads_right_and_counts_positions():
     assert padding_fraction(batch) == pytest.approx(2 / 8)
 
 
-def test_make_micro_batch_rejects_bad_rows():
+def test_rows_to_batch_rejects_bad_rows():
     with pytest.raises(ValueError, match="no rows"):
-        make_micro_batch([], 0)
+        rows_to_batch([], 0)
     with pytest.raises(ValueError, match="len\\(input_ids\\)"):
-        make_micro_batch([{"input_ids": [1, 2], "action_mask": [1]}], 0)
+        rows_to_batch([{"input_ids": [1, 2], "action_mask": [1]}], 0)
     with pytest.raises(ValueError, match="same keys"):
-        make_micro_batch([{"input_ids": [1], "action_mask": [1]},
+        rows_to_batch([{"input_ids": [1], "action_mask": [1]},
                           {"input_ids": [1], "action_mask": [1], "returns": [0.0]}], 0)
 
 

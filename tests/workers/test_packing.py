@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from workers.forward import token_logprobs, token_logprobs_and_entropy, token_values
-from workers.layout import make_micro_batch, model_inputs, pack, packs_into_one_row, padding_fraction
+from workers.layout import rows_to_batch, model_inputs, pack, packs_into_one_row, padding_fraction
 from workers.loading import ValueModel, load_causal_lm
 
 
@@ -39,7 +39,7 @@ def grouped_ppo_rows(seed: int = 0) -> list[dict]:
 
 
 def test_shared_prompts_are_packed_once_per_group():
-    batch = make_micro_batch(grouped_ppo_rows(), pad_token_id=0)
+    batch = rows_to_batch(grouped_ppo_rows(), pad_token_id=0)
     plain, shared = pack(batch), pack(batch, share_prompts=True)
     # the two groups' prompts (5 tokens x 3 responses, 3 x 2) are held once each
     assert int((shared["packed_segment_ids"] >= 0).sum()) == int(batch["attention_mask"].sum()) - (5 * 2 + 3 * 1)
@@ -55,7 +55,7 @@ def test_shared_prompts_are_packed_once_per_group():
 
 
 def test_pack_keeps_every_real_token_once_and_drops_the_padding():
-    batch = make_micro_batch(ppo_rows(), pad_token_id=0)
+    batch = rows_to_batch(ppo_rows(), pad_token_id=0)
     packed = pack(batch)
     real = int(batch["attention_mask"].sum())
     index = packed["packed_index"]
@@ -70,7 +70,7 @@ def test_pack_keeps_every_real_token_once_and_drops_the_padding():
 
 
 def test_one_row_is_every_real_token_with_restarting_positions_and_no_mask():
-    batch = make_micro_batch(ppo_rows(), pad_token_id=0)
+    batch = rows_to_batch(ppo_rows(), pad_token_id=0)
     flat = pack(batch, one_row=True)
     real = int(batch["attention_mask"].sum())
     assert flat["packed_input_ids"].shape == (1, real) and padding_fraction(flat) == 0.0
@@ -82,7 +82,7 @@ def test_one_row_is_every_real_token_with_restarting_positions_and_no_mask():
     assert "attention_mask" not in inputs and inputs["use_cache"] is False
     assert "attention_mask" in model_inputs(pack(batch))  # the rows layout keeps its block-diagonal mask
     with pytest.raises(ValueError, match="share_prompts or one_row"):
-        pack(make_micro_batch(grouped_ppo_rows(), pad_token_id=0), share_prompts=True, one_row=True)
+        pack(rows_to_batch(grouped_ppo_rows(), pad_token_id=0), share_prompts=True, one_row=True)
     assert packs_into_one_row("flash_attention_2") and packs_into_one_row("kernels-community/flash-attn3")
     assert not packs_into_one_row("sdpa") and not packs_into_one_row(None)
 
@@ -93,7 +93,7 @@ def test_the_trainers_forwards_build_no_kv_cache(tiny_model_dir, layout):
     values into a cache nothing reads; the inputs the trainer runs the model on turn it off."""
     policy = load_causal_lm(tiny_model_dir)
     policy.config.use_cache = True
-    batch = make_micro_batch(grouped_ppo_rows(), pad_token_id=0)
+    batch = rows_to_batch(grouped_ppo_rows(), pad_token_id=0)
     if layout != "padded":
         batch = pack(batch, share_prompts=layout == "shared prompts")
     with torch.no_grad():
@@ -114,7 +114,7 @@ def test_packed_logprobs_entropy_values_and_gradients_equal_the_padded_ones(tiny
     critic = ValueModel.from_pretrained(tiny_model_dir, torch.float32)
     with torch.no_grad():
         critic.head.weight.normal_()  # OpenAI's zero-initialised head would hide a misplaced value
-    padded = make_micro_batch(grouped_ppo_rows(), pad_token_id=0)
+    padded = rows_to_batch(grouped_ppo_rows(), pad_token_id=0)
     results = []
     for batch in (padded, pack(padded, share_prompts=share_prompts, one_row=one_row)):
         policy.zero_grad()
@@ -146,7 +146,7 @@ def test_packed_reward_scores_and_gradients_equal_the_padded_ones(tiny_model_dir
     from workers.loading import init_reward_model
 
     reward_model = init_reward_model(tiny_model_dir, pad_token_id=0, seed=0)
-    padded = make_micro_batch([{k: r[k] for k in ("input_ids", "attention_mask", "action_mask")} for r in ppo_rows(1)],
+    padded = rows_to_batch([{k: r[k] for k in ("input_ids", "attention_mask", "action_mask")} for r in ppo_rows(1)],
                               pad_token_id=0)
     results = []
     for batch in (padded, pack(padded, one_row=one_row)):
@@ -176,7 +176,7 @@ def test_every_token_of_a_large_random_batch_sees_exactly_its_own_earlier_tokens
             tokens = prompt + torch.randint(3, 250, (response,), generator=generator).tolist()
             rows.append({"input_ids": [0] * pads + tokens, "attention_mask": [0] * pads + [1] * len(tokens),
                          "action_mask": [0] * (pads + len(prompt)) + [1] * response})
-    batch = make_micro_batch(rows, pad_token_id=0)
+    batch = rows_to_batch(rows, pad_token_id=0)
     packed = pack(batch, share_prompts=share_prompts, one_row=one_row, multiple=multiple)
     assert packed["packed_input_ids"].shape[1] % multiple == 0 and (len(packed["packed_input_ids"]) == 1 or not one_row)
     index, real = packed["packed_index"], batch["attention_mask"].bool()

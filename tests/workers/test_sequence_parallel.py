@@ -22,7 +22,7 @@ MAX_TOKENS = 64  # per device: a micro-batch of the group holds 2 x 64 tokens
 
 def _batch():
     """Two GRPO-like groups (a shared prompt, responses of different lengths) and one lone sequence."""
-    from workers.layout import make_micro_batch
+    from workers.layout import rows_to_batch
 
     generator = torch.Generator().manual_seed(0)
     rows = []
@@ -33,7 +33,7 @@ def _batch():
             rows.append({"input_ids": prompt + response, "action_mask": [0] * prompt_length + [1] * length})
     rows.append({"input_ids": torch.randint(3, 290, (21,), generator=generator).tolist(),
                  "action_mask": [0] * 4 + [1] * 17})
-    batch = make_micro_batch(rows, pad_token_id=1)
+    batch = rows_to_batch(rows, pad_token_id=1)
     batch["advantages"] = torch.randn(batch["input_ids"].shape, generator=generator)
     return batch
 
@@ -70,7 +70,7 @@ def _run(model_dir: str, tokenizer, world_size: int, rank: int, group) -> dict:
     worker = BatchWorker(rank, world_size, torch.device("cpu"), MAX_TOKENS, layout="rows", share_prompts=True,
                          settings=ForwardSettings(logits_chunk=16, sequence=group, unchunked_logits_max_bytes=0))
     batch = _batch()
-    outputs = worker.gather(batch, lambda micro: (
+    outputs = worker.compute_and_share(batch, lambda micro: (
         *token_logprobs_and_entropy(policy, micro, temperature=0.9, actions_only=True),
         token_values(critic, micro), raw_reward_scores(reward_model, micro)))
     trainable = TrainableModel(policy, lambda m: torch.optim.SGD(m.parameters(), lr=0.1))

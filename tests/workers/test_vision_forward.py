@@ -13,7 +13,7 @@ from PIL import Image
 
 from offline.vision import FAMILIES, IMAGE_PAD, save_vision_model
 from workers.forward import ForwardSettings, MicroBatch, token_logprobs_and_entropy
-from workers.layout import make_micro_batch, pack
+from workers.layout import rows_to_batch, pack
 from workers.vision import (collapse_image_pads, expand_image_pads, image_token_counts, load_images, load_processor,
                             mrope_position_ids, vision_inputs, with_vision)
 
@@ -119,8 +119,8 @@ def test_forward_matches_the_models_logits_in_every_layout(family):
     rows, images = _rows(processor, model.config.vision_config.spatial_merge_size)
     pixel_values = torch.cat([inputs["pixel_values"] for inputs in images])
     grids = torch.cat([inputs["image_grid_thw"] for inputs in images])
-    right = with_vision(make_micro_batch(rows, PAD_ID), model, pixel_values, grids)
-    left = with_vision(make_micro_batch(_left_padded(rows), PAD_ID), model, pixel_values, grids)
+    right = with_vision(rows_to_batch(rows, PAD_ID), model, pixel_values, grids)
+    left = with_vision(rows_to_batch(_left_padded(rows), PAD_ID), model, pixel_values, grids)
     chunked = ForwardSettings(logits_chunk=5, unchunked_logits_max_bytes=0)
     with torch.no_grad():
         expected = _reference(model, rows, images, temperature=0.7)
@@ -143,7 +143,7 @@ def test_forward_matches_the_models_logits_in_every_layout(family):
 def test_the_images_and_the_model_get_gradients_through_packed_rows(family):
     model, processor = family
     rows, images = _rows(processor, model.config.vision_config.spatial_merge_size)
-    batch = with_vision(make_micro_batch(rows, PAD_ID), model, torch.cat([inputs["pixel_values"] for inputs in images]),
+    batch = with_vision(rows_to_batch(rows, PAD_ID), model, torch.cat([inputs["pixel_values"] for inputs in images]),
                         torch.cat([inputs["image_grid_thw"] for inputs in images]))
     model.zero_grad()
     logprobs, _ = token_logprobs_and_entropy(model, pack(batch), actions_only=True)
@@ -183,11 +183,11 @@ def test_positions_are_qwens_3d_positions_in_every_layout(family):
     expected = torch.tensor([[0, 1, 2, 2, 2, 2, 4, 5], [0, 1, 2, 2, 3, 3, 4, 5], [0, 1, 2, 3, 2, 3, 4, 5]])
     rows = [{"input_ids": [7, 8, 9], "action_mask": [0, 1, 1]}, {"input_ids": ids, "action_mask": [0] * 8}]
     grid = torch.tensor([[1, 4, 4]])
-    padded = make_micro_batch(rows, PAD_ID)
+    padded = rows_to_batch(rows, PAD_ID)
     positions = mrope_position_ids(model, padded, grid)
     torch.testing.assert_close(positions[:, 1], expected)
     torch.testing.assert_close(positions[:, 0], torch.tensor([0, 1, 2, 0, 0, 0, 0, 0]).expand(3, -1))
-    left = make_micro_batch(_left_padded(rows), PAD_ID)
+    left = rows_to_batch(_left_padded(rows), PAD_ID)
     torch.testing.assert_close(mrope_position_ids(model, left, grid)[:, 0, 5:], torch.tensor([0, 1, 2]).expand(3, -1))
     packed = pack(padded, one_row=True)  # the longer sequence first, then the text-only one, restarted at 0
     torch.testing.assert_close(mrope_position_ids(model, packed, grid)[:, 0],
@@ -224,7 +224,7 @@ def test_inconsistent_images_raise_one_clear_error(family):
     # that prompt would show the first image to both, so the forward refuses rather than train on it.
     other = vision_inputs(processor, [_noise(56, 56, 9)])["pixel_values"]
     swapped = torch.cat([pixel_values[:-len(other)], other])
-    batch = with_vision(make_micro_batch(rows, PAD_ID), model, swapped, grids)
+    batch = with_vision(rows_to_batch(rows, PAD_ID), model, swapped, grids)
     token_logprobs_and_entropy(model, pack(batch), actions_only=True)  # unshared: each sequence its own image
     with pytest.raises(ValueError, match="^rows packed as sharing a prompt show different images"):
         token_logprobs_and_entropy(model, pack(batch, share_prompts=True), actions_only=True)
@@ -232,4 +232,4 @@ def test_inconsistent_images_raise_one_clear_error(family):
     pad_id = model.config.image_token_id
     short = [{"input_ids": [5, pad_id, 6, 7], "action_mask": [0, 0, 1, 1]}]
     with pytest.raises(ValueError, match="^row 0: the image at column 1 has 1 pads but its grid makes 4"):
-        with_vision(make_micro_batch(short, PAD_ID), model, pixel_values[:16], torch.tensor([[1, 4, 4]]))
+        with_vision(rows_to_batch(short, PAD_ID), model, pixel_values[:16], torch.tensor([[1, 4, 4]]))

@@ -9,7 +9,7 @@ on both ranks, with no pickling of results.
 import pytest
 import torch
 
-from workers.layout import make_micro_batch
+from workers.layout import rows_to_batch
 from tests.ranks import run_ranks
 from workers.worker import BatchWorker, shared_prompt_units
 
@@ -34,7 +34,7 @@ def per_token_and_per_row(batch):
 
 
 def batch() -> dict[str, torch.Tensor]:
-    return make_micro_batch(rows(), pad_token_id=0)
+    return rows_to_batch(rows(), pad_token_id=0)
 
 
 def make_worker(rank: int, layout: str) -> BatchWorker:
@@ -45,7 +45,7 @@ def make_worker(rank: int, layout: str) -> BatchWorker:
 def worker(rank: int, out_dir: str, layout: str) -> None:
     worker = make_worker(rank, layout)
     mine = [i for indices, real in worker.plan(batch()) if real for i in indices]
-    torch.save({"outputs": worker.gather(batch(), per_token_and_per_row), "mine": mine},
+    torch.save({"outputs": worker.compute_and_share(batch(), per_token_and_per_row), "mine": mine},
                f"{out_dir}/rank{rank}.pt")
 
 
@@ -86,7 +86,7 @@ def test_a_micro_batch_is_its_rows_selected_and_trimmed_not_recollated():
     whole = batch()
     for indices, real in worker.plan(whole):
         micro = worker.micro_batch(whole, indices)
-        expected = make_micro_batch([rows()[i] for i in indices], pad_token_id=0)
+        expected = rows_to_batch([rows()[i] for i in indices], pad_token_id=0)
         assert set(expected) <= set(micro)
         for key, value in expected.items():
             assert torch.equal(micro[key], value), key
@@ -101,7 +101,7 @@ def test_rows_with_one_prompt_are_balanced_as_one_unit_within_the_budget():
             {"input_ids": [4, 4], "attention_mask": [1, 1], "action_mask": [0, 0]}]  # no actions (a reward-model row)
 
     def prompt_units(rows, max_tokens):
-        return list(zip(*shared_prompt_units(make_micro_batch(rows, pad_token_id=0), None, max_tokens)))
+        return list(zip(*shared_prompt_units(rows_to_batch(rows, pad_token_id=0), None, max_tokens)))
 
     units = sorted(prompt_units(rows, max_tokens=100))
     assert units == [([0, 2, 3], 3 + 2 + 1 + 3), ([1], 3), ([4], 2)]
