@@ -31,9 +31,8 @@ from transformers import AutoTokenizer
 from rl_core.config import LoraSettings
 from rl_core.errors import JobError, PeerFailed
 from rl_core.staging import staged_directory
-from workers import loading
+from rl_core.model_builder import build_export_template
 from workers.fsdp import full_state_dict
-from workers.lora import with_lora
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -332,11 +331,8 @@ def export_hf(model, tokenizer, base_path: str, out_dir: Path, rank: int, lora: 
     state = full_state_dict(model)  # collective: every rank gathers
     if rank != 0:
         return
-    plain = loading.load_causal_lm(base_path)
-    trained_rows = _embedding_rows(state, plain)
-    if trained_rows != plain.get_input_embeddings().num_embeddings:  # the job grew the vocabulary (SFT)
-        plain.resize_token_embeddings(trained_rows)
-    plain = with_lora(plain, lora)
+    plain = build_export_template(base_path, lora, lambda base: _embedding_rows(state, base))
+    trained_rows = plain.get_input_embeddings().num_embeddings
     plain.load_state_dict(state)
     if lora.rank and lora.export == "merged":
         plain = plain.merge_and_unload()

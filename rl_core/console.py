@@ -80,7 +80,7 @@ def export_checkpoint(source: Path, out: Path) -> None:
     from rl_core.checkpoint import export_hf, saved_step
     from rl_core.config import LoraSettings
     from workers import loading
-    from workers.lora import with_lora
+    from rl_core.model_builder import build_export_template
 
     model_cfg = OmegaConf.to_container(OmegaConf.load(config))["model"]
     base, lora = model_cfg["path"], LoraSettings(**model_cfg.get("lora", {}))
@@ -89,14 +89,13 @@ def export_checkpoint(source: Path, out: Path) -> None:
     except loading.ModelPathError as err:
         raise ExportError(f"{err} (the checkpoint holds the trained weights, the export starts from the base "
                           "model's files)") from None
-    model = loading.load_causal_lm(base)
-    # The job may have grown the vocabulary (SFT's added tokens): the template must have the checkpoint's shapes.
-    embedding = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
     shapes = dcp.FileSystemReader(str(checkpoint / name)).read_metadata().state_dict_metadata
-    rows = next(meta.size[0] for key, meta in shapes.items() if key.endswith(embedding))
-    if rows != model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(rows)
-    model = with_lora(model, lora)
+
+    def trained_rows(model) -> int:  # the job may have grown the vocabulary (SFT's added tokens)
+        embedding = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
+        return next(meta.size[0] for key, meta in shapes.items() if key.endswith(embedding))
+
+    model = build_export_template(base, lora, trained_rows)
     state = {"model": get_model_state_dict(model)}  # the names the job saved under (TrainableModel.state_dict)
     with warnings.catch_warnings():  # torch warns that it loads in one process, which is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

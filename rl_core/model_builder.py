@@ -1,6 +1,6 @@
 """Every model a job loads, built one way: PPO's actor, reference, critic, reward model and distillation
 teacher, SFT's policy, DPO's policy, reference and scoring reward model, the reward-model job's model and
-its sampling policy.
+its sampling policy; and the host copy an export loads trained weights into (`build_export_template`).
 
 A model is loaded by kind from its path (dropout off, `workers.loading`) with the job's `model` run keys
 (`rl_core.config.ModelRunConfig`: weight dtype, attention kernel, activation checkpointing on a trained
@@ -93,6 +93,18 @@ def build_trained(path: str, kind: Kind, run, placement: Placement, optimization
     if vocab_size is not None and vocab_size > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(vocab_size)  # a [PAD] the tokenizer gained
     return make_trainable(model, run, placement, optimization)
+
+
+def build_export_template(path: str, lora, trained_rows: Callable[[nn.Module], int]) -> nn.Module:
+    """The causal LM at `path` on the host in its own defaults (`run=None`), shaped as the job trained it: the
+    embedding rows `trained_rows(model)` says the trained state holds (a job may grow the vocabulary, SFT's added
+    tokens) and the job's LoRA adapters (`lora`: its `model.lora` settings). A trained state then loads into it
+    as saved, for `rl_core.checkpoint.export_hf` and `rl-core export`."""
+    model = load(path, "causal_lm", None)
+    rows = trained_rows(model)
+    if rows != model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(rows)
+    return with_lora(model, lora)
 
 
 def make_trainable(model: nn.Module, run, placement: Placement, optimization: Optimization) -> TrainableModel:
