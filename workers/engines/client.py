@@ -156,13 +156,17 @@ class EngineClient:
 
     async def generate(self, input_ids: Sequence[int] | Sequence[Sequence[int]], sampling_params: dict,
                        return_logprob: bool = True, rid: str | list[str] | None = None,
-                       timeout_s: float | None = None) -> dict | list[dict]:
+                       timeout_s: float | None = None, image_data: Any = None) -> dict | list[dict]:
         """POST /generate with token ids; a list of lists gives a list of results in order, and so does
-        `n` > 1 in the sampling params (grouped per prompt)."""
+        `n` > 1 in the sampling params (grouped per prompt). `image_data` (SGLang's field: for one prompt its
+        images, for a batch one list per prompt; each a path, a data URL or base64) goes with ids holding one
+        image pad per image, which the engine expands."""
         payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
                                    "return_logprob": return_logprob}
         if rid is not None:
             payload["rid"] = rid
+        if image_data is not None:
+            payload["image_data"] = image_data
         return await self.post("/generate", payload, timeout_s if timeout_s is not None else self.timeout_s)
 
     async def prompt_logprobs(self, input_ids: Sequence[int]) -> list[float] | None:

@@ -39,6 +39,7 @@ class GenRequest:
     return_logprob: bool
     future: asyncio.Future
     logprob_start_len: int = -1  # >= 0: also return the prompt's logprobs from that position
+    vision: object = None  # images.VisionPrompt: the prompt's images (prompt_ids are then its expanded ids)
     created: float = dataclasses.field(default_factory=time.perf_counter)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)

@@ -22,8 +22,10 @@ from typing import Callable
 import torch
 
 from workers.engines.embedded.batch import DecodeBatch, GenRequest, SamplingParams
+from workers.engines.embedded.images import VisionPrompt, load_model, prefill_inputs, vision_prompt
 from workers.engines.embedded.kv_cache import SlotCache
 from workers.engines.embedded.sampling import RowSampling, draw_uniforms, sample
+from workers.engines.embedded.validation import BadRequest
 from workers.loading import cache_keyword, context_length
 
 LOG = logging.getLogger("embedded_engine")
@@ -37,20 +39,21 @@ class ModelRunner:
     """Owns the HF model; `run_until_idle` decodes queued requests in a worker thread."""
 
     def __init__(self, model_path: str, device: str, dtype: torch.dtype, seed: int):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.model_path = model_path
         self.device = torch.device(device)
         self.dtype = dtype
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
+        model, self.processor = load_model(model_path, dtype)  # a processor for a vision-language model
+        self.model = model.to(self.device)
         self.model.eval()  # OpenAI detail: no dropout while sampling
         config = self.model.config
         self.context_len = context_length(config)  # the trainer checks its lengths against the same number
         if self.context_len is None:
             raise ValueError(f"the model at {model_path} gives no context length (max_position_embeddings or "
                              "n_positions in its config.json); add it there")
-        self.vocab_size = int(config.vocab_size)
+        self.vocab_size = int(config.get_text_config().vocab_size)  # a multimodal config: its language model's
         self.num_layers = int(config.get_text_config().num_hidden_layers)
         # Prefill computes the vocabulary projection for the last position only, when the model can.
         self.keeps_last_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
@@ -67,6 +70,20 @@ class ModelRunner:
         self.stats = {"batches_run": 0, "forward_steps": 0, "max_batch_seen": 0, "rows_run": 0,
                       "requests_finished": 0, "tokens_generated": 0, "kv_relayouts": 0,
                       "prompts_prefilled": 0}
+
+    def vision_prompt(self, ids: list[int], images: list[str]) -> VisionPrompt:
+        """`ids` with one pad per image, expanded for `images` (images.vision_prompt); not under the forward
+        lock: the processor and the 3-D positions read no weights."""
+        if self.processor is None:
+            raise BadRequest(f"image_data was sent but the model at {self.model_path} is not a vision-language model")
+        return vision_prompt(self.model, self.processor, ids, images)
+
+    def check_no_image_pads(self, ids: list[int]) -> None:
+        """A prompt sent without images holds no image pad (the model would find no features for it)."""
+        if self.processor is not None:
+            pads = sum(1 for token in ids if token == self.model.config.image_token_id)
+            if pads:
+                raise BadRequest(f"prompt has {pads} image placeholder token(s) but 0 image(s) were provided")
 
     def _eos_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -231,10 +248,12 @@ class ModelRunner:
         distinct, source = _distinct_prompts(requests)
         self.stats["prompts_prefilled"] += len(distinct)
         input_ids, distinct_mask, positions = self._left_padded(distinct)
+        positions, images, deltas = prefill_inputs([r.vision for r in distinct], distinct_mask, positions, self.dtype)
         mask = distinct_mask[source]
         wants_input = [r.logprob_start_len >= 0 for r in requests]
         batch.cache.begin_join(len(requests), mask, max(p.max_new_tokens for p in params), computed_rows=len(distinct))
-        logits = self._forward(input_ids, distinct_mask, positions, batch.cache, last_only=not any(wants_input))
+        logits = self._forward(input_ids, distinct_mask, positions, batch.cache, last_only=not any(wants_input),
+                               **images)
         shared = len(distinct) < len(requests)
         batch.cache.end_join(len(requests), source if shared else None)
         logits = logits[source] if shared else logits
@@ -245,14 +264,16 @@ class ModelRunner:
         width = max(1, max(len(s) for s in stops))
         stop_table = torch.tensor([s + [-1] * (width - len(s)) for s in stops], dtype=torch.long)
         sampling = RowSampling.build(params, draw_uniforms(params, self.rng), self.vocab_size, self.device)
-        batch.add(requests, logits[:, -1].float(), mask.sum(-1).to(self.device), sampling,
+        # Decoding goes on from each prompt's last position + 1: its length, plus its rope delta with images.
+        batch.add(requests, logits[:, -1].float(), (mask.sum(-1) + deltas[source]).to(self.device), sampling,
                   stop_table.to(self.device))
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], batch.size)
 
     def _prefill_only(self, request: GenRequest, on_finish) -> None:
         if request.logprob_start_len >= 0:
             input_ids, mask, positions = self._left_padded([request])
-            logits = self._forward(input_ids, mask, positions, None, last_only=False)
+            positions, images, _ = prefill_inputs([request.vision], mask, positions, self.dtype)
+            logits = self._forward(input_ids, mask, positions, None, last_only=False, **images)
             request.input_logprobs = self._input_logprobs(logits[0], request)
         request.finished = True
         self.stats["requests_finished"] += 1
@@ -308,24 +329,26 @@ class ModelRunner:
         batch.cache.end_decode()
         batch.positions = batch.positions + 1
 
-    def _forward(self, input_ids, mask, positions, cache, last_only: bool) -> torch.Tensor:
+    def _forward(self, input_ids, mask, positions, cache, last_only: bool, **images) -> torch.Tensor:
         extra = {"logits_to_keep": 1} if last_only and self.keeps_last_logits else {}
         with self.forward_lock:
             if self.released_shapes is not None:
                 raise RuntimeError("weights are released; resume them before generating")
             out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
                              position_ids=positions.to(self.device), use_cache=cache is not None,
-                             **{self.cache_keyword: cache}, **extra)
+                             **{self.cache_keyword: cache}, **extra,
+                             **{name: value.to(self.device) for name, value in images.items()})
         self.stats["forward_steps"] += 1
         return out.logits
 
 
 def _distinct_prompts(requests: list[GenRequest]) -> tuple[list[GenRequest], torch.Tensor]:
-    """The first request of each distinct prompt, and for every request the index of its prompt's."""
-    index_of: dict[tuple[int, ...], int] = {}
+    """The first request of each distinct prompt (its ids and images), and for every request the index of its
+    prompt's."""
+    index_of: dict[tuple, int] = {}
     distinct, source = [], []
     for request in requests:
-        key = tuple(request.prompt_ids)
+        key = (tuple(request.prompt_ids), request.vision.key if request.vision is not None else None)
         if key not in index_of:
             index_of[key] = len(distinct)
             distinct.append(request)

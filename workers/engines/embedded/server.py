@@ -165,6 +165,8 @@ class EmbeddedEngine:
             "completion_tokens": len(request.output_ids), "cached_tokens": 0,
             "e2e_latency": time.perf_counter() - request.created, "weight_version": self.runner.weight_version,
         }
+        if request.vision is not None:  # SGLang reports it only for a prompt with images
+            meta["image_tokens"] = request.vision.image_tokens
         if request.return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(request.logprobs, request.output_ids)]
             if request.input_logprobs is not None:
@@ -195,6 +197,8 @@ class EmbeddedEngine:
         try:
             parsed = parse_generate(body, self.runner.vocab_size)
             prompts = parsed.input_ids if parsed.input_ids is not None else await self._tokenize(parsed.texts)
+            visions = await self._vision_prompts(parsed, prompts)
+            prompts = [prompt if vision is None else vision.ids for prompt, vision in zip(prompts, visions)]
         except BadRequest as err:
             return error_response(str(err))
         await self.unpaused.wait()  # SGLang: new requests block while paused
@@ -202,7 +206,7 @@ class EmbeddedEngine:
             return error_response(f"memory released ({sorted(self.released_tags)}); "
                                   "call /resume_memory_occupation before generating")
         try:
-            requests = self._make_requests(parsed, prompts)
+            requests = self._make_requests(parsed, prompts, visions)
         except BadRequest as err:
             return error_response(str(err))
         for gen_request in requests:
@@ -229,7 +233,19 @@ class EmbeddedEngine:
                 raise BadRequest(f"text{f'[{index}]' if len(texts) > 1 else ''} tokenizes to no tokens")
         return ids
 
-    def _make_requests(self, parsed: GenerateBody, prompts: list[list[int]]) -> list[GenRequest]:
+    async def _vision_prompts(self, parsed: GenerateBody, prompts: list[list[int]]) -> list:
+        """Per prompt, its images expanded (images.VisionPrompt) or None; off the event loop (image decoding
+        and the processor take milliseconds per image)."""
+        images = parsed.images or [[]] * len(prompts)
+        for prompt, entries in zip(prompts, images):
+            if not entries:  # pads without images would fail the model's forward, and every row decoded with it
+                self.runner.check_no_image_pads(prompt)
+        if parsed.images is None:
+            return [None] * len(prompts)
+        return await asyncio.to_thread(lambda: [self.runner.vision_prompt(prompt, entries) if entries else None
+                                                for prompt, entries in zip(prompts, images)])
+
+    def _make_requests(self, parsed: GenerateBody, prompts: list[list[int]], visions: list) -> list[GenRequest]:
         requests = []
         for index in range(len(prompts) * parsed.n):  # rows grouped per prompt, as SGLang orders them
             which = index // parsed.n
@@ -238,7 +254,8 @@ class EmbeddedEngine:
             params = fit_to_context(parsed.sampling[which], len(prompt), self.runner.context_len, row)
             requests.append(GenRequest(rid=parsed.rids[index], prompt_ids=list(prompt), params=params,
                                        return_logprob=parsed.return_logprob, future=self.loop.create_future(),
-                                       logprob_start_len=parsed.logprob_start_len if parsed.return_logprob else -1))
+                                       logprob_start_len=parsed.logprob_start_len if parsed.return_logprob else -1,
+                                       vision=visions[which]))
         return requests
 
     # -- info

@@ -143,6 +143,7 @@ class GenerateBody:
     rids: list[str]  # one per row (prompt x n)
     return_logprob: bool
     logprob_start_len: int
+    images: list[list[str]] | None = None  # per prompt, its image_data entries (one per image pad)
 
     @property
     def num_prompts(self) -> int:
@@ -175,7 +176,29 @@ def parse_generate(body: Any, vocab_size: int) -> GenerateBody:
     start = body.get("logprob_start_len")
     start = -1 if start is None else _integer(start, "logprob_start_len", -1)
     return GenerateBody(input_ids, texts, is_batch, sampling, n, _rids(body.get("rid"), count, is_batch, n),
-                        return_logprob, start)
+                        return_logprob, start, _images(body.get("image_data"), count, is_batch))
+
+
+def _images(raw: Any, count: int, is_batch: bool) -> list[list[str]] | None:
+    """`image_data` per prompt, as SGLang 0.5.23 reads it (io_struct.GenerateReqInput): one image for every
+    prompt; for one prompt, its image or list of images; for a batch, one entry (an image or a list) per prompt."""
+    if raw is None or raw == []:
+        return None
+    if not isinstance(raw, list):
+        per_prompt = [[raw]] * count
+    elif not is_batch:
+        per_prompt = [raw]
+    elif len(raw) != count:
+        raise BadRequest(f"image_data has {len(raw)} entries for {count} prompts; send one (a list of images, "
+                         "or none) per prompt")
+    else:
+        per_prompt = [[] if entry is None else entry if isinstance(entry, list) else [entry] for entry in raw]
+    for which, entries in enumerate(per_prompt):
+        for index, entry in enumerate(entries):
+            if not isinstance(entry, str) or not entry:
+                where = f"image_data[{which}][{index}]" if is_batch else f"image_data[{index}]"
+                raise BadRequest(f"{where} must be a path, a data URL or a base64 string, got {_shown(entry)}")
+    return per_prompt if any(per_prompt) else None
 
 
 def _parse_prompts(body: dict, vocab_size: int) -> tuple[list[list[int]] | None, list[str] | None, bool]:
