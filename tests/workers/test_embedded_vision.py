@@ -200,3 +200,23 @@ def test_bad_images_and_pad_counts_are_400s_in_sglangs_words(engine_url, process
     for error, (_, _, message) in zip(errors, cases):
         assert error is not None and error.status == 400 and message in error.message, (message, error)
     assert good["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.timeout(120)
+def test_a_qwen3_vl_model_with_two_images_is_a_plain_transformers_decode(tiny_model_dir, tmp_path):
+    """Qwen3-VL: interleaved 3-D rotary sections and the vision tower's deepstack features, 16-pixel patches
+    (a 64x64 image is 4 pads, 64x32 is 2)."""
+    from transformers import AutoModelForImageTextToText
+
+    path = save_vision_model("qwen3_vl", tiny_model_dir, tmp_path / "qwen3_vl")
+    processor, model = load_processor(path), AutoModelForImageTextToText.from_pretrained(path).eval()
+    pictures = [noise(64, 64, 0), noise(64, 32, 1)]
+    pictures[0].save(tmp_path / "square.png")
+    spec = EngineSpec(kind="embedded", model_path=path, dtype="float32", device="cpu", seed=0, num_threads=1)
+    with ManagedProcesses() as procs:
+        url = start_engine(spec, tmp_path / "engine.log", procs, deadline_s=120).url
+        answer = run(url, lambda c: c.generate(engine_ids(processor, 2, "compare them."), GREEDY,
+                                               image_data=[str(tmp_path / "square.png"), data_url(pictures[1])]))
+    _, tokens, logprobs = hf_greedy(model, processor, pictures, GREEDY["max_new_tokens"], "compare them.")
+    check_matches(answer, tokens, logprobs)
+    assert answer["meta_info"]["image_tokens"] == 6

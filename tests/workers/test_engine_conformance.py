@@ -426,6 +426,9 @@ def vl_engines(tiny_model_dir, tmp_path_factory):
                                   sglang_args={"mm_attention_backend": "sdpa"})}
     with ManagedProcesses() as procs, pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCHDYNAMO_DISABLE", "1")
+        # SGLang keeps each image's vision-tower output by the image's hash, and a weight update does not
+        # clear it: with it on, a pushed vision tower never reaches an image served before.
+        patch.setenv("SGLANG_VLM_CACHE_SIZE_MB", "0")
         patch.setenv("PYTHONPATH", str(root / "shim"))  # the server's environment is this one (server_env)
         started = {kind: start_engine(spec, root / f"{kind}.log", procs, deadline_s=300, wait=False)
                    for kind, spec in specs.items()}
@@ -528,3 +531,40 @@ def test_image_data_that_cannot_be_served(vl_engines, vl_request):
                                                "provided")
     status, answer = seen["sglang"]["extra image"]
     assert status == 200 and answer["meta_info"]["image_tokens"] == 4, seen["sglang"]
+
+
+@pytest.mark.timeout(300)
+def test_a_pushed_vision_tower_changes_both_engines_alike(vl_engines, vl_request):
+    """Weights pushed under the checkpoint's names (`visual.*`, `model.layers.*`: what SGLang's Qwen2.5-VL
+    loader takes) change both engines alike, and pushing the originals back restores both. SGLang 0.5.23 does
+    not take the names transformers 5 gives the parameters in memory (`model.visual.*`,
+    `model.language_model.*`): its scheduler dies on the first one (KeyError:
+    'model.visual.blocks.0.mlp.gate_up_proj.weight'), so the trainer must push checkpoint names to it; the
+    embedded engine takes either."""
+    from safetensors.torch import load_file
+
+    original = sorted(load_file(str(Path(vl_engines["model"]) / "model.safetensors")).items())
+    generator = torch.Generator().manual_seed(4)
+    tower = [(name, tensor + torch.randn(tensor.shape, generator=generator) * 0.5) for name, tensor in original
+             if name.startswith("visual.")]
+    assert tower
+    pusher = WeightPusher(torch.float32, bucket_bytes=4 << 20)  # one bucket: each costs SGLang on CPU a second
+    prompt, images = vl_request["prompts"][0], vl_request["images"][0]
+
+    async def body(client):
+        before = await client.generate(prompt, VL_GREEDY, image_data=images)
+        await pusher.push(client, tower, "tower")
+        pushed = await client.generate(prompt, VL_GREEDY, image_data=images)
+        await pusher.push(client, original, "restored")
+        return before, pushed, await client.generate(prompt, VL_GREEDY, image_data=images)
+    answers = {kind: vl_run(vl_engines, kind, body) for kind in ENGINE_KINDS}
+    logprobs = {kind: [[e[0] for e in answer["meta_info"]["output_token_logprobs"]] for answer in answers[kind]]
+                for kind in ENGINE_KINDS}
+    for step in range(3):
+        assert answers["embedded"][step]["output_ids"] == answers["sglang"][step]["output_ids"], step
+        torch.testing.assert_close(torch.tensor(logprobs["embedded"][step]), torch.tensor(logprobs["sglang"][step]),
+                                   atol=1e-4, rtol=0)
+    assert answers["sglang"][1]["meta_info"]["weight_version"] == "tower"
+    assert max(abs(a - b) for a, b in zip(logprobs["embedded"][1], logprobs["embedded"][0])) > 1e-3
+    torch.testing.assert_close(torch.tensor(logprobs["embedded"][2]), torch.tensor(logprobs["embedded"][0]),
+                               atol=1e-5, rtol=0)

@@ -55,6 +55,21 @@ def load_model(model_path: str, dtype: torch.dtype):
     return AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype), load_processor(model_path)
 
 
+def checkpoint_aliases(model) -> dict[str, str]:
+    """The model's checkpoint names (what SGLang's loaders take: `visual.*`, `model.layers.*`) -> its own
+    (transformers 5's `model.visual.*`, `model.language_model.*`), so a weight push under either name lands:
+    the trainer's model names its parameters the second way, SGLang accepts only the first."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers before the conversion mappings: the names are the checkpoint's
+        return {}
+    own = model.state_dict()
+    by_tensor = {id(tensor): name for name, tensor in own.items()}
+    saved = revert_weight_conversion(model, dict(own))
+    return {name: by_tensor[id(tensor)] for name, tensor in saved.items()
+            if id(tensor) in by_tensor and by_tensor[id(tensor)] != name}
+
+
 def _decoded(entry: Any, index: int):
     """An image_data entry as what `load_images` reads: a data URL or a path as it is, else base64 bytes."""
     if not isinstance(entry, str) or not entry:

@@ -22,7 +22,8 @@ from typing import Callable
 import torch
 
 from workers.engines.embedded.batch import DecodeBatch, GenRequest, SamplingParams
-from workers.engines.embedded.images import VisionPrompt, load_model, prefill_inputs, vision_prompt
+from workers.engines.embedded.images import (VisionPrompt, checkpoint_aliases, load_model, prefill_inputs,
+                                             vision_prompt)
 from workers.engines.embedded.kv_cache import SlotCache
 from workers.engines.embedded.sampling import RowSampling, draw_uniforms, sample
 from workers.engines.embedded.validation import BadRequest
@@ -48,6 +49,8 @@ class ModelRunner:
         model, self.processor = load_model(model_path, dtype)  # a processor for a vision-language model
         self.model = model.to(self.device)
         self.model.eval()  # OpenAI detail: no dropout while sampling
+        # A vision-language model's checkpoint names (SGLang's) differ from its parameters': pushes take both.
+        self.aliases = checkpoint_aliases(self.model) if self.processor is not None else {}
         config = self.model.config
         self.context_len = context_length(config)  # the trainer checks its lengths against the same number
         if self.context_len is None:
@@ -121,6 +124,7 @@ class ModelRunner:
         parameter now lives in the sender's staging buffer: no copy); anything else is copied in.
         `session` tags adopted parameters for `settle_weights`.
         """
+        named_tensors = [(self.aliases.get(name, name), tensor) for name, tensor in named_tensors]
         with self.forward_lock:
             own = self.model.state_dict()
             params = self.unique_parameters()
