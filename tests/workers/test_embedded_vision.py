@@ -115,10 +115,11 @@ def check_matches(answer, expected_tokens, expected_logprobs):
 @pytest.mark.timeout(120)
 def test_greedy_generation_with_an_image_is_a_plain_transformers_decode(engine_url, model, processor, images):
     ids = engine_ids(processor, 1)
-    answer, with_prompt = run(engine_url, lambda c: asyncio.gather(
+    prompt_only = {"input_ids": ids, "image_data": [images["data"][0]], "return_logprob": True, "logprob_start_len": 0,
+                   "sampling_params": {"max_new_tokens": 0}}  # the weight probe's and a teacher's request
+    answer, with_prompt, prefill = run(engine_url, lambda c: asyncio.gather(
         c.generate(ids, GREEDY, image_data=images["data"][0]),
-        c.post("/generate", {"input_ids": ids, "image_data": [images["data"][0]], "return_logprob": True,
-                             "logprob_start_len": 0, "sampling_params": GREEDY})))
+        c.post("/generate", {**prompt_only, "sampling_params": GREEDY}), c.post("/generate", prompt_only)))
     expanded, tokens, logprobs = hf_greedy(model, processor, images["pictures"][:1], GREEDY["max_new_tokens"])
     check_matches(answer, tokens, logprobs)
     assert answer["output_ids"] == with_prompt["output_ids"]
@@ -126,6 +127,10 @@ def test_greedy_generation_with_an_image_is_a_plain_transformers_decode(engine_u
     assert answer["meta_info"]["prompt_tokens"] == len(expanded) == len(ids) + 3
     assert answer["meta_info"]["image_tokens"] == 4
     assert [entry[1] for entry in with_prompt["meta_info"]["input_token_logprobs"]] == expanded
+    assert prefill["output_ids"] == [] and prefill["meta_info"]["image_tokens"] == 4
+    torch.testing.assert_close(torch.tensor([e[0] for e in prefill["meta_info"]["input_token_logprobs"][1:]]),
+                               torch.tensor([e[0] for e in with_prompt["meta_info"]["input_token_logprobs"][1:]]),
+                               atol=1e-5, rtol=0)
 
 
 @pytest.mark.timeout(120)
