@@ -8,7 +8,9 @@ design.
 
 from __future__ import annotations
 
-from rl_core.data import LONG_PROMPT_POLICIES, PromptDataError, PromptDataset
+from typing import Any
+
+from rl_core.data import LONG_PROMPT_POLICIES, PromptDataError, PromptDataset, prompt_images
 
 
 def _find(tokens: list[int], pattern: list[int], last: bool = False) -> int:
@@ -101,24 +103,33 @@ class PromptEncoder:
         self.query_processor = query_processor
         self.template_kwargs = dict(template_kwargs or {})
 
-    def messages(self, prompt: str | list) -> list[dict] | None:
-        """The chat to render, or None for a prompt used as plain text."""
+    def messages(self, prompt: str | list, images: int = 0) -> list[dict] | None:
+        """The chat to render, or None for a prompt used as plain text. A prompt showing `images` images is
+        a chat whose image parts are each `{"type": "image"}` (the template renders one image pad each)."""
         if isinstance(prompt, list):
             if self.chat_template is False:
                 raise PromptDataError("a prompt is a list of chat messages but data.apply_chat_template=false; "
                                       "set it to true (or null) or give plain-text prompts")
-            messages = [dict(m) for m in prompt]
-        elif self.chat_template:
+            messages = [dict(m, content=_parts(m["content"])) for m in prompt]
+        elif self.chat_template or (images and self.chat_template is None):
             messages = [{"role": "user", "content": prompt}]
+        elif images:
+            raise PromptDataError("a prompt shows images but data.apply_chat_template=false; images are placed "
+                                  "by the chat template: set it to true (or null)")
         else:
             return None
+        if images and not any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"])
+                              for m in messages):  # images without image parts: before the first user text
+            user = next(m for m in messages if m["role"] == "user")
+            text = user["content"] if isinstance(user["content"], list) else [{"type": "text", "text": user["content"]}]
+            user["content"] = [{"type": "image"}] * images + text
         if self.system_prompt is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return messages
 
-    def render(self, prompt: str | list) -> str:
+    def render(self, prompt: str | list, images: int = 0) -> str:
         """The prompt as the model will read it (the chat template applied when it is a chat)."""
-        messages = self.messages(prompt)
+        messages = self.messages(prompt, images)
         if messages is None:
             return prompt
         if not getattr(self.tokenizer, "chat_template", None):
@@ -128,12 +139,14 @@ class PromptEncoder:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                                   **self.template_kwargs)
 
-    def __call__(self, prompt: str | list) -> list[int] | None:
-        messages = self.messages(prompt)
+    def __call__(self, prompt: str | list, images: int = 0) -> list[int] | None:
+        """The prompt's ids; one image pad per image where it shows `images` images (the engine's ids), so
+        `data.max_prompt_length` counts each image as one token."""
+        messages = self.messages(prompt, images)
         if messages is None and self.on_long == "truncate" and self.query_processor is not None:
             return self.query_processor(prompt)
         # A rendered chat carries its own special tokens; plain text gets the tokenizer's usual ones (BOS).
-        ids = self.tokenizer(self.render(prompt), add_special_tokens=messages is None)["input_ids"]
+        ids = self.tokenizer(self.render(prompt, images), add_special_tokens=messages is None)["input_ids"]
         if len(ids) > self.max_length:
             if self.on_long == "error":
                 raise PromptDataError(f"the prompt has {len(ids)} tokens, more than data.max_prompt_length="
@@ -145,10 +158,37 @@ class PromptEncoder:
         return list(ids) or None
 
 
-def encode_row(encode: PromptEncoder, dataset: PromptDataset, index: int) -> list[int] | None:
-    """`encode` of one dataset row; a refusal names the file and the row."""
+def _parts(content: Any) -> Any:
+    """A message's content as a chat template expects it: a string as it is; parts without the keys a table
+    format filled in for other parts (None), each image part `{"type": "image"}` (its image travels apart)."""
+    if not isinstance(content, list):
+        return content
+    parts = [{key: value for key, value in part.items() if value is not None} for part in content]
+    return [{"type": "image"} if part.get("type") in ("image", "image_url") else part for part in parts]
+
+
+def encode_with_images(encode: PromptEncoder | Any, row: dict, text_key: str,
+                       image_dir: str | None = None) -> tuple[list[int] | None, list]:
+    """A row's prompt ids (`encode`) and the images it shows, read as RGB PIL images (none: `[]`)."""
+    sources = prompt_images(row, text_key, image_dir)
+    if not sources:
+        return encode(row[text_key]), []
+    if not isinstance(encode, PromptEncoder):
+        raise PromptDataError("prompts with images need the chat template; OpenAI's query mode "
+                              "(data.on_long_prompt=truncate) takes plain text only")
+    from workers.vision import load_images
+
     try:
-        return encode(dataset[index][dataset.text_key])
+        images = load_images(sources)
+    except ValueError as error:
+        raise PromptDataError(" ".join(str(error).split())) from None
+    return encode(row[text_key], images=len(images)), images
+
+
+def encode_row(encode: PromptEncoder, dataset: PromptDataset, index: int) -> tuple[list[int] | None, list]:
+    """`encode` of one dataset row and its images (`encode_with_images`); a refusal names the file and the row."""
+    try:
+        return encode_with_images(encode, dataset[index], dataset.text_key, dataset.image_dir)
     except PromptDataError as error:
         raise PromptDataError(f"{dataset.source}, row {index + 1}: {error}") from None
 

@@ -289,3 +289,40 @@ def vision_model_inputs(batch: dict[str, torch.Tensor], inputs: dict[str, Any],
     device = batch["pixel_values"].device
     return {**inputs, "position_ids": positions, "pixel_values": batch["pixel_values"][patches.to(device)],
             "image_grid_thw": grids[torch.tensor(order).to(grids.device)]}
+
+
+# --------------------------------------------------------------------------- images of a step's rows
+
+
+# A step batch (every row of a PPO step) with images holds them whole, not as `[N, T]` rows: every image of every
+# row, row by row, and the row each image belongs to. Row selections (a minibatch, a micro-batch) go through
+# `rows_images`, never `value[index]`; `with_vision` turns a micro-batch's share into `VISION_KEYS`.
+STEP_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_rows")
+
+
+def step_images(per_row: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> dict[str, torch.Tensor]:
+    """The `STEP_IMAGE_KEYS` of a batch whose row i shows `per_row[i]` (its `vision_inputs`: pixel values and
+    grids), or nothing (None)."""
+    shown = [(row, pixels, torch.as_tensor(grids).reshape(-1, 3).long())
+             for row, inputs in enumerate(per_row) if inputs is not None for pixels, grids in [inputs]]
+    if not shown:
+        raise ValueError("step_images got no row with images; a text-only batch has no image keys")
+    return {"pixel_values": torch.cat([pixels for _, pixels, _ in shown]),
+            "image_grid_thw": torch.cat([grids for _, _, grids in shown]),
+            "image_rows": torch.cat([torch.full((len(grids),), row, dtype=torch.long) for row, _, grids in shown])}
+
+
+def rows_images(batch: dict[str, torch.Tensor], indices: Sequence[int]) -> dict[str, torch.Tensor]:
+    """The `STEP_IMAGE_KEYS` of rows `indices` of `batch` (in that order, renumbered 0..): each row's images in
+    their own order, as its pads appear."""
+    rows, grids = batch["image_rows"].tolist(), batch["image_grid_thw"]
+    offsets = _patch_offsets(grids)
+    by_row: dict[int, list[int]] = {}
+    for image, row in enumerate(rows):
+        by_row.setdefault(row, []).append(image)
+    images = [image for row in indices for image in by_row.get(row, [])]
+    new_row = {row: i for i, row in enumerate(indices)}
+    patches = [torch.arange(offsets[image], offsets[image + 1]) for image in images]
+    return {"pixel_values": batch["pixel_values"][torch.cat(patches) if patches else torch.zeros(0, dtype=torch.long)],
+            "image_grid_thw": grids[torch.tensor(images, dtype=torch.long)],
+            "image_rows": torch.tensor([new_row[rows[image]] for image in images], dtype=torch.long)}

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from workers.balance import micro_batches_for_rank, with_stand_ins
 from workers.forward import ForwardSettings, MicroBatch
 from workers.layout import laid_out, packing_layout, prompt_groups, to_device
+from workers.vision import STEP_IMAGE_KEYS, rows_images, with_vision
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.nn.Module, Batch], tuple[torch.Tensor, dict[str, float]]]
@@ -40,10 +41,13 @@ LossFn = Callable[[torch.nn.Module, Batch], tuple[torch.Tensor, dict[str, float]
 class BatchWorker:
     """Micro-batches of one rank: `max_tokens` bounds each one's padded size (packed: its real tokens) per
     device; `layout` is `layout.packing_layout`'s; `share_prompts` packs a group's prompt once; `settings`
-    say how models run on the micro-batches (LM-head chunks, the sequence-parallel group)."""
+    say how models run on the micro-batches (LM-head chunks, the sequence-parallel group). A batch with images
+    (`workers.vision.STEP_IMAGE_KEYS`) needs `vision_model`, any model of the vision-language family (its config
+    gives the 3-D rotary positions of `workers.vision.with_vision`)."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device, max_tokens: int,
-                 layout: str | None = None, share_prompts: bool = False, settings: ForwardSettings | None = None):
+                 layout: str | None = None, share_prompts: bool = False, settings: ForwardSettings | None = None,
+                 vision_model: torch.nn.Module | None = None):
         if share_prompts and layout != "rows":
             raise ValueError("share_prompts needs packed rows with a mask (packing on, a non-flash attention kernel)")
         self.settings = settings or ForwardSettings()
@@ -58,6 +62,7 @@ class BatchWorker:
         self.owner = group is None or group.rank == 0  # the rank of its group that reports forward-only results
         self.max_tokens = max_tokens * self.sp_size
         self.layout, self.share_prompts = layout, share_prompts
+        self.vision_model = vision_model
 
     # ------------------------------------------------------------------ planning
 
@@ -93,7 +98,12 @@ class BatchWorker:
         """Rows `indices` of `batch`, trimmed to their longest, laid out, on this rank's device."""
         index = torch.tensor(indices)
         width = int(row_lengths(batch["attention_mask"][index], real_only=False).max())
-        rows = {key: select(value, index, width) for key, value in batch.items()}
+        rows = {key: select(value, index, width) for key, value in batch.items() if key not in STEP_IMAGE_KEYS}
+        if "image_rows" in batch:  # the rows' own images, in row order, before packing moves them
+            if self.vision_model is None:
+                raise ValueError("the batch carries images but the worker has no vision_model for their 3-D positions")
+            images = rows_images(batch, indices)
+            rows = with_vision(rows, self.vision_model, images["pixel_values"], images["image_grid_thw"])
         micro = laid_out(rows, self.layout, share_prompts=self.share_prompts, multiple=self.sp_size)
         return MicroBatch(to_device(micro, self.device), self.settings, host=micro)
 

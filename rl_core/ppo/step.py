@@ -39,6 +39,7 @@ from workers.forward import host_view
 from workers.read_back import read_back
 from workers.layout import rows_to_batch
 from workers.trace import span
+from workers.vision import STEP_IMAGE_KEYS, rows_images, step_images
 from workers.worker import BatchWorker
 
 
@@ -79,7 +80,8 @@ STEP_BATCH_ROWS: dict[str, tuple[str, ...]] = {
 class Experience:
     """One step's batch, built once at the rollout boundary: every sequence of every trajectory as a
     row of `[N, T]` tensors in `batch`, the keys of `STEP_BATCH_ROWS`, phase by phase; nothing is re-collated.
-    `scores` and `rejected` come with the forward passes (the reward model's)."""
+    `scores` and `rejected` come with the forward passes (the reward model's). Sequences showing images add
+    `workers.vision.STEP_IMAGE_KEYS` (every image whole, with its row), which row selections carry along."""
     trajectories: list[Trajectory]
     sequences: list[TokenSequence]
     traj_seqs: list[list[int]]  # row (sequence) indices of every trajectory, in order
@@ -98,6 +100,9 @@ class Experience:
         batch = rows_to_batch([{"input_ids": s.input_ids, "action_mask": s.action_mask,
                                    "attention_mask": s.attention_mask, "behaviour_logprobs": s.behaviour_logprobs,
                                    "token_rewards": s.token_rewards} for s in sequences], pad_token_id)
+        if any(s.pixel_values is not None for s in sequences):  # a text-only batch gets no image keys
+            batch.update(step_images([None if s.pixel_values is None else (s.pixel_values, s.image_grid_thw)
+                                      for s in sequences]))
         width = batch["input_ids"].shape[1]
         chains = [[s * width + i for s in seqs for i in range(len(sequences[s]))] for seqs in traj_seqs]
         return cls(trajectories, sequences, traj_seqs, batch, layout.pad_rows(chains, max(map(len, chains)), -1,
@@ -125,8 +130,10 @@ class Experience:
 
     def select(self, traj_ids: list[int]) -> dict[str, torch.Tensor]:
         """The rows of trajectories `traj_ids` (a minibatch), every tensor of the batch."""
-        index = torch.tensor([s for t in traj_ids for s in self.traj_seqs[t]])
-        return {key: value[index] for key, value in self.batch.items()}
+        rows = [s for t in traj_ids for s in self.traj_seqs[t]]
+        index = torch.tensor(rows)
+        out = {key: value[index] for key, value in self.batch.items() if key not in STEP_IMAGE_KEYS}
+        return {**out, **rows_images(self.batch, rows)} if "image_rows" in self.batch else out
 
 
 # --------------------------------------------------------------------------- 2. forward passes

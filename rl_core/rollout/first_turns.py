@@ -27,7 +27,7 @@ class FirstTurnWave:
     def __init__(self, client: Any, members: int):
         self.client = client
         self.waiting_for = members
-        self.asked: list[tuple[list[int], dict, str, asyncio.Future]] = []
+        self.asked: list[tuple[list[int], dict, str, asyncio.Future, list | None]] = []
         self.calls_sent = 0
         self.sequences_sent = 0
         self._sending: set[asyncio.Task] = set()
@@ -35,9 +35,9 @@ class FirstTurnWave:
     def seat(self) -> "Seat":
         return Seat(self)
 
-    async def _ask(self, input_ids: list[int], params: dict, rid: str) -> dict:
+    async def _ask(self, input_ids: list[int], params: dict, rid: str, image_data: list | None) -> dict:
         answer = asyncio.get_running_loop().create_future()
-        self.asked.append((input_ids, params, rid, answer))
+        self.asked.append((input_ids, params, rid, answer, image_data))
         self._one_fewer()
         return await answer
 
@@ -52,21 +52,24 @@ class FirstTurnWave:
     async def _send(self, asked: list) -> None:
         groups: dict[tuple, list] = {}
         for item in asked:
-            input_ids, params, rid, _ = item
-            alone = "sampling_seed" in params
-            groups.setdefault(rid if alone else (tuple(input_ids), repr(sorted(params.items()))), []).append(item)
+            input_ids, params, rid, _, image_data = item
+            alone = "sampling_seed" in params  # a group shares its images too (the same prompt's)
+            key = (tuple(input_ids), repr(sorted(params.items())), tuple(image_data or ()))
+            groups.setdefault(rid if alone else key, []).append(item)
         self.calls_sent += len(groups)
         self.sequences_sent += len(asked)
         await asyncio.gather(*(self._send_group(group) for group in groups.values()))
 
     async def _send_group(self, group: list) -> None:
-        input_ids, params, rid, _ = group[0]
+        input_ids, params, rid, _, image_data = group[0]
         futures = [item[3] for item in group]
+        images = {"image_data": image_data} if image_data else {}  # a text prompt's call is unchanged
         try:
             if len(group) == 1:
-                answers = [await self.client.generate(input_ids, params, return_logprob=True, rid=rid)]
+                answers = [await self.client.generate(input_ids, params, return_logprob=True, rid=rid, **images)]
             else:  # SGLang replaces the rids of an n > 1 request by its own
-                answers = await self.client.generate(input_ids, dict(params, n=len(group)), return_logprob=True)
+                answers = await self.client.generate(input_ids, dict(params, n=len(group)), return_logprob=True,
+                                                     **images)
             if not isinstance(answers, list) or len(answers) != len(group):
                 raise RuntimeError(f"a grouped /generate of {len(group)} sequences answered with "
                                    f"{len(answers) if isinstance(answers, list) else 'one'}")
@@ -94,9 +97,9 @@ class Seat:
     def open(self) -> bool:
         return self.wave is not None
 
-    async def generate(self, input_ids: list[int], params: dict, rid: str) -> dict:
+    async def generate(self, input_ids: list[int], params: dict, rid: str, image_data: list | None = None) -> dict:
         wave, self.wave = self.wave, None
-        return await wave._ask(input_ids, params, rid)
+        return await wave._ask(input_ids, params, rid, image_data)
 
     def leave(self) -> None:
         """The trajectory ends, or waits for an env, without asking: the wave no longer waits for it."""

@@ -13,16 +13,18 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 from rl_core.data import ConfigKeys, PromptDataError, PromptDataset, load_prompt_dataset
-from rl_core.prompt_encoding import PromptEncoder, QueryProcessor, encode_row, refuse_long_prompts
+from rl_core.prompt_encoding import PromptEncoder, QueryProcessor, encode_row, encode_with_images, refuse_long_prompts
 
 
 @dataclass(frozen=True)
 class PromptItem:
-    """One prompt of a batch: its dataset index, its row, and its token ids when the loader encodes."""
+    """One prompt of a batch: its dataset index, its row, its token ids when the loader encodes, and the images it
+    shows (RGB PIL images, one image pad each in `prompt_ids`)."""
 
     index: int
     row: dict
     prompt_ids: list[int] | None = None
+    images: tuple = ()
 
 
 @dataclass
@@ -86,9 +88,10 @@ class PromptLoader:
         while len(batch) < (size or self.batch_size):
             index = self._next_index()
             row = self.dataset[index]
-            prompt_ids = None
+            prompt_ids, images = None, []
             if self.encode is not None:
-                prompt_ids = self.encode(row[self.text_key])
+                prompt_ids, images = encode_with_images(self.encode, row, self.text_key,
+                                                        getattr(self.dataset, "image_dir", None))
                 if prompt_ids is None:
                     self._state.skipped += 1
                     misses += 1
@@ -98,7 +101,7 @@ class PromptLoader:
                             "or lacks the configured start_text/end_text; fix the dataset or the settings")
                     continue
             misses = 0  # (a usable row can sit at both ends of two reshuffled epochs)
-            batch.append(PromptItem(index=index, row=row, prompt_ids=prompt_ids))
+            batch.append(PromptItem(index=index, row=row, prompt_ids=prompt_ids, images=tuple(images)))
         return batch
 
     def __iter__(self) -> Iterator[list[PromptItem]]:
@@ -137,7 +140,8 @@ class PromptSamples:
     - `prompt_ids`: the prompt's token ids (chat template applied, `data.max_prompt_length` enforced);
     - `index`: the row's index in the dataset;
     - `group_id`: the prompt's group;
-    - `sampling_seed`: the engine's seed for this sample, when samples are seeded (`rollout.seeded`).
+    - `sampling_seed`: the engine's seed for this sample, when samples are seeded (`rollout.seeded`);
+    - `images`: the images the prompt shows, as RGB PIL images (only a prompt with images has the key).
 
     A held-out sample (`eval_samples`) has the same, without `sampling_seed`, with the row's index as its
     `group_id`."""
@@ -160,7 +164,8 @@ class PromptSamples:
             # Unseeded where the engines would ignore the seed: the group then goes out as one call (n).
             seed = (self.seed * 1_000_003 + self.served * 7_919) % (2**31 - 1)
             group.append({**item.row, "prompt_ids": item.prompt_ids, "index": item.index,
-                          **({"sampling_seed": seed} if self.seeded else {}), "group_id": self.prompts_served})
+                          **({"sampling_seed": seed} if self.seeded else {}), "group_id": self.prompts_served,
+                          **({"images": list(item.images)} if item.images else {})})
             self.served += 1
         self.prompts_served += 1
         return group
@@ -221,11 +226,12 @@ def eval_samples(data_cfg, eval_path: str, tokenizer, n: int, max_prompts: int |
         if max_prompts is not None and len(samples) >= max_prompts * n:
             break
         row = dataset[index]
-        prompt_ids = encode_row(encode, dataset, index)
+        prompt_ids, images = encode_row(encode, dataset, index)
         if prompt_ids is None:
             skipped += 1
             continue
-        samples += [{**row, "prompt_ids": prompt_ids, "index": index, "group_id": index} for _ in range(n)]
+        samples += [{**row, "prompt_ids": prompt_ids, "index": index, "group_id": index,
+                     **({"images": images} if images else {})} for _ in range(n)]
     if not samples:
         raise ValueError(f"no usable eval prompt in {dataset.source} ({skipped} skipped as longer than "
                          "data.max_prompt_length); raise it or check data.eval_path")

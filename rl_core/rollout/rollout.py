@@ -80,12 +80,14 @@ class RolloutSettings:
 @dataclass(frozen=True)
 class RolloutParts:
     """What a rollout talks to: the engines' `client` (the router's), the `env_pool`, the `tokenizer`,
-    and the `reward_fns` that score finished trajectories (None: the envs' rewards alone)."""
+    the `reward_fns` that score finished trajectories (None: the envs' rewards alone), and for prompts with
+    images (a sample's `images`) the vision-language model's `processor`."""
 
     client: Any
     env_pool: EnvPool
     tokenizer: Any
     reward_fns: RewardFunctions | None = None
+    processor: Any = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,7 @@ class _Rollout:
         self.max_total_tokens = settings.max_total_tokens
         self.max_abort_retries = settings.max_abort_retries
         self.reward_fns = parts.reward_fns
+        self.processor = parts.processor
         # Tokens that end a response (none under ignore_eos: OpenAI's fixed-length responses).
         self.stop_ids = set() if self.sampling_params.get("ignore_eos") else (
             set(self.sampling_params.get("stop_token_ids") or ()) | {getattr(tokenizer, "eos_token_id", None)})
@@ -197,9 +200,10 @@ class _Rollout:
         return [failed.get(id(t), t) for t in trajectories]
 
     async def _episode(self, sample: dict, env: EnvLease, seat: Seat) -> Trajectory:
-        builder = TrajectoryBuilder(self.tokenizer)
+        builder = TrajectoryBuilder(self.tokenizer, self.processor)
         first = await env.reset(sample)
-        self._guard(env, "reset", builder.start, first if first is not None else first_observation(sample))
+        self._guard(env, "reset", functools.partial(builder.start, images=sample.get("images")),
+                    first if first is not None else first_observation(sample))
         if self._room(len(builder.current)) < 1:  # e.g. a chat env's prompt with its tool list: nothing to train on
             env.reject("reset", f"returned a first state of {len(builder.current)} tokens, longer than the engines "
                                 f"accept for a context of {self.max_total_tokens}; shorten the prompt (system prompt, "
@@ -267,7 +271,8 @@ class _Rollout:
             if not seat.open:
                 self.calls_alone += 1
             send = seat.generate if seat.open else functools.partial(self.client.generate, return_logprob=True)
-            answer = await send(builder.current.real_ids + ids, params, rid=f"{rid}-{attempt}")
+            images = {"image_data": builder.current.image_data} if builder.current.image_data else {}  # VL only
+            answer = await send(builder.current.engine_ids + ids, params, rid=f"{rid}-{attempt}", **images)
             gen = parse_generation(answer, sent_version)
             ids += gen.output_ids
             logprobs += gen.logprobs

@@ -85,11 +85,26 @@ class TokenSequence:
     # The trajectory's turn (engine call, from 0) of each generated token, else -1: turn-level credit
     # (rl_core/ppo/turns.py) needs it, since two turns need not have context tokens between them.
     turns: list[int] = field(default_factory=list)
+    # A prompt showing images (vision-language models): `input_ids` hold as many image pads per image as the
+    # processor makes (what the trainer runs); the engine is sent `engine_prompt` (one pad per image) in place
+    # of the first `prompt_length` ids, with the images as `image_data`.
+    image_data: list[str] = field(default_factory=list)  # the images as data URLs (SGLang's image_data)
+    pixel_values: Any = None  # the processor's `[patches, C*t*p*p]` tensor of the images
+    image_grid_thw: Any = None  # `[images, 3]`
+    engine_prompt: list[int] | None = None
+    prompt_length: int = 0
 
     @property
     def real_ids(self) -> list[int]:
-        """The ids without padding: what the engine is sent (equivalent under exclusive-cumsum positions)."""
+        """The ids without padding (equivalent under exclusive-cumsum positions)."""
         return [i for i, m in zip(self.input_ids, self.attention_mask) if m]
+
+    @property
+    def engine_ids(self) -> list[int]:
+        """What the engine is sent: the real ids, a prompt with images with one pad per image."""
+        if self.engine_prompt is None:
+            return self.real_ids
+        return self.engine_prompt + self.input_ids[self.prompt_length:]
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -179,8 +194,9 @@ class TrajectoryBuilder:
     `add_observation(next_state)`; finally `build(sample)`.
     """
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, processor: Any = None):
         self.tokenizer = tokenizer
+        self.processor = processor  # a vision-language model's (`workers.vision.load_processor`): prompts with images
         pad, eos = getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)
         self.pad_id = pad if pad != eos else None  # a pad equal to EOS can't be told from a real token
         self.sequences: list[TokenSequence] = []
@@ -197,9 +213,35 @@ class TrajectoryBuilder:
             raise RuntimeError("TrajectoryBuilder.start(first_state) must be called first")
         return self.sequences[-1]
 
-    def start(self, state: Observation) -> None:
-        """Begin with the first state (prompt text or prompt ids)."""
+    def start(self, state: Observation, images: Sequence[Any] | None = None) -> None:
+        """Begin with the first state (prompt text or prompt ids); `images` (RGB PIL images, bytes, paths) are
+        the prompt's, one image pad each in the state, in order."""
         self._new_sequence(state)
+        if images:
+            self._show_images(list(images))
+
+    def _show_images(self, images: list) -> None:
+        """The first sequence's image pads expanded to the processor's count per image, its images kept."""
+        from workers.vision import expand_image_pads, image_token_counts, load_images, vision_inputs
+
+        if self.processor is None:
+            raise RuntimeError("the prompt shows images but the rollout has no processor; give RolloutParts the "
+                               "vision-language model's processor (workers.vision.load_processor)")
+        seq, images = self.current, load_images(images)
+        if 0 in seq.attention_mask:
+            raise ValueError("a prompt with images cannot be left-padded")
+        inputs = vision_inputs(self.processor, images)
+        merge = getattr(self.processor, "image_processor", self.processor).merge_size
+        expanded = expand_image_pads(seq.input_ids, image_pad_id(self.processor, self.tokenizer),
+                                     image_token_counts(inputs["image_grid_thw"], merge))
+        seq.engine_prompt, seq.prompt_length = list(seq.input_ids), len(expanded)
+        seq.input_ids = []
+        for values in (seq.attention_mask, seq.action_mask, seq.behaviour_logprobs, seq.versions, seq.token_rewards,
+                       seq.turns):
+            del values[:]
+        seq.extend_context(expanded)
+        seq.image_data = [data_url(image) for image in images]
+        seq.pixel_values, seq.image_grid_thw = inputs["pixel_values"], inputs["image_grid_thw"]
 
     def add_action(self, output_ids: Sequence[int], logprobs: Sequence[float], version: int | Sequence[int]) -> str:
         """Append the engine's output ids as they are; return their decoded text (the env's action)."""
@@ -235,7 +277,8 @@ class TrajectoryBuilder:
                 return True
         else:
             ids = _as_ids(observation)
-            prefix = self.current.input_ids
+            # a prompt with images: the env saw (and extends) the engine's ids, one pad per image
+            prefix = self.current.input_ids if self.current.engine_prompt is None else self.current.engine_ids
             if len(ids) >= len(prefix) and ids[:len(prefix)] == prefix:
                 self.current.extend_context(ids[len(prefix):])
                 self.state_text = self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -287,6 +330,23 @@ class TrajectoryBuilder:
             info["unplaced_reward"] = self.unplaced_reward
         return Trajectory(sequences=self.sequences, sample=sample, env_reward=self.env_reward,
                           finish_reasons=list(finish_reasons or []), num_turns=self.num_turns, info=info)
+
+
+def image_pad_id(processor: Any, tokenizer: Any) -> int:
+    """The id of `<|image_pad|>`: the processor's own, else the tokenizer's."""
+    pad = getattr(processor, "image_token_id", None)
+    return int(pad) if pad is not None else int(tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+
+
+def data_url(image: Any) -> str:
+    """An RGB PIL image as a PNG data URL (SGLang's image_data takes it; a path would have to exist where
+    the engine runs)."""
+    import base64
+    import io
+
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode("ascii")
 
 
 def _as_ids(observation: Any) -> list[int]:
