@@ -23,6 +23,8 @@ Semantics kept strict, so CI exercises the GPU control flow:
   never text, cross the engine boundary.
 - Every /generate field is checked before it reaches the decode batch (validation.py), so a
   malformed request gets its own 400 and never fails the requests decoded with it.
+- `image_data` (a vision-language model): SGLang's one pad per image, expanded here (images.py);
+  an unreadable image or a pad count that is not the image count is a 400 before decoding.
 
 Every control call and the first call of every path are logged, so the engine's log is a
 record of what the job asked of it.
