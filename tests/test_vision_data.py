@@ -178,7 +178,8 @@ class _Engine:
 
     async def generate(self, input_ids, sampling_params, return_logprob=True, rid=None, image_data=None):
         self.calls.append((list(input_ids), image_data, sampling_params.get("n", 1)))
-        answer = _answer([40, 41], [-1.0, -2.0])
+        # the last prompt's answers sample the image pad: no image under it, those trajectories fail
+        answer = _answer([40, self.image_pad if list(input_ids) == self.failing else 41], [-1.0, -2.0])
         return [answer] * sampling_params["n"] if "n" in sampling_params else answer
 
 
@@ -188,12 +189,14 @@ def test_the_rollout_sends_single_pads_and_the_images(processor):
     red, blue = Image.new("RGB", (56, 56), RED), Image.new("RGB", (56, 28), BLUE)
     prompts = [(encoder("red?", images=1), [red]), (encoder("both?", images=2), [red, blue]),
                (encoder("text only"), None)]
+    prompts.append((encoder("pad!", images=1), [blue]))
     samples = [{"prompt_ids": ids, **({"images": images} if images else {}), "group_id": g}
                for g, (ids, images) in enumerate(prompts) for _ in range(2)]
     engine = _Engine()
+    engine.image_pad, engine.failing = tokenizer.convert_tokens_to_ids(IMAGE_PAD), prompts[-1][0]
 
     async def main():
-        pool = EnvPool(_OneTurn, num_envs=6, step_timeout_s=10)
+        pool = EnvPool(_OneTurn, num_envs=8, step_timeout_s=10, max_failed_ratio=0.5)
         try:
             return await rollout(samples, RolloutSettings({"max_new_tokens": 4}, progress=False),
                                  RolloutParts(engine, pool, tokenizer, processor=processor), 0)
@@ -204,7 +207,10 @@ def test_the_rollout_sends_single_pads_and_the_images(processor):
     # each group one call with n = 2 (its images the same), the ids one pad per image, the images as data URLs
     sent = sorted((ids, None if images is None else tuple(_colours(load_images(images))), n)
                   for ids, images, n in engine.calls)
-    assert sent == sorted([(prompts[0][0], (RED,), 2), (prompts[1][0], (RED, BLUE), 2), (prompts[2][0], None, 2)])
+    assert sent == sorted([(prompts[0][0], (RED,), 2), (prompts[1][0], (RED, BLUE), 2), (prompts[2][0], None, 2),
+                           (prompts[3][0], (BLUE,), 2)])
+    assert len(result.trajectories) == 6 and len(result.failed) == 2
+    assert all("image pad token" in traj.error and traj.sample["group_id"] == 3 for traj in result.failed)
     pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
     for traj, sample in zip(result.trajectories, samples):
         seq = traj.sequences[0]

@@ -35,7 +35,7 @@ from envs.pool import EnvFailure, EnvLease, EnvPool
 from rl_core.rewards import RewardFnError, RewardFunctions
 from rl_core.rollout.first_turns import FirstTurnWave, Seat
 from rl_core.rollout.metrics import check_reward_failures, rollout_metrics
-from rl_core.rollout.trajectory import Trajectory, TrajectoryBuilder, parse_generation
+from rl_core.rollout.trajectory import Trajectory, TrajectoryBuilder, image_pad_id, parse_generation
 from workers.engines.client import max_input_length, max_output_length
 
 logger = logging.getLogger(__name__)
@@ -135,6 +135,7 @@ class _Rollout:
         self.max_abort_retries = settings.max_abort_retries
         self.reward_fns = parts.reward_fns
         self.processor = parts.processor
+        self.image_pad = None if parts.processor is None else image_pad_id(parts.processor, tokenizer)
         # Tokens that end a response (none under ignore_eos: OpenAI's fixed-length responses).
         self.stop_ids = set() if self.sampling_params.get("ignore_eos") else (
             set(self.sampling_params.get("stop_token_ids") or ()) | {getattr(tokenizer, "eos_token_id", None)})
@@ -222,6 +223,8 @@ class _Rollout:
             action = await self._act(builder, room, None if seed is None else seed + 7919 * builder.num_turns, seat,
                                      env.next_sampling())
             builder.num_turns += 1
+            if self.image_pad is not None and self.image_pad in action.token_ids:  # no image under it to train on
+                env.reject("rollout", f"got an action with the image pad token ({self.image_pad}); left out of training")
             finish_reasons.append(action.finish_reason)
             result = await env.step(action)
             builder.add_reward(result.reward)
