@@ -340,7 +340,7 @@ def export_hf(model, tokenizer, base_path: str, out_dir: Path, rank: int, lora: 
         # Tokens the job added and never fed the model (the [PAD] of a tokenizer that padded with EOS, see
         # loading.load_tokenizer): exported as the user gave it, so the export's ids all fit its embeddings.
         tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
-    save_model_directory(plain, tokenizer, out_dir)  # a resume takes an existing final/ for a finished export
+    save_model_directory(plain, tokenizer, out_dir, base_path)  # a resume takes an existing final/ as finished
     print(f"final model saved to {out_dir}", flush=True)
 
 
@@ -353,12 +353,21 @@ def finish_run(cfg, model, tokenizer, rank: int, logger) -> None:
         logger.close()
 
 
-def save_model_directory(model, tokenizer, out_dir: Path) -> None:
-    """Every job's export: `model` and `tokenizer` saved in Hugging Face format into `out_dir`, whole or not at
-    all (written beside it, then renamed over it: `rl_core.staging.staged_directory`)."""
+# A vision-language model's processor besides its tokenizer: the image (and video) sizing an engine serving the
+# export must expand image pads by, as the trainer did.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+
+def save_model_directory(model, tokenizer, out_dir: Path, base_path: str | None = None) -> None:
+    """Every job's export: `model` and `tokenizer` saved in Hugging Face format into `out_dir`, with the
+    processor's files of the local model directory `base_path` where it has them, whole or not at all (written
+    beside it, then renamed over it: `rl_core.staging.staged_directory`)."""
     with staged_directory(out_dir) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        for name in PROCESSOR_FILES:
+            if base_path is not None and (Path(base_path) / name).is_file():
+                shutil.copyfile(Path(base_path) / name, Path(staging) / name)
 
 
 def _embedding_rows(state: dict, model) -> int:

@@ -293,9 +293,11 @@ def model_shape(config: Any, params: int | None = None) -> ModelShape:
 def count_parameters(config: Any, sequence_classification: bool = False) -> int:
     """Parameters of the model `config` describes, built on the meta device (tied weights counted once)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
 
     auto = AutoModelForSequenceClassification if sequence_classification else AutoModelForCausalLM
+    if hasattr(config, "vision_config") and not sequence_classification:  # its vision tower counted too
+        auto = AutoModelForImageTextToText
     with torch.device("meta"):
         model = auto.from_config(config)
     return sum(p.numel() for p in model.parameters())

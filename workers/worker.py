@@ -69,11 +69,12 @@ class BatchWorker:
 
     @classmethod
     def for_job(cls, run, rank: int, world_size: int, device: torch.device, max_tokens: int, packing: bool,
-                share_prompts: bool = False) -> "BatchWorker":
+                share_prompts: bool = False, vision_model: torch.nn.Module | None = None) -> "BatchWorker":
         """Every job's worker: its `model` run keys (`rl_core.config.ModelRunConfig`: the attention kernel that
         decides the packed layout, sequence parallelism, logits chunks) and its packing key."""
         return cls(rank, world_size, device, max_tokens, packing_layout(packing, run.attn_implementation),
-                   share_prompts, ForwardSettings.for_job(run, world_size, device))
+                   share_prompts, ForwardSettings.for_job(run, world_size, device), vision_model)
+
     def plan(self, batch: Batch, units: list[list[int]] | None = None) -> list[tuple[list[int], bool]]:
         """This rank's micro-batches as `(row indices, real)`; `units` (default: each row alone) stay whole."""
         lengths = row_lengths(batch["attention_mask"], real_only=self.layout is not None)

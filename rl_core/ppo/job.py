@@ -19,6 +19,7 @@ import torch.distributed as dist
 from envs.factory import load_env_class
 from rl_core.checkpoint import Checkpointer, end_if_finished, finish_run
 from rl_core.cli import JobEntry, run_job
+from rl_core.errors import JobError
 from rl_core.stop_signal import JobProgress
 from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank, on_rank0, rank_seed,
                                  seed_everything)
@@ -41,6 +42,7 @@ from rl_core.step_loop import JobSteps, run_steps
 from workers import loading
 from workers.engines.embedded.forked import EngineFork
 from workers.engines.weights import probe_token_ids
+from workers.vision import is_vision_language
 from workers.memory_plan import MemoryPlan, detect_device
 from workers.trace import StepTimer, span
 from workers.worker import BatchWorker
@@ -212,8 +214,13 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
     models = PPOModels(cfg.model, algo, cfg.reward.model_path or None, tokenizer.pad_token_id, total_steps,
                        cfg.distill)
     # Every model runs the same micro-batches: balanced, length-sorted, packed when asked.
+    vision = is_vision_language(cfg.model.path)  # prompts with images: the actor gives their 3-D positions
+    if vision and algo.share_prompts:  # (workers/layout.prompt_groups groups rows by their ids alone)
+        raise JobError(f"algorithm.share_prompts=true packs the rows of one prompt's ids once, but the prompts of "
+                       f"the vision-language policy {cfg.model.path} can show different images under the same ids; "
+                       "set algorithm.share_prompts=false")
     worker = BatchWorker.for_job(cfg.model, rt.rank, rt.world_size, rt.device, algo.max_tokens_per_device,
-                                 algo.packing, algo.share_prompts)
+                                 algo.packing, algo.share_prompts, models.actor.model if vision else None)
     truncate_id = None  # OpenAI rejection sampling's truncation token, when a reward model scores
     if cfg.reward.truncate_token is not None and models.reward_model is not None:
         truncate_id = loading.single_token_id(tokenizer, cfg.reward.truncate_token, "reward.truncate_token")

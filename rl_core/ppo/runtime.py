@@ -27,6 +27,7 @@ from workers.engines.rank_engine import RankEngine
 from workers.engines.spec import EngineSpec
 from workers.net import http_problem, node_address
 from workers.procs import ManagedProcesses
+from workers.vision import is_vision_language
 
 ENGINE_START_TIMEOUT_S = 300.0
 
@@ -193,8 +194,10 @@ class JobRuntime(ThreadPolicy, JobLifecycle):
         in the rollout process when there is one, else in a thread of this one."""
         # The sections as plain attributes: unpickling the config's classes would import torch into the
         # rollout process, which needs none of it (seconds of start-up and 200 MB).
+        # A vision-language policy's processor is loaded where the rollout runs, from its path (a path pickles).
+        vision_path = self.cfg.model.path if is_vision_language(self.cfg.model.path) else None
         args = (SimpleNamespace(**vars(self.cfg.env)), SimpleNamespace(**vars(self.cfg.reward)), self.router_url,
-                tokenizer, settings)
+                tokenizer, settings, vision_path)
         if isinstance(self.service, RolloutProcess):
             self.service.start(*args)
         else:

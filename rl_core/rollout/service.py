@@ -76,7 +76,8 @@ class RolloutService:
     else to stop after the rollout (the envs' and reward functions' executors, MCP servers)."""
 
     def __init__(self, router_url: str, tokenizer, env_factory, env, settings: RolloutSettings,
-                 reward_fns: RewardFunctions | None = None, served_version: Callable[[], int] = lambda: 0):
+                 reward_fns: RewardFunctions | None = None, served_version: Callable[[], int] = lambda: 0,
+                 processor=None):
         self.settings = settings
         self.served_version = served_version
         self.on_close: list[Callable[[], None]] = []
@@ -89,7 +90,7 @@ class RolloutService:
         self.env_pool = self._call(self._make(EnvPool, env_factory, num_envs=env.num_envs,
                                               step_timeout_s=env.step_timeout_s,
                                               max_failed_ratio=env.max_failed_ratio))
-        self.parts = RolloutParts(self.client, self.env_pool, tokenizer, reward_fns)
+        self.parts = RolloutParts(self.client, self.env_pool, tokenizer, reward_fns, processor)
         self.batches: queue.Queue = queue.Queue()
         self.producer: asyncio.Future | None = None
         self.stop_producing = threading.Event()
@@ -246,10 +247,11 @@ class RolloutService:
         await self.env_pool.close()
 
 
-def build_service(env, reward, router_url: str, tokenizer, settings: RolloutSettings,
+def build_service(env, reward, router_url: str, tokenizer, settings: RolloutSettings, vision_model_path: str | None,
                   served_version: Callable[[], int]) -> RolloutService:
     """A job's rollout side from its `env` and `reward` sections, built where it runs (rank 0's process or
-    the rollout process): the envs' and reward functions' executors and MCP servers stop with it."""
+    the rollout process): the envs' and reward functions' executors and MCP servers stop with it.
+    `vision_model_path`: a vision-language policy's path, whose processor expands the prompts' image pads."""
     env_executor = make_executor(env.thread_pool_size)
     closers = [lambda: env_executor.shutdown(wait=False, cancel_futures=True)]  # never wait on a stuck env call
     try:
@@ -267,7 +269,12 @@ def build_service(env, reward, router_url: str, tokenizer, settings: RolloutSett
                                 "max_concurrent": env.tool_concurrency})
         closers.append(chat.close)  # after the envs (no call is running): its MCP servers stop
         env_factory = make_env_factory(env.cls, dict(env.kwargs), env_executor, chat)
-        service = RolloutService(router_url, tokenizer, env_factory, env, settings, reward_fns, served_version)
+        processor = None
+        if vision_model_path is not None:  # imported here: a text job's rollout process never loads torch
+            from workers.vision import load_processor
+            processor = load_processor(vision_model_path)
+        service = RolloutService(router_url, tokenizer, env_factory, env, settings, reward_fns, served_version,
+                                 processor)
     except BaseException:
         for close in closers:
             close()
