@@ -8,9 +8,11 @@ N(0, 1/sqrt(d+1)) with gain/bias in the config.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -20,6 +22,7 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     PretrainedConfig,
@@ -137,9 +140,14 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 
 def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> PreTrainedModel:
     """A causal LM with dropout off everywhere (OpenAI detail: no dropout). `attn_implementation`: the
-    attention kernel by transformers' name (None: its default, sdpa where the model has it)."""
-    model = AutoModelForCausalLM.from_pretrained(path, config=_config_without_dropout(path), dtype=dtype,
-                                                 attn_implementation=attn_implementation)
+    attention kernel by transformers' name (None: its default, sdpa where the model has it).
+
+    A vision-language checkpoint (a `vision_config`) loads whole, vision tower included, as transformers'
+    image-text-to-text class: the trainer's forward passes it the images (workers/forward.py), and the
+    causal-LM class of some (Qwen2.5-VL) has no vision tower."""
+    config = _config_without_dropout(path)
+    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    model = auto.from_pretrained(path, config=config, dtype=dtype, attn_implementation=attn_implementation)
     return disable_dropout(model)
 
 
@@ -302,3 +310,45 @@ def context_length(config: PretrainedConfig) -> int | None:
 def model_context_length(path: str) -> int | None:
     """`context_length` of the model at `path`, from its config alone (no weights loaded)."""
     return context_length(AutoConfig.from_pretrained(path))
+
+
+# --------------------------------------------------------------------------- checkpoint names
+
+
+def checkpoint_renamer(config: dict) -> Callable[[str], str] | None:
+    """The trainer's parameter name -> the model's checkpoint name, for a vision-language model whose names
+    transformers 5 changes on load (its config dict: `architectures`, `vision_config`); None when they are the same.
+
+    Qwen2-VL and Qwen2.5-VL load `visual.*` as `model.visual.*` and `model.*` as `model.language_model.*`;
+    SGLang 0.5.23 takes only the checkpoint's names (its scheduler dies on a KeyError for the others). The renames
+    are transformers' own (its conversion mapping for the architecture), reversed, as `save_pretrained` does.
+    Text models are left alone: their names reach the engine as they are."""
+    if "vision_config" not in config:
+        return None
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    conversions = []
+    for key in (*(config.get("architectures") or ()), config.get("model_type")):
+        conversions = get_checkpoint_conversion_mapping(key) or [] if key else []
+        if conversions:
+            break
+    # Renames only: a weight converter (fused experts) changes tensors, not names, and is not undone here.
+    reverse = [step.reverse_transform() for step in reversed(conversions) if isinstance(step, WeightRenaming)]
+    if not reverse:
+        return None
+
+    def rename(name: str) -> str:
+        for step in reverse:
+            name = step.rename_source_key(name)[0]
+        return name
+    return rename
+
+
+def model_checkpoint_renamer(model_path: str | None) -> Callable[[str], str] | None:
+    """`checkpoint_renamer` of the model at `model_path` (a local directory; anything else: None)."""
+    config = os.path.join(str(model_path), "config.json") if model_path else ""
+    if not os.path.isfile(config):
+        return None
+    with open(config, encoding="utf-8") as handle:
+        return checkpoint_renamer(json.load(handle))

@@ -373,39 +373,8 @@ def test_an_input_must_leave_sglangs_reserve_of_the_context(engine):
 #
 # Both engines serve the tiny random Qwen2.5-VL of offline/vision.py through SGLang's /generate: `input_ids`
 # with one <|image_pad|> per image and `image_data`; each expands the pads itself and runs the image at 3-D
-# positions. SGLang runs its vision attention on plain torch (mm_attention_backend=sdpa) with dynamo off (it
-# compiles the ViT's rotary otherwise).
-#
-# SGLang 0.5.23 on CPU cannot start on this model as the job launches it: its Qwen-VL processor module imports
-# sglang.srt.models.qwen3_5, which looks up four Qwen3.5 kernels of the CPU sgl_kernel at import, and the
-# project's stand-in (scripts/sglang_cpu/sgl_kernel) has none of them, so the launch ends with
-#   "Ignore import error when loading sglang.srt.multimodal.processors.qwen_vl: '_OpNamespace' 'sgl_kernel'
-#    object has no attribute 'fused_sigmoid_mul_cpu'" and then
-#   "ValueError: No processor registered for architecture: ['Qwen2_5_VLForConditionalGeneration']."
-# QWEN35_IMPORT_SHIM gives the server those four names (each raising if ever called; Qwen2.5-VL calls none)
-# until the stand-in registers them itself, at which point it changes nothing.
-QWEN35_CPU_KERNELS = ("fused_sigmoid_mul_cpu", "fused_qk_gemma_rmsnorm_cpu", "fused_qk_gemma_rmsnorm_with_gate_cpu",
-                      "fused_qkvzba_split_reshape_cat_contiguous_cpu")
-QWEN35_IMPORT_SHIM = f'''"""Test-only (tests/workers/test_engine_conformance.py): the Qwen3.5 CPU kernels SGLang looks up at import."""
-import torch._ops
-
-_lookup = torch._ops._OpNamespace.__getattr__
-
-
-def _getattr(self, name):
-    try:
-        return _lookup(self, name)
-    except AttributeError:
-        if self.name != "sgl_kernel" or name not in {QWEN35_CPU_KERNELS!r}:
-            raise
-
-        def missing(*args, **kwargs):
-            raise NotImplementedError("torch.ops.sgl_kernel." + name + " is a test shim: the model called it")
-        return missing
-
-
-torch._ops._OpNamespace.__getattr__ = _getattr
-'''
+# positions. Both are launched as the job launches them (`start_engine`), which gives SGLang on CPU what a VL
+# model needs there (workers/engines/sglang_engine.py: sdpa vision attention, dynamo off, no image cache).
 VL_GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
@@ -417,19 +386,11 @@ def vl_engines(tiny_model_dir, tmp_path_factory):
     python = require_sglang_python()
     root = tmp_path_factory.mktemp("vl_conformance")
     model = save_vision_model("qwen2_5_vl", tiny_model_dir, root / "model")
-    (root / "shim").mkdir()
-    (root / "shim" / "sitecustomize.py").write_text(QWEN35_IMPORT_SHIM)
     specs = {"embedded": EngineSpec(kind="embedded", model_path=model, dtype="float32", device="cpu", seed=0,
                                     num_threads=1),
              "sglang": EngineSpec(kind="sglang", model_path=model, dtype="float32", device="cpu", seed=0,
-                                  num_threads=1, sglang_python=python, context_length=CONTEXT,
-                                  sglang_args={"mm_attention_backend": "sdpa"})}
-    with ManagedProcesses() as procs, pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TORCHDYNAMO_DISABLE", "1")
-        # SGLang keeps each image's vision-tower output by the image's hash, and a weight update does not
-        # clear it: with it on, a pushed vision tower never reaches an image served before.
-        patch.setenv("SGLANG_VLM_CACHE_SIZE_MB", "0")
-        patch.setenv("PYTHONPATH", str(root / "shim"))  # the server's environment is this one (server_env)
+                                  num_threads=1, sglang_python=python, context_length=CONTEXT)}
+    with ManagedProcesses() as procs:
         started = {kind: start_engine(spec, root / f"{kind}.log", procs, deadline_s=300, wait=False)
                    for kind, spec in specs.items()}
         for engine in started.values():

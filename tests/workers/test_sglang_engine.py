@@ -153,3 +153,197 @@ def test_the_planned_kv_pool_becomes_max_total_tokens_unless_sglang_args_set_it(
     assert pool() is None  # no plan: SGLang sizes the pool from mem_fraction_static
     cpu = EngineSpec(kind="sglang", model_path="/m", dtype="float32", device="cpu", sglang_python=sys.executable)
     assert flags(engine_argv(cpu, 30005)[0])["--max-total-tokens"] == "16384"  # the CPU default stays
+
+
+# --------------------------------------------------------------------------- vision-language models (issue 71)
+
+QWEN25_VL = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+             "vision_config": {"depth": 1}}
+
+
+def test_a_vision_language_model_gets_sglangs_vl_settings(tmp_path):
+    import json
+
+    (tmp_path / "vl").mkdir()
+    (tmp_path / "vl" / "config.json").write_text(json.dumps(QWEN25_VL))
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+
+    def launch(model, device="cpu", **kwargs):
+        spec = EngineSpec(kind="sglang", model_path=str(tmp_path / model), dtype="float32", device=device,
+                          sglang_python=sys.executable, **kwargs)
+        return engine_argv(spec, 30006)
+
+    argv, env = launch("vl")
+    assert flags(argv)["--mm-attention-backend"] == "sdpa"
+    assert env["SGLANG_VLM_CACHE_SIZE_MB"] == "0" and env["TORCHDYNAMO_DISABLE"] == "1"
+    argv, env = launch("vl", sglang_args={"mm_attention_backend": "triton_attn"})
+    assert flags(argv)["--mm-attention-backend"] == "triton_attn"  # rollout.sglang_args wins
+    argv, env = launch("vl", device="cuda:0")  # a GPU keeps SGLang's own backend and dynamo, never the cache
+    assert "--mm-attention-backend" not in argv and "TORCHDYNAMO_DISABLE" not in env
+    assert env["SGLANG_VLM_CACHE_SIZE_MB"] == "0"
+    with pytest.MonkeyPatch.context() as patch:  # the rank's own dynamo setting wins; the image cache stays off
+        patch.setenv("TORCHDYNAMO_DISABLE", "0")
+        patch.setenv("SGLANG_VLM_CACHE_SIZE_MB", "100")
+        env = launch("vl")[1]
+        assert env["TORCHDYNAMO_DISABLE"] == "0" and env["SGLANG_VLM_CACHE_SIZE_MB"] == "0"
+    for model in ("text", "no-such-dir"):
+        argv, env = launch(model)
+        assert "--mm-attention-backend" not in argv
+        assert "SGLANG_VLM_CACHE_SIZE_MB" not in env and "TORCHDYNAMO_DISABLE" not in env
+
+
+def test_pushes_go_under_the_checkpoints_names(tmp_path):
+    """A Qwen2.5-VL's in-memory names reach the engine as its checkpoint's (what SGLang takes); checkpoint names
+    and every text model's names go as they are, byte for byte."""
+    import asyncio
+    import json
+
+    from workers.engines.weights import WeightPusher
+    from workers.loading import checkpoint_renamer
+
+    rename = checkpoint_renamer(QWEN25_VL)
+    assert [rename(name) for name in ("model.visual.blocks.0.mlp.gate_up_proj.weight",
+                                      "model.language_model.layers.0.mlp.up_proj.weight",
+                                      "model.language_model.embed_tokens.weight", "lm_head.weight",
+                                      "visual.merger.mlp.0.bias", "model.norm.weight")] == [
+        "visual.blocks.0.mlp.gate_up_proj.weight", "model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight",
+        "lm_head.weight", "visual.merger.mlp.0.bias", "model.norm.weight"]
+    assert checkpoint_renamer({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}) is None
+    # Qwen3-VL's checkpoint already uses transformers' in-memory names.
+    assert checkpoint_renamer({"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+                               "vision_config": {}}) is None
+
+    class Engine:
+        """What the pusher asks of an engine: what it serves, and the buckets."""
+        def __init__(self, model_path):
+            self.model_path, self.names, self.timeout_s, self.base_url = model_path, [], 10, "fake"
+
+        async def model_info(self):
+            return {"model_path": self.model_path}
+
+        async def post(self, path, body=None, timeout_s=None):
+            if path == "/update_weights_from_tensor":
+                payload = deserialize_for_engine(body["serialized_named_tensors"][0])
+                self.names += [name for name, _ in unflatten_bucket(payload)]
+            return {"success": True}
+
+    for model, config in (("vl", QWEN25_VL), ("text", {"architectures": ["Qwen2ForCausalLM"]})):
+        (tmp_path / model).mkdir()
+        (tmp_path / model / "config.json").write_text(json.dumps(config))
+    tensors = [("model.visual.patch_embed.proj.weight", torch.ones(2)),
+               ("model.language_model.layers.0.self_attn.q_proj.weight", torch.ones(2)),
+               ("lm_head.weight", torch.ones(2))]
+    sent = {}
+    for model in ("vl", "text"):
+        engine = Engine(str(tmp_path / model))
+        asyncio.run(WeightPusher(torch.float32).push(engine, tensors, "1"))
+        sent[model] = engine.names
+    assert sent["vl"] == ["visual.patch_embed.proj.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight"]
+    assert sent["text"] == [name for name, _ in tensors]
+
+
+def test_a_vl_checkpoint_loads_as_a_policy_whose_logprobs_are_the_models_own(tiny_model_dir, tmp_path):
+    """`model_builder.build_frozen(kind="causal_lm")` of a VL checkpoint is transformers' image-text model, vision
+    tower included, and the trainer's forward on a row with an image gives that model's own logprobs."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from offline.vision import save_vision_model
+    from rl_core.model_builder import Placement, build_frozen
+    from workers.forward import token_logprobs_and_entropy
+    from workers.layout import rows_to_batch
+    from workers.vision import expand_image_pads, image_token_counts, load_processor, vision_inputs, with_vision
+
+    path = save_vision_model("qwen2_5_vl", tiny_model_dir, tmp_path / "vl")
+    policy = build_frozen(path, "causal_lm", None, Placement.whole(torch.device("cpu")))
+    reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    assert type(policy) is type(reference) and any(name.startswith("model.visual.") for name, _ in
+                                                   policy.named_parameters())
+    processor = load_processor(path)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (56, 56, 3), dtype=np.uint8))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = vision_inputs(processor, [image])
+    pad_id = policy.config.image_token_id
+    ids = expand_image_pads(processor.tokenizer(prompt)["input_ids"], pad_id,
+                            image_token_counts(inputs["image_grid_thw"], policy.config.vision_config.spatial_merge_size))
+    ids += [5, 6, 7, 8]
+    batch = with_vision(rows_to_batch([{"input_ids": ids, "action_mask": [0] * (len(ids) - 4) + [1] * 4}], 1),
+                        policy, inputs["pixel_values"], inputs["image_grid_thw"])
+    with torch.no_grad():
+        logprobs, _ = token_logprobs_and_entropy(policy, batch, 1.0, actions_only=True)
+        tensor = torch.tensor([ids])
+        logits = reference(input_ids=tensor, mm_token_type_ids=(tensor == pad_id).int(), **inputs).logits[0, :-1]
+    expected = torch.log_softmax(logits.float(), -1).gather(-1, tensor[0, 1:, None]).squeeze(-1)[-4:]
+    torch.testing.assert_close(logprobs[0, -4:], expected, atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def vl_served(tiny_model_dir, tmp_path_factory):
+    """A tiny Qwen2.5-VL served by both engines exactly as the job launches them (`start_engine` from a spec,
+    nothing else): the model's directory, kind -> url, and an image file."""
+    import numpy as np
+    from PIL import Image
+
+    from offline.vision import save_vision_model
+    from tests.sglang_env import require_sglang_python
+    from workers.engines.launch import start_engine
+    from workers.procs import ManagedProcesses
+
+    python = require_sglang_python()
+    root = tmp_path_factory.mktemp("vl_served")
+    model = save_vision_model("qwen2_5_vl", tiny_model_dir, root / "model")
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (56, 56, 3), dtype=np.uint8)).save(root / "image.png")
+    specs = {"embedded": EngineSpec(kind="embedded", model_path=model, dtype="float32", device="cpu", num_threads=1),
+             "sglang": EngineSpec(kind="sglang", model_path=model, dtype="float32", device="cpu", num_threads=1,
+                                  sglang_python=python, context_length=512)}
+    with ManagedProcesses() as procs:
+        started = {kind: start_engine(spec, root / f"{kind}.log", procs, deadline_s=300, wait=False)
+                   for kind, spec in specs.items()}
+        for engine in started.values():
+            engine.wait_ready(300)
+        yield model, {kind: engine.url for kind, engine in started.items()}, str(root / "image.png")
+
+
+@pytest.mark.timeout(400)
+def test_sglang_serves_a_vl_model_as_launched_and_takes_the_trainers_push(vl_served):
+    """The trainer's whole model (vision tower included), pushed by the job's pusher under its in-memory names,
+    reaches SGLang: an image it served before the push is answered with the new weights (no stale vision
+    cache), greedy ids equal the embedded engine's after the same push, and the weight version is the push's."""
+    import asyncio
+
+    from rl_core.model_builder import load
+    from workers.engines.client import EngineClient
+    from workers.engines.weights import WeightPusher
+    from workers.vision import load_processor
+
+    model, urls, image = vl_served
+    processor = load_processor(model)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}]
+    prompt = processor.tokenizer(processor.apply_chat_template(messages, add_generation_prompt=True,
+                                                               tokenize=False))["input_ids"]
+    trainer = load(model, "causal_lm", None)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in trainer.named_parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * (0.5 if ".visual." in name else 0.05))
+    greedy = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+    async def serve(url):
+        async with EngineClient(url, timeout_s=120) as client:
+            before = await client.generate(prompt, greedy, image_data=[image])
+            await WeightPusher(torch.float32, bucket_bytes=64 << 20).push(client, trainer.state_dict().items(),
+                                                                        "pushed")
+            return before, await client.generate(prompt, greedy, image_data=[image])
+    answers = {kind: asyncio.run(serve(url)) for kind, url in urls.items()}
+
+    def logprobs(answer):
+        return torch.tensor([entry[0] for entry in answer["meta_info"]["output_token_logprobs"]])
+    (before, pushed), (sglang_before, sglang_pushed) = answers["embedded"], answers["sglang"]
+    assert sglang_before["output_ids"] == before["output_ids"]
+    assert sglang_pushed["output_ids"] == pushed["output_ids"] and sglang_pushed["meta_info"]["image_tokens"] == 4
+    torch.testing.assert_close(logprobs(sglang_pushed), logprobs(pushed), atol=1e-4, rtol=0)
+    assert (logprobs(sglang_pushed) - logprobs(sglang_before)).abs().max() > 1e-2
+    assert sglang_pushed["meta_info"]["weight_version"] == "pushed"

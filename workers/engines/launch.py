@@ -10,7 +10,8 @@ from pathlib import Path
 
 from workers.engines.embedded import build_engine_argv
 from workers.engines.embedded.forked import EngineFork
-from workers.engines.sglang_engine import build_server_argv, server_env, server_kwargs, server_python
+from workers.engines.sglang_engine import (build_server_argv, is_vision_language, server_env, server_kwargs,
+                                           server_python)
 from workers.engines.spec import EngineSpec
 from workers.net import free_port, wait_http_ok
 from workers.procs import ManagedProcesses, stop_process
@@ -24,7 +25,8 @@ def engine_argv(spec: EngineSpec, port: int) -> tuple[list[str], dict[str, str] 
     pool = {} if spec.kv_tokens is None else {"max_total_tokens": int(spec.kv_tokens)}
     kwargs = server_kwargs(spec, port, extra={"random_seed": spec.seed, "context_length": spec.context_length,
                                               **pool, **spec.sglang_args})
-    return build_server_argv(kwargs, server_python(spec.sglang_python)), server_env(spec.gpu_ids, device=spec.device)
+    env = server_env(spec.gpu_ids, device=spec.device, vision=is_vision_language(spec.model_path))
+    return build_server_argv(kwargs, server_python(spec.sglang_python)), env
 
 
 @dataclasses.dataclass

@@ -11,6 +11,7 @@ On a CPU rank the server gets the settings SGLang's CPU path needs by itself (`C
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from typing import Any, Mapping, Sequence
@@ -36,6 +37,22 @@ CPU_DEFAULTS = {"device": "cpu", "enable_memory_saver": False, "attention_backen
                 "disable_cuda_graph": True, "sleep_on_idle": True, "max_total_tokens": 16384}
 
 
+# A vision-language model (its config has a `vision_config`) on a CPU rank: its vision tower's attention on plain
+# torch. SGLang 0.5.23 picks sdpa itself on a CPU without AMX, but its AMX kernel on one with AMX, which needs the
+# CPU build of sgl_kernel (scripts/sglang_cpu has a stand-in without it): every CPU runs the same this way.
+VL_CPU_DEFAULTS = {"mm_attention_backend": "sdpa"}
+
+
+def is_vision_language(model_path: str) -> bool:
+    """Whether the model at `model_path` (a local directory) is a vision-language one: its config.json has a
+    `vision_config`. A hub name or a directory without a config counts as text (SGLang finds out itself)."""
+    config = os.path.join(str(model_path), "config.json")
+    if not os.path.isfile(config):
+        return False
+    with open(config, encoding="utf-8") as handle:
+        return "vision_config" in json.load(handle)
+
+
 def server_kwargs(spec: EngineSpec, port: int = 30000, log_level: str = "info",
                   extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """ServerArgs fields for a colocated engine serving `spec` (its model_path, host, tp_size,
@@ -55,6 +72,8 @@ def server_kwargs(spec: EngineSpec, port: int = 30000, log_level: str = "info",
               "dtype": spec.dtype, "log_level": log_level}
     if spec.device.startswith("cpu"):
         kwargs.update(CPU_DEFAULTS)
+        if is_vision_language(spec.model_path):
+            kwargs.update(VL_CPU_DEFAULTS)
     else:
         # sleep_on_idle as on CPU: an idle scheduler otherwise pins a core, and the trainer's CPU work beside it
         # stalls (one H200, gpu86m: the trainer's CPU ops took 6-8 ms each while the engine sat idle).
@@ -97,8 +116,9 @@ def build_server_argv(kwargs: Mapping[str, Any], python: str = sys.executable) -
 
 
 def server_env(gpu_ids: Sequence[int] | None, base_env: Mapping[str, str] | None = None,
-               device: str = "cuda") -> dict[str, str]:
-    """The server's environment: the rank's own, minus torchrun's variables, with its GPUs explicit."""
+               device: str = "cuda", vision: bool = False) -> dict[str, str]:
+    """The server's environment: the rank's own, minus torchrun's variables, with its GPUs explicit.
+    `vision`: it serves a vision-language model (`is_vision_language`)."""
     env = {key: value for key, value in dict(os.environ if base_env is None else base_env).items()
            if key not in TORCHRUN_NAMES and not key.startswith(TORCHRUN_PREFIXES)}
     # Health probes must not generate: a paused or released engine would fail them.
@@ -113,6 +133,14 @@ def server_env(gpu_ids: Sequence[int] | None, base_env: Mapping[str, str] | None
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     if device.startswith("cpu"):
         env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's switch for its CPU code path
+    if vision:
+        # SGLang keeps each image's vision-tower output, keyed by the image's hash, and a weight update does not
+        # clear it (0.5.23): a pushed vision tower would never reach an image it has seen. 0 turns the cache off.
+        env["SGLANG_VLM_CACHE_SIZE_MB"] = "0"
+        if device.startswith("cpu"):
+            # Its ViT's rotary embedding is torch.compile'd: on CPU Inductor builds C++ code at the first image
+            # (9 s of a 33 s test on 2 cores) and needs a C++ compiler on the machine; eager needs neither.
+            env.setdefault("TORCHDYNAMO_DISABLE", "1")  # a user's own value wins
     if gpu_ids is not None:
         visible = env.get("CUDA_VISIBLE_DEVICES")
         physical = visible.split(",") if visible else None

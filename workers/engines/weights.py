@@ -271,14 +271,21 @@ class WeightPusher:
     replaced every tensor that lived in it (it copies out any it still holds from an older
     session, see the server's `/end_weight_update`). `encode` (a bucket -> its payload) replaces
     this with an engine's own format: SGLang's for CUDA buckets (`sglang_encode_bucket`).
+
+    Tensors go under the served model's checkpoint names (a Qwen2/2.5-VL's differ from the trainer's:
+    `workers.loading.checkpoint_renamer`); the first push asks the engine what it serves (`/model_info`'s model_path) unless `rename`
+    is given. Text models' names go as they are.
     """
 
     def __init__(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES, tp_size: int = 1,
-                 encode: Callable[[list[tuple[str, torch.Tensor]]], str] | None = None):
+                 encode: Callable[[list[tuple[str, torch.Tensor]]], str] | None = None,
+                 rename: Callable[[str], str] | None = None):
         self.dtype = dtype
         self.bucket_bytes = bucket_bytes
         self.tp_size = tp_size
         self.encode = encode
+        self.rename = rename
+        self._renamer_known = rename is not None
         self._staging: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # per push parity, per bucket
         self._pushes = 0
 
@@ -304,6 +311,9 @@ class WeightPusher:
                    version: str, flush_cache: bool = True) -> dict[str, float]:
         """Send every tensor inside one weight-update session; returns bytes and seconds."""
         started = time.perf_counter()
+        if not self._renamer_known:
+            self.rename = await self._engine_renamer(client)
+            self._renamer_known = True
         parity = self._pushes % 2
         self._pushes += 1
         try:  # a weight-update session; SGLang <= 0.5.20 has none (404) and takes updates without one
@@ -313,7 +323,8 @@ class WeightPusher:
             if err.status != 404:
                 raise
             session = False
-        casted = ((name, self._cast(tensor)) for name, tensor in named_tensors)
+        rename = self.rename or (lambda name: name)
+        casted = ((rename(name), self._cast(tensor)) for name, tensor in named_tensors)
         sent_bytes = count = 0
         pack_s = 0.0
         try:
@@ -342,6 +353,19 @@ class WeightPusher:
             await client.post("/end_weight_update")
         return {"weight_sync/push_s": time.perf_counter() - started, "weight_sync/pack_s": pack_s,
                 "weight_sync/bytes": float(sent_bytes), "weight_sync/buckets": float(count)}
+
+
+    @staticmethod
+    async def _engine_renamer(client: EngineClient) -> Callable[[str], str] | None:
+        from workers.loading import model_checkpoint_renamer  # transformers: only once, at the first push
+
+        try:
+            info = await client.model_info()
+        except EngineError as err:
+            if err.status != 404:
+                raise
+            return None  # an engine that does not say what it serves gets the names as they are
+        return model_checkpoint_renamer((info or {}).get("model_path"))
 
 
 def _with_last(buckets: Iterable[list]) -> Iterator[tuple[list, bool]]:

@@ -6,6 +6,9 @@ source). On a CPU without AMX every other op SGLang uses falls back to pure torc
 function is all that is missing. Installed into .venv-sglang by scripts/setup_sglang_cpu.sh;
 tied to sglang 0.5.23 (re-check on upgrade). Any other attribute raises NotImplementedError when
 called, so a new dependency shows up as a clear error, never as a wrong result.
+
+Some SGLang modules look kernels up as torch operators at import (`torch.ops.sgl_kernel.NAME`), not
+as attributes of this module: those names are registered below as operators that raise the same way.
 """
 
 import torch
@@ -26,12 +29,42 @@ def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: t
         taken += count
 
 
-def __getattr__(name: str):
-    if name.startswith("__"):
-        raise AttributeError(name)
+# Looked up at import by sglang.srt.models.qwen3_5, which SGLang's Qwen-VL processor module imports: without
+# them no Qwen2-VL/2.5-VL/3-VL model starts ("No processor registered for architecture"). Qwen3.5 calls them;
+# the VL models do not. The schemas follow the call sites in qwen3_5.py (never called here, so only their
+# names matter). convert_weight_packed must never be registered: SGLang takes it for an AMX build.
+IMPORT_TIME_OPS = {
+    "fused_sigmoid_mul_cpu": "(Tensor(a!) x, Tensor gate) -> ()",
+    "fused_qk_gemma_rmsnorm_cpu": "(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps, int head_dim) -> (Tensor, Tensor)",
+    "fused_qk_gemma_rmsnorm_with_gate_cpu":
+        "(Tensor q_gate, Tensor k, Tensor q_weight, Tensor k_weight, float eps, int head_dim) -> (Tensor, Tensor, Tensor)",
+    "fused_qkvzba_split_reshape_cat_contiguous_cpu":
+        "(Tensor qkvz, Tensor ba, int num_k_heads, int num_v_heads, int head_k_dim, int head_v_dim) -> (Tensor, Tensor, Tensor, Tensor)",
+}
 
+
+def _missing(name: str):
     def missing(*args, **kwargs):
         raise NotImplementedError(
             f"sgl_kernel.{name} is not in the CPU stand-in (scripts/sglang_cpu/sgl_kernel): this SGLang "
             "build needs a kernel the stand-in lacks; only sglang 0.5.23 on CPU is supported")
     return missing
+
+
+def _register_import_time_ops() -> None:
+    if hasattr(torch.ops.sgl_kernel, next(iter(IMPORT_TIME_OPS))):  # a real CPU build (or a reload) has them
+        return
+    global _LIBRARY
+    _LIBRARY = torch.library.Library("sgl_kernel", "FRAGMENT")  # kept alive: dropping it unregisters the ops
+    for name, schema in IMPORT_TIME_OPS.items():
+        _LIBRARY.define(name + schema)
+        _LIBRARY.impl(name, _missing(name), "CompositeExplicitAutograd")
+
+
+_register_import_time_ops()
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _missing(name)
