@@ -8,9 +8,7 @@ N(0, 1/sqrt(d+1)) with gain/bias in the config.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
-import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -346,9 +344,8 @@ def checkpoint_renamer(config: dict) -> Callable[[str], str] | None:
 
 
 def model_checkpoint_renamer(model_path: str | None) -> Callable[[str], str] | None:
-    """`checkpoint_renamer` of the model at `model_path` (a local directory; anything else: None)."""
-    config = os.path.join(str(model_path), "config.json") if model_path else ""
-    if not os.path.isfile(config):
-        return None
-    with open(config, encoding="utf-8") as handle:
-        return checkpoint_renamer(json.load(handle))
+    """`checkpoint_renamer` of the model at `model_path` (a directory or a cached hub name; else None)."""
+    from workers.engines.spec import model_config
+
+    config = model_config(model_path) if model_path else None
+    return checkpoint_renamer(config) if config is not None else None

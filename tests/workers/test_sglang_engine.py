@@ -191,6 +191,15 @@ def test_a_vision_language_model_gets_sglangs_vl_settings(tmp_path):
         argv, env = launch(model)
         assert "--mm-attention-backend" not in argv
         assert "SGLANG_VLM_CACHE_SIZE_MB" not in env and "TORCHDYNAMO_DISABLE" not in env
+    # A hub name: its config from the local hub cache, where the trainer's load put it.
+    import huggingface_hub
+
+    cache = {("org/vl", "config.json"): str(tmp_path / "vl" / "config.json")}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: cache.get((repo, name)))
+        spec = EngineSpec(kind="sglang", model_path="org/vl", dtype="float32", device="cpu",
+                          sglang_python=sys.executable)
+        assert flags(engine_argv(spec, 30007)[0])["--mm-attention-backend"] == "sdpa"
 
 
 def test_pushes_go_under_the_checkpoints_names(tmp_path):

@@ -11,13 +11,12 @@ On a CPU rank the server gets the settings SGLang's CPU path needs by itself (`C
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import sys
 from typing import Any, Mapping, Sequence
 
 from workers.engines import ENGINE_KEEPALIVE_S
-from workers.engines.spec import EngineSpec
+from workers.engines.spec import EngineSpec, model_config
 from workers.procs import ProcessStartError
 
 # Variables torchrun sets for its workers. A server that inherits them takes part in torchrun's
@@ -44,13 +43,9 @@ VL_CPU_DEFAULTS = {"mm_attention_backend": "sdpa"}
 
 
 def is_vision_language(model_path: str) -> bool:
-    """Whether the model at `model_path` (a local directory) is a vision-language one: its config.json has a
-    `vision_config`. A hub name or a directory without a config counts as text (SGLang finds out itself)."""
-    config = os.path.join(str(model_path), "config.json")
-    if not os.path.isfile(config):
-        return False
-    with open(config, encoding="utf-8") as handle:
-        return "vision_config" in json.load(handle)
+    """Whether the model at `model_path` (a directory or a cached hub name) is a vision-language one: its
+    config.json has a `vision_config`. A model whose config is not to be found counts as text."""
+    return "vision_config" in (model_config(model_path) or {})
 
 
 def server_kwargs(spec: EngineSpec, port: int = 30000, log_level: str = "info",

@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 
 @dataclasses.dataclass
@@ -30,3 +32,21 @@ class EngineSpec:
     # sglang: its KV pool in tokens (max_total_tokens; the job's memory plan), unless sglang_args sets it.
     # The embedded engine grows its cache per decode batch and has no pool to size.
     kv_tokens: int | None = None
+
+
+def model_config(model_path: str) -> dict | None:
+    """The config.json of the model an engine serves, as a dict: from its directory, or for a hub name from the
+    local hub cache (the trainer has loaded it by then; no request is made). None when neither has it."""
+    path = os.path.join(str(model_path), "config.json")
+    if not os.path.isfile(path):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(str(model_path), "config.json")
+        except Exception:  # noqa: BLE001 - not a repo id either: no config to read
+            return None
+        if not isinstance(cached, str):
+            return None
+        path = cached
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
