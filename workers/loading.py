@@ -141,8 +141,8 @@ def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, attn_implement
     attention kernel by transformers' name (None: its default, sdpa where the model has it).
 
     A vision-language checkpoint (a `vision_config`) loads whole, vision tower included, as transformers'
-    image-text-to-text class: the trainer's forward passes it the images (workers/forward.py), and the
-    causal-LM class of some (Qwen2.5-VL) has no vision tower."""
+    image-text-to-text class: the trainer's forward passes it the images (workers/forward.py), and
+    AutoModelForCausalLM has no class at all for some (Qwen2.5-VL, Qwen3-VL)."""
     config = _config_without_dropout(path)
     auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     model = auto.from_pretrained(path, config=config, dtype=dtype, attn_implementation=attn_implementation)

@@ -275,9 +275,9 @@ def test_a_vl_checkpoint_loads_as_a_policy_whose_logprobs_are_the_models_own(tin
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = vision_inputs(processor, [image])
-    pad_id = policy.config.image_token_id
+    pad_id, merge = policy.config.image_token_id, policy.config.vision_config.spatial_merge_size
     ids = expand_image_pads(processor.tokenizer(prompt)["input_ids"], pad_id,
-                            image_token_counts(inputs["image_grid_thw"], policy.config.vision_config.spatial_merge_size))
+                            image_token_counts(inputs["image_grid_thw"], merge))
     ids += [5, 6, 7, 8]
     batch = with_vision(rows_to_batch([{"input_ids": ids, "action_mask": [0] * (len(ids) - 4) + [1] * 4}], 1),
                         policy, inputs["pixel_values"], inputs["image_grid_thw"])

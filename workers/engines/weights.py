@@ -273,8 +273,8 @@ class WeightPusher:
     this with an engine's own format: SGLang's for CUDA buckets (`sglang_encode_bucket`).
 
     Tensors go under the served model's checkpoint names (a Qwen2/2.5-VL's differ from the trainer's:
-    `workers.loading.checkpoint_renamer`); the first push asks the engine what it serves (`/model_info`'s model_path) unless `rename`
-    is given. Text models' names go as they are.
+    `workers.loading.checkpoint_renamer`): unless `rename` is given, the first push asks the engine what it
+    serves (`/model_info`'s model_path). Text models' names go as they are.
     """
 
     def __init__(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES, tp_size: int = 1,
@@ -353,7 +353,6 @@ class WeightPusher:
             await client.post("/end_weight_update")
         return {"weight_sync/push_s": time.perf_counter() - started, "weight_sync/pack_s": pack_s,
                 "weight_sync/bytes": float(sent_bytes), "weight_sync/buckets": float(count)}
-
 
     @staticmethod
     async def _engine_renamer(client: EngineClient) -> Callable[[str], str] | None:

@@ -33,13 +33,14 @@ def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: t
 # them no Qwen2-VL/2.5-VL/3-VL model starts ("No processor registered for architecture"). Qwen3.5 calls them;
 # the VL models do not. The schemas follow the call sites in qwen3_5.py (never called here, so only their
 # names matter). convert_weight_packed must never be registered: SGLang takes it for an AMX build.
+_QK_NORM = "(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps, int head_dim)"
 IMPORT_TIME_OPS = {
     "fused_sigmoid_mul_cpu": "(Tensor(a!) x, Tensor gate) -> ()",
-    "fused_qk_gemma_rmsnorm_cpu": "(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps, int head_dim) -> (Tensor, Tensor)",
-    "fused_qk_gemma_rmsnorm_with_gate_cpu":
-        "(Tensor q_gate, Tensor k, Tensor q_weight, Tensor k_weight, float eps, int head_dim) -> (Tensor, Tensor, Tensor)",
+    "fused_qk_gemma_rmsnorm_cpu": _QK_NORM + " -> (Tensor, Tensor)",
+    "fused_qk_gemma_rmsnorm_with_gate_cpu": _QK_NORM + " -> (Tensor, Tensor, Tensor)",
     "fused_qkvzba_split_reshape_cat_contiguous_cpu":
-        "(Tensor qkvz, Tensor ba, int num_k_heads, int num_v_heads, int head_k_dim, int head_v_dim) -> (Tensor, Tensor, Tensor, Tensor)",
+        "(Tensor qkvz, Tensor ba, int num_k_heads, int num_v_heads, int head_k_dim, int head_v_dim)"
+        " -> (Tensor, Tensor, Tensor, Tensor)",
 }
 
 
