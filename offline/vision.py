@@ -124,3 +124,25 @@ def save_vision_model(family: str, tokenizer_dir: str | Path, out_dir: str | Pat
     (out / "processor_config.json").write_text(json.dumps({"processor_class": FAMILIES[family][1]}, indent=2) + "\n")
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return str(out)
+
+
+COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 30), "yellow": (230, 220, 40)}
+
+
+def write_colour_prompts(folder: str | Path, size: int = 56) -> str:
+    """A prompt file of four rows, one solid-colour image each (written beside it, `size` pixels square), asking for
+    the number of letters of the colour's name: the answer a numeric reward function scores. Returns its path."""
+    import json
+
+    from PIL import Image
+
+    folder = Path(folder)
+    rows = []
+    for name, rgb in COLOURS.items():
+        Image.new("RGB", (size, size), rgb).save(folder / f"{name}.png")
+        rows.append({"messages": [{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": "How many letters has the name of this colour?"}]}],
+            "images": [f"{name}.png"], "answer": str(len(name))})
+    path = folder / "colour_prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)

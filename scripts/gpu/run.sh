@@ -9,6 +9,9 @@
 #      transformers' generate on the same work (where the engine's time goes: router, logprobs, n, decode steps),
 #      then py-spy recording the SGLang server's processes during more of the job's rollouts,
 #   3. scripts/gpu_check.sh: the embedded engine, then SGLang on the tiny PPO policy, for the time left,
+#   4. with VL_MODEL set (a released Qwen2.5-VL checkpoint's directory on the machine, e.g. Qwen2.5-VL-3B-Instruct):
+#      two GRPO steps of it on SGLang over colour-image prompts (offline/vision.write_colour_prompts), checked as
+#      tests/ppo/test_vision_job.py checks the tiny one: pushes exact, pi_old equal to the engine's logprobs,
 # and writes the logs, the figures (last line of each: JSON) and the profiled step's traces to $OUT.
 #   bash scripts/gpu/run.sh              (OUT defaults to ./gpu_out)
 #   STEPS=check bash scripts/gpu/run.sh  (a warm machine, kit installed: gpu_check only; STEPS lists what runs:
@@ -19,7 +22,8 @@ OUT=${OUT:-$PWD/gpu_out}
 KIT=${KIT:-$PWD/.gpu_kit}
 STAGE=${STAGE:-/tmp/stage}
 RUN_BUDGET_S=${RUN_BUDGET_S:-540}
-STEPS=${STEPS:-bench,probe,check}
+STEPS=${STEPS:-bench,probe,check,vision}
+VL_MODEL=${VL_MODEL:-}
 export SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT" "$STAGE"
 started=$(date +%s)
@@ -91,5 +95,18 @@ if [[ $STEPS == *check* ]] && [ "$(left)" -gt 75 ]; then
   say "gpu_check exit $?: $(grep -E '^(ok|FAILED)' "$OUT/gpu_check.log" | cut -c1-160 | tr '\n' '|')"
 elif [[ $STEPS == *check* ]]; then
   say "gpu_check: no time left in RUN_BUDGET_S; run again with STEPS=check"
+fi
+if [[ $STEPS == *vision* ]] && [ -n "$VL_MODEL" ] && [ "$(left)" -gt 120 ]; then
+  say "vision: two GRPO steps of $VL_MODEL on $engine (at most $(( $(left) - 15 ))s)"
+  mkdir -p /tmp/vision && prompts=$(python3 -c "from offline.vision import write_colour_prompts as w; print(w('/tmp/vision', 448))")
+  timeout $(( $(left) - 15 )) python3 -m torch.distributed.run --standalone --nproc_per_node 1 -m rl_core.train \
+    --config grpo_arithmetic.yaml model.path="$VL_MODEL" data.train_path="$prompts" data.eval_path=null eval.every=0 \
+    data.max_prompt_length=512 algorithm.batch_size=16 algorithm.group_size=4 algorithm.share_prompts=false \
+    algorithm.old_logprobs=trainer rollout.response_length=64 rollout.engine=$engine trainer.total_episodes=32 \
+    trainer.progress=false trainer.export_hf=false trainer.save_every=0 trainer.run_dir=/tmp/vision/run \
+    > "$OUT/vision.log" 2>&1
+  say "vision exit $?: $(python3 -c "import json; [print({k: r.get(k) for k in ('step', 'weight_sync/probe_gap', 'rollout/behaviour_logprob_gap', 'perf/step_s')}) for r in map(json.loads, open('/tmp/vision/run/metrics.jsonl'))]" 2>&1 | tr '\n' ' ')"
+elif [[ $STEPS == *vision* ]]; then
+  say "vision: set VL_MODEL to a Qwen2.5-VL checkpoint's directory (and leave 2 minutes) to run it"
 fi
 say "done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

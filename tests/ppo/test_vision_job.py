@@ -13,36 +13,18 @@ import json
 
 import pytest
 
-from offline.vision import save_vision_model
+from offline.vision import save_vision_model, write_colour_prompts
 from tests.jobs import read_metrics, run_to_end
 from tests.ppo.test_job import torchrun_argv, wait_gone
 from workers.vision import load_processor, vision_inputs
 
 MAX_GAP = 1e-3  # float32 on both sides: a correct push and expansion leave rounding error only
-COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 30), "yellow": (230, 220, 40)}
-
-
-def write_prompts(folder) -> str:
-    """Four prompts, one image each (a solid colour written here), the answer its number of letters."""
-    from PIL import Image
-
-    rows = []
-    for name, rgb in COLOURS.items():
-        Image.new("RGB", (56, 56), rgb).save(folder / f"{name}.png")
-        rows.append({"messages": [{"role": "user", "content": [
-            {"type": "image"}, {"type": "text", "text": "How many letters has the name of this colour?"}]}],
-            "images": [f"{name}.png"], "answer": str(len(name))})
-    path = folder / "prompts.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(path)
-
-
 @pytest.mark.timeout(600)
 def test_a_grpo_job_trains_a_vision_language_policy_on_exactly_what_the_engine_sampled(tiny_model_dir, tmp_path):
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     model_dir = save_vision_model("qwen2_5_vl", tiny_model_dir, tmp_path / "model")
-    prompts = write_prompts(tmp_path)
+    prompts = write_colour_prompts(tmp_path)
     run_dir = tmp_path / "run"
     output = run_to_end(torchrun_argv([
         f"model.path={model_dir}", f"data.train_path={prompts}", "data.eval_path=null", "eval.every=0",
