@@ -37,13 +37,6 @@ VISION_KEYS = ("pixel_values", "image_grid_thw", "mrope_position_ids", "image_to
 # --------------------------------------------------------------------------- processor and images
 
 
-def is_vision_language(path: str | Path) -> bool:
-    """Whether the model at `path` sees images (its config has a `vision_config`), from the config alone."""
-    from transformers import AutoConfig
-
-    return hasattr(AutoConfig.from_pretrained(str(path)), "vision_config")
-
-
 def load_processor(path: str | Path):
     """The model's processor (`AutoProcessor`). Qwen's processors also build a video processor, which needs
     torchvision; where torchvision is missing (the CPU build), the same processor class without one: images

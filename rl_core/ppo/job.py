@@ -41,8 +41,8 @@ from rl_core.rollout.service import RolloutService
 from rl_core.step_loop import JobSteps, run_steps
 from workers import loading
 from workers.engines.embedded.forked import EngineFork
+from workers.engines.spec import is_vision_language
 from workers.engines.weights import probe_token_ids
-from workers.vision import is_vision_language
 from workers.memory_plan import MemoryPlan, detect_device
 from workers.trace import StepTimer, span
 from workers.worker import BatchWorker

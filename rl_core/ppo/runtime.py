@@ -24,10 +24,9 @@ from rl_core.rollout.rollout import RolloutSettings
 from rl_core.rollout.service import build_service
 from workers.engines.embedded.forked import EngineFork
 from workers.engines.rank_engine import RankEngine
-from workers.engines.spec import EngineSpec
+from workers.engines.spec import EngineSpec, is_vision_language
 from workers.net import http_problem, node_address
 from workers.procs import ManagedProcesses
-from workers.vision import is_vision_language
 
 ENGINE_START_TIMEOUT_S = 300.0
 

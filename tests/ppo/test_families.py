@@ -40,10 +40,10 @@ MAX_GAP = 1e-3  # float32 on both sides: a correct push leaves rounding error on
 # (`check_sglang_serves_the_window`; tests/test_config.py) and this test gives it a window they stay within.
 SGLANG_WINDOWS = {"mistral": CONTEXT}
 # The embedded engine serves every family with transformers' own class, so its 2-rank job adds most where the
-# sharded trainer meets a family's own parameters (experts, tied and soft-capped heads, fused qkv) and Llama as
-# the plain case; Qwen2, Qwen3 and Mistral are Llama's layout there (their forwards, windows included, are
+# sharded trainer meets a family's own parameters (q/k norms, experts, tied and soft-capped heads, fused qkv) and
+# Llama as the plain case; Qwen2 and Mistral are Llama's layout there (their forwards, windows included, are
 # tests/workers/test_family_forward.py's). On SGLang each family is its own model class: every family runs.
-EMBEDDED_FAMILIES = {"llama", "qwen3_moe", "phi3", "gemma2", "gemma3"}
+EMBEDDED_FAMILIES = {"llama", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3"}
 CASES = [(family, engine) for family in FAMILIES for engine in ENGINE_KINDS
          if engine == "sglang" or family in EMBEDDED_FAMILIES]
 

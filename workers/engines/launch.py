@@ -10,9 +10,9 @@ from pathlib import Path
 
 from workers.engines.embedded import build_engine_argv
 from workers.engines.embedded.forked import EngineFork
-from workers.engines.sglang_engine import (build_server_argv, is_vision_language, server_env, server_kwargs,
+from workers.engines.sglang_engine import (build_server_argv, server_env, server_kwargs,
                                            server_python)
-from workers.engines.spec import EngineSpec
+from workers.engines.spec import EngineSpec, is_vision_language
 from workers.net import free_port, wait_http_ok
 from workers.procs import ManagedProcesses, stop_process
 

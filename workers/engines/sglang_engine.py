@@ -16,7 +16,7 @@ import sys
 from typing import Any, Mapping, Sequence
 
 from workers.engines import ENGINE_KEEPALIVE_S
-from workers.engines.spec import EngineSpec, model_config
+from workers.engines.spec import EngineSpec, is_vision_language
 from workers.procs import ProcessStartError
 
 # Variables torchrun sets for its workers. A server that inherits them takes part in torchrun's
@@ -40,12 +40,6 @@ CPU_DEFAULTS = {"device": "cpu", "enable_memory_saver": False, "attention_backen
 # torch. SGLang 0.5.23 picks sdpa itself on a CPU without AMX, but its AMX kernel on one with AMX, which needs the
 # CPU build of sgl_kernel (scripts/sglang_cpu has a stand-in without it): every CPU runs the same this way.
 VL_CPU_DEFAULTS = {"mm_attention_backend": "sdpa"}
-
-
-def is_vision_language(model_path: str) -> bool:
-    """Whether the model at `model_path` (a directory or a cached hub name) is a vision-language one: its
-    config.json has a `vision_config`. A model whose config is not to be found counts as text."""
-    return "vision_config" in (model_config(model_path) or {})
 
 
 def server_kwargs(spec: EngineSpec, port: int = 30000, log_level: str = "info",

@@ -34,6 +34,12 @@ class EngineSpec:
     kv_tokens: int | None = None
 
 
+def is_vision_language(model_path: str) -> bool:
+    """Whether the model at `model_path` (a directory or a cached hub name) is a vision-language one: its
+    config.json has a `vision_config`. A model whose config is not to be found counts as text."""
+    return "vision_config" in (model_config(model_path) or {})
+
+
 def model_config(model_path: str) -> dict | None:
     """The config.json of the model an engine serves, as a dict: from its directory, or for a hub name from the
     local hub cache (the trainer has loaded it by then; no request is made). None when neither has it."""
