@@ -26,9 +26,8 @@ from rl_core.distributed import broadcast_object, wait_for_rank0
 from rl_core.errors import JobError
 from rl_core.ppo.config import PPOConfig
 from rl_core.ppo.scoring import Scoring, apply_group_rule, has_reward_variance
-from rl_core.rollout.rollout import RolloutResult
 from rl_core.rollout.process import RolloutProcess
-from rl_core.rollout.service import RolloutService
+from rl_core.rollout.service import Collected, RolloutService
 from workers.engines.client import EngineError
 
 
@@ -51,14 +50,14 @@ class Collector:
         trajectories, metrics = None, {}
         if self.service is not None:
             try:
-                result, dropped = self.collect(version)
+                (trajectories, metrics), dropped = self.collect(version)
             except EngineError as err:
                 dead = self.dead_engines()
                 if not dead:
                     raise
                 raise JobError(f"rollout failed: {'; '.join(dead)}; see that log (trainer.resume=auto continues from "
                                f"the last checkpoint) [{err}]") from err
-            trajectories, metrics = result.trajectories, dict(result.metrics)
+            metrics = dict(metrics)
             if self.algo.advantage_estimator != "gae":
                 trajectories, group_stats = apply_group_rule(trajectories, self.algo.group_size,
                                                              self.algo.incomplete_groups)
@@ -71,7 +70,7 @@ class Collector:
             raise JobError("the rollout produced no usable trajectory (every env failed); see rank 0's log")
         return trajectories, metrics
 
-    def collect(self, version: int) -> tuple[RolloutResult, int]:
+    def collect(self, version: int) -> tuple[Collected, int]:
         """Rank 0: the batch, and how many trajectories were dropped as too stale."""
         raise NotImplementedError
 
@@ -89,7 +88,7 @@ class SyncCollector(Collector):
         # The score as in training (no reward model: it scores after the rollout) decides DAPO's filter.
         self.scoring = Scoring.from_config(cfg.reward, cfg.algorithm, cfg.rollout.response_length)
 
-    def collect(self, version: int) -> tuple[RolloutResult, int]:
+    def collect(self, version: int) -> tuple[Collected, int]:
         """One batch generated now with `version`; returns (batch, trajectories dropped as stale: none)."""
         algo = self.algo
         if not algo.filter_zero_variance_groups:
@@ -120,7 +119,7 @@ class AsyncCollector(Collector):
         service.start_producer(copy.deepcopy(self.prompts), self.settings.queue_batches, self.settings.max_staleness,
                                self.settings.batches_in_flight)
 
-    def collect(self, version: int) -> tuple[RolloutResult, int]:
+    def collect(self, version: int) -> tuple[Collected, int]:
         """Fresh-enough queued trajectories; returns (batch, trajectories dropped as too stale)."""
         batch = self.service.next_batch(self.batch_size, version, self.settings.max_staleness)
         self.prompts.load_state_dict(self.service.resume_state)

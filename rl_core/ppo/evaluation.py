@@ -88,7 +88,7 @@ def evaluate(cfg: PPOConfig, rank: int, service, reward_model: Callable | None, 
     trajectories = None
     if rank == 0:
         samples, _ = held_out
-        trajectories = service.evaluate(samples, eval_sampling_params(cfg), version).trajectories
+        trajectories = service.evaluate(samples, eval_sampling_params(cfg), version)[0]
     wait_for_rank0(f"evaluation at version {version}")  # held-out generation may outlast the collective timeout
     if reward_model is not None:
         trajectories = broadcast_object(trajectories)

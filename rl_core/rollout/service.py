@@ -22,7 +22,15 @@ from rl_core.rewards import RewardFunctions
 from rl_core.rewards.workers import ProcessExecutor
 from rl_core.rollout.rollout import (GroupRule, KeepFn, RolloutParts, RolloutResult, RolloutSettings, rollout,
                                      rollout_until)
+from rl_core.rollout.trajectory import Trajectory
 from workers.engines.client import EngineClient
+
+# What the service hands the job: the kept trajectories and the rollout's metrics (failures counted there).
+Collected = tuple[list[Trajectory], dict[str, float]]
+
+
+def kept_and_metrics(result: RolloutResult) -> Collected:
+    return result.trajectories, result.metrics
 
 
 class PromptStream(Protocol):
@@ -112,19 +120,20 @@ class RolloutService:
                        settings: RolloutSettings | None = None) -> RolloutResult:
         return await rollout(samples, settings or self.settings, self.parts, version)
 
-    def collect(self, samples: list[dict], version: int) -> RolloutResult:
+    def collect(self, samples: list[dict], version: int) -> Collected:
         """Sync mode: generate one batch with the current policy and wait for it."""
-        return self._call(self._rollout(samples, version))
+        return kept_and_metrics(self._call(self._rollout(samples, version)))
 
-    def collect_groups(self, groups, n_groups: int, keep_fn: KeepFn, max_groups: int, version: int) -> RolloutResult:
+    def collect_groups(self, groups, n_groups: int, keep_fn: KeepFn, max_groups: int, version: int) -> Collected:
         """Sync mode, dynamic sampling: draw prompt groups until `n_groups` pass `keep_fn` (at most
         `max_groups` launched; then the batch is topped up with dropped groups)."""
         rule = GroupRule(keep=keep_fn, max_groups=max_groups, fill_with_dropped=True)
-        return self._call(rollout_until(n_groups, groups, self.settings, self.parts, version, rule))
+        return kept_and_metrics(self._call(rollout_until(n_groups, groups, self.settings, self.parts, version, rule)))
 
-    def evaluate(self, samples: list[dict], sampling_params: dict, version: int) -> RolloutResult:
+    def evaluate(self, samples: list[dict], sampling_params: dict, version: int) -> Collected:
         """Held-out prompts with the eval sampling settings (greedy by default)."""
-        return self._call(self._rollout(samples, version, self.settings.with_sampling(sampling_params)))
+        return kept_and_metrics(self._call(self._rollout(samples, version,
+                                                         self.settings.with_sampling(sampling_params))))
 
     # ------------------------------------------------------------------ async mode
 
@@ -182,7 +191,7 @@ class RolloutService:
 
         self.producer = asyncio.run_coroutine_threadsafe(produce(), self.loop)
 
-    def next_batch(self, batch_size: int, current_version: int, max_staleness: int) -> tuple[RolloutResult, int]:
+    def next_batch(self, batch_size: int, current_version: int, max_staleness: int) -> tuple[Collected, int]:
         """Take `batch_size` fresh-enough trajectories from the producer; returns (batch, dropped count).
 
         Staleness counts from the oldest token of a trajectory (partial rollouts mix versions).
@@ -190,7 +199,7 @@ class RolloutService:
         in ``async/surplus_discarded``: every batch taken is then fully used, which keeps the
         resume point exact.
         """
-        kept, failed, metrics, dropped, surplus = [], [], {}, 0, 0
+        kept, metrics, dropped, surplus = [], {}, 0, 0
         first = self.batches_taken
         while len(kept) < batch_size:
             if self.batches_taken > first:  # a second batch this step: the producer's schedule moves on by one
@@ -204,11 +213,10 @@ class RolloutService:
                     kept.append(traj)
                 else:
                     surplus += 1
-            failed += result.failed
             metrics = dict(result.metrics)
         metrics.update({"async/surplus_discarded": surplus, "async/batches_taken": self.batches_taken,
                         "async/batches_generated": self.batches_generated})
-        return RolloutResult(kept, failed, metrics), dropped
+        return (kept, metrics), dropped
 
     def _get_result(self) -> tuple[RolloutResult, dict]:
         while True:

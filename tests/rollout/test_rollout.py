@@ -618,9 +618,9 @@ def test_two_batches_in_flight_generate_side_by_side_within_the_staleness_bound_
         service.start_producer(stream, max_queued=2, max_staleness=1, in_flight=2)
         taken = waiting.submit(lambda: [service.next_batch(4, current_version=0, max_staleness=1)[0]
                                         for _ in range(2)]).result(timeout=120)  # one in flight: no batch 0
-        assert [{t.sample["batch"] for t in batch.trajectories} for batch in taken] == [{0}, {1}]
+        assert [{t.sample["batch"] for t in trajectories} for trajectories, _ in taken] == [{0}, {1}]
         assert service.resume_state == {"served": 2} and service.batches_taken == 2
-        assert all(t.num_action_tokens == 4 for batch in taken for t in batch.trajectories)
+        assert all(t.num_action_tokens == 4 for trajectories, _ in taken for t in trajectories)
         service._call(asyncio.sleep(0.2))  # a moment for a third batch to start, which it must not
         assert stream.served == 2 and service.batches_generated == 2
     finally:
@@ -669,9 +669,9 @@ def test_the_rollout_process_generates_beside_this_one_then_leaves_nothing(route
             rollout.collect([{"prompt_ids": prompt, "fail": True}], 0)  # max_failed_ratio=0: the rollout fails
         served.set(3)
         rollout.start_producer(NumberedBatches(4, prompt), 1, 1)
-        batch, dropped = rollout.next_batch(4, 3, 1)
-        assert dropped == 0 and {t.env_reward for t in batch.trajectories} == {float(child)} != {float(os.getpid())}
-        assert {t.min_version for t in batch.trajectories} == {3}  # read from shared memory, not asked for
+        (trajectories, _), dropped = rollout.next_batch(4, 3, 1)
+        assert dropped == 0 and {t.env_reward for t in trajectories} == {float(child)} != {float(os.getpid())}
+        assert {t.min_version for t in trajectories} == {3}  # read from shared memory, not asked for
         assert rollout.resume_state["served"] >= 1
     finally:
         rollout.close()
