@@ -121,17 +121,20 @@ def _causal_lm(model: nn.Module) -> PreTrainedModel:
     return model.get_base_model() if hasattr(model, "get_base_model") else model  # under LoRA, peft's wrapper
 
 
-def _run_inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict:
-    """`model_inputs` for `model`; under sequence parallelism this rank's share of the tokens, with the whole
-    rows' mask and the group for the attention (`workers.sequence_parallel`)."""
+def run_inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict:
+    """The keywords `model` runs on for this micro-batch: its rows as `model_inputs` lays them out, a vision model's
+    images and 3-D positions, under sequence parallelism this rank's share of the tokens (with the whole rows'
+    mask and the group for the attention, `workers.sequence_parallel`), and no KV cache."""
     inputs = model_inputs(batch, _model_config(model))
     group = settings_of(batch).sequence
     if "image_grid_thw" in batch:  # a vision-language micro-batch (`workers.vision.with_vision`)
         inputs = vision_model_inputs(batch, inputs, sequence_parallel=group is not None)
-    if group is None:
-        return inputs
-    return {**inputs, "input_ids": group.shard(inputs["input_ids"]),
-            "position_ids": group.shard(inputs["position_ids"]), "sequence_group": group}
+    if group is not None:
+        inputs = {**inputs, "input_ids": group.shard(inputs["input_ids"]),
+                  "position_ids": group.shard(inputs["position_ids"]), "sequence_group": group}
+    # No KV cache: nothing here decodes, and a model whose config says use_cache made one at every forward
+    # (a copy of every layer's keys and values). transformers' flash path for packed rows also needs it off.
+    return {**inputs, "use_cache": False}
 
 
 def _per_position(batch: dict[str, torch.Tensor], local: torch.Tensor) -> torch.Tensor:
@@ -256,7 +259,7 @@ def _token_outputs(model: nn.Module, batch: dict[str, torch.Tensor], temperature
 
     handle = lm.get_decoder().register_forward_hook(head_on_wanted_tokens)
     try:
-        output = model(**_run_inputs(model, batch), logits_to_keep=1)
+        output = model(**run_inputs(model, batch), logits_to_keep=1)
     finally:
         handle.remove()
     tie = output.logits.sum() * 0  # keeps the model's own output in the graph, so FSDP's backward hooks all run
@@ -299,7 +302,7 @@ def token_logprobs_and_entropy(
 def token_values(value_model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """``[b, T]``: ``values[:, t]`` is the critic output at t-1 (value before action token t); 0 at a
     sequence's first token and on padding."""
-    per_position = _per_position(batch, value_model(**_run_inputs(value_model, batch)))
+    per_position = _per_position(batch, value_model(**run_inputs(value_model, batch)))
     values = torch.nn.functional.pad(rows_about_tokens(batch, per_position), (1, 0))
     return values * _has_previous_token(batch).to(values.device, values.dtype)
 
@@ -328,7 +331,7 @@ def raw_reward_scores(model: PreTrainedModel, batch: dict[str, torch.Tensor]) ->
     captured: list[torch.Tensor] = []
     handle = score_head(model).register_forward_hook(lambda module, args, output: captured.append(output))
     try:
-        model(**_run_inputs(model, batch))
+        model(**run_inputs(model, batch))
     finally:
         handle.remove()
     per_position = _per_position(batch, captured[0].squeeze(-1))

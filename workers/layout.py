@@ -243,17 +243,14 @@ def model_inputs(batch: dict[str, torch.Tensor], config=None) -> dict[str, Any]:
     transformers builds the masks), or the packed rows with a block-diagonal causal mask (a token sees the
     earlier tokens of its own sequence and of its shared prompt; padding sees itself), exact with any kernel
     that takes a 4-D mask (sdpa, eager): `attention_masks` makes it in the form the model's kernel and layers read."""
-    # No KV cache: nothing here decodes, and a model whose config says use_cache made one at every forward
-    # (a copy of every layer's keys and values). The flash path below also needs it off.
     if "packed_index" not in batch:
-        return {**padded_inputs(batch, config), "use_cache": False}
+        return padded_inputs(batch, config)
     if "packed_one_row" in batch:
         # No mask: transformers' flash path finds each sequence where position_ids restart (`cu_seqlens` for
         # the varlen kernel), and sdpa/eager build the same block-diagonal mask from them.
-        return {"input_ids": batch["packed_input_ids"], "position_ids": batch["packed_position_ids"],
-                "use_cache": False}
+        return {"input_ids": batch["packed_input_ids"], "position_ids": batch["packed_position_ids"]}
     return {"input_ids": batch["packed_input_ids"], "attention_mask": attention_masks(batch, config),
-            "position_ids": batch["packed_position_ids"], "use_cache": False}
+            "position_ids": batch["packed_position_ids"]}
 
 
 def host_view(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

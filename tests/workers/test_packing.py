@@ -4,7 +4,7 @@ every per-token quantity the jobs train on comes back to the padded rows equal t
 import pytest
 import torch
 
-from workers.forward import token_logprobs, token_logprobs_and_entropy, token_values
+from workers.forward import run_inputs, token_logprobs, token_logprobs_and_entropy, token_values
 from workers.layout import rows_to_batch, model_inputs, pack, packs_into_one_row, padding_fraction
 from workers.loading import ValueModel, load_causal_lm
 
@@ -79,7 +79,7 @@ def test_one_row_is_every_real_token_with_restarting_positions_and_no_mask():
     positions = flat["packed_position_ids"][0]
     assert int((positions == 0).sum()) == len(ppo_rows())  # where each sequence starts: flash's cu_seqlens
     inputs = model_inputs(flat)
-    assert "attention_mask" not in inputs and inputs["use_cache"] is False
+    assert "attention_mask" not in inputs
     assert "attention_mask" in model_inputs(pack(batch))  # the rows layout keeps its block-diagonal mask
     with pytest.raises(ValueError, match="share_prompts or one_row"):
         pack(rows_to_batch(grouped_ppo_rows(), pad_token_id=0), share_prompts=True, one_row=True)
@@ -97,8 +97,8 @@ def test_the_trainers_forwards_build_no_kv_cache(tiny_model_dir, layout):
     if layout != "padded":
         batch = pack(batch, share_prompts=layout == "shared prompts")
     with torch.no_grad():
-        out = policy(**model_inputs(batch, policy.config))
-        assert policy(**{**model_inputs(batch, policy.config), "use_cache": True}).past_key_values is not None
+        out = policy(**run_inputs(policy, batch))
+        assert policy(**{**run_inputs(policy, batch), "use_cache": True}).past_key_values is not None
     assert out.past_key_values is None
 
 
