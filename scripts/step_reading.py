@@ -31,7 +31,8 @@ its frames are, so in practice these count the main thread):
   its sequences; the list is its rows' form), or a dict or a project object that holds the batch (a tensor of
   two or more dimensions, a dict of them or a list of rows among its values); a tuple is the values it holds.
   A row alone is not the batch, and a chat message or a row of text alone is no row. A project class is one
-  form; dicts are forms by their keys, and two key sets are one form when one holds the other (`form_groups`:
+  form; dicts are forms by their keys (a project class that is a dict too: the micro-batch, its rows laid out
+  with its forward settings beside them), and two key sets are one form when one holds the other (`form_groups`:
   the same batch with keys added or selected).
 
 Prints the files (with the lines of each that the step ran) and the functions entered in each, the distinct
@@ -179,15 +180,15 @@ def arguments(frame) -> list:
 
 
 def shape(value, packages: tuple[str, ...] = PACKAGES) -> Form | None:
-    """What tells forms apart: a project class's name (a torch module is no data), a dict's keys; None for the
-    rest."""
+    """What tells forms apart: a dict's keys (a dict subclass's too), a project class's name (a torch module is no
+    data); None for the rest."""
     if isinstance(value, torch.nn.Module):
         return None
+    if isinstance(value, dict) and value and all(isinstance(key, str) for key in value):
+        return frozenset(value)  # a project dict subclass too: its keys are its rows, whatever travels beside them
     module = sys.modules.get(type(value).__module__)
     if getattr(module, "__file__", None) and module.__file__.startswith(packages):
         return type(value).__qualname__
-    if isinstance(value, dict) and value and all(isinstance(key, str) for key in value):
-        return frozenset(value)
     return None
 
 

@@ -254,3 +254,14 @@ def test_what_is_no_batch_form():
     assert len(step_reading.form_groups([a, ab, d, "Batch"])) == 3
     assert len(step_reading.form_groups([a, bc, ab])) == 2  # a within ab; bc holds neither
     assert len(step_reading.form_groups([a, frozenset("abc"), bc])) == 1  # both within abc
+
+
+def test_a_dict_subclass_is_the_form_of_its_keys():
+    """The micro-batch is a project class and a dict (its rows laid out, its forward settings beside them): a dict
+    by its keys, so selecting or laying out the rows keeps their form; a project class that is no dict is its own."""
+    from workers.forward import ForwardSettings, MicroBatch
+
+    rows = {"input_ids": torch.ones(2, 3), "action_mask": torch.ones(2, 3)}
+    laid_out = MicroBatch({**rows, "packed_index": torch.ones(2, 3)}, ForwardSettings())
+    assert step_reading.forms_of(laid_out) == {frozenset({"input_ids", "action_mask", "packed_index"})}
+    assert len(step_reading.form_groups(step_reading.forms_of(rows) | step_reading.forms_of(laid_out))) == 1
