@@ -206,6 +206,7 @@ class TrajectoryBuilder:
         self.num_turns = 0
         self.appended_observations = 0
         self.new_sequences = 0
+        self.vision: tuple | None = None  # the prompt's images: (data URLs, pixel values, grids, pads per image)
 
     @property
     def current(self) -> TokenSequence:
@@ -220,28 +221,32 @@ class TrajectoryBuilder:
         if images:
             self._show_images(list(images))
 
-    def _show_images(self, images: list) -> None:
-        """The first sequence's image pads expanded to the processor's count per image, its images kept."""
+    def _show_images(self, images: list | None = None) -> None:
+        """The current sequence's image pads expanded to the processor's count per image, its images kept: the
+        prompt's `images`, or (None) the ones the prompt showed, for a new sequence whose state shows them again."""
         from workers.vision import expand_image_pads, image_token_counts, load_images, vision_inputs
 
         if self.processor is None:
             raise RuntimeError("the prompt shows images but the rollout has no processor; give RolloutParts the "
                                "vision-language model's processor (workers.vision.load_processor)")
-        seq, images = self.current, load_images(images)
+        seq = self.current
         if 0 in seq.attention_mask:
             raise ValueError("a prompt with images cannot be left-padded")
-        inputs = vision_inputs(self.processor, images)
-        merge = getattr(self.processor, "image_processor", self.processor).merge_size
-        expanded = expand_image_pads(seq.input_ids, image_pad_id(self.processor, self.tokenizer),
-                                     image_token_counts(inputs["image_grid_thw"], merge))
+        if images is not None:
+            images = load_images(images)
+            inputs = vision_inputs(self.processor, images)
+            merge = getattr(self.processor, "image_processor", self.processor).merge_size
+            self.vision = ([data_url(image) for image in images], inputs["pixel_values"], inputs["image_grid_thw"],
+                           image_token_counts(inputs["image_grid_thw"], merge))
+        urls, pixel_values, grid_thw, counts = self.vision
+        expanded = expand_image_pads(seq.input_ids, image_pad_id(self.processor, self.tokenizer), counts)
         seq.engine_prompt, seq.prompt_length = list(seq.input_ids), len(expanded)
         seq.input_ids = []
         for values in (seq.attention_mask, seq.action_mask, seq.behaviour_logprobs, seq.versions, seq.token_rewards,
                        seq.turns):
             del values[:]
         seq.extend_context(expanded)
-        seq.image_data = [data_url(image) for image in images]
-        seq.pixel_values, seq.image_grid_thw = inputs["pixel_values"], inputs["image_grid_thw"]
+        seq.image_data, seq.pixel_values, seq.image_grid_thw = list(urls), pixel_values, grid_thw
 
     def add_action(self, output_ids: Sequence[int], logprobs: Sequence[float], version: int | Sequence[int]) -> str:
         """Append the engine's output ids as they are; return their decoded text (the env's action)."""
@@ -286,6 +291,10 @@ class TrajectoryBuilder:
                 return True
         self._new_sequence(observation)
         self.new_sequences += 1
+        # A new state that shows the prompt's images again (a chat template that re-rendered the conversation):
+        # its pads are the images' too, which the engine is sent with it and the trainer expands.
+        if self.vision is not None and image_pad_id(self.processor, self.tokenizer) in self.current.input_ids:
+            self._show_images()
         return False
 
     def drop_trailing_context(self) -> None:
