@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Sequence, Union
 
 import torch
 
+from workers.engines.weights import Probe
 from workers.layout import host_view
 
 if TYPE_CHECKING:
@@ -142,6 +143,30 @@ def expand_image_pads(ids: Sequence[int], image_pad_id: int, counts: Sequence[in
 def collapse_image_pads(ids: Sequence[int], image_pad_id: int) -> list[int]:
     """The way back from `expand_image_pads`: each run of pads one pad (the ids an engine is sent)."""
     return [token for i, token in enumerate(ids) if token != image_pad_id or i == 0 or ids[i - 1] != image_pad_id]
+
+
+def data_url(image: "Image.Image") -> str:
+    """An RGB PIL image as a PNG data URL (SGLang's image_data takes it; a path would have to exist where
+    the engine runs)."""
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode("ascii")
+
+
+def vision_probe(processor, tokenizer, text_ids: Sequence[int]) -> Probe:
+    """The weight probe of a vision-language policy: one fixed picture (every channel varying, 56 pixels square)
+    between the vision markers, then the probe's text, so the check after each push runs the vision tower too."""
+    from PIL import Image
+
+    gradient = Image.linear_gradient("L").resize((56, 56))
+    picture = Image.merge("RGB", (gradient, gradient.rotate(90), gradient.transpose(Image.Transpose.FLIP_LEFT_RIGHT)))
+    pad = getattr(processor, "image_token_id", None)
+    pad = int(pad) if pad is not None else int(tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+    start, end = (int(tokenizer.convert_tokens_to_ids(token)) for token in ("<|vision_start|>", "<|vision_end|>"))
+    engine_ids = [start, pad, end, *map(int, text_ids)]
+    images = vision_inputs(processor, [picture])
+    counts = image_token_counts(images["image_grid_thw"], getattr(processor, "image_processor", processor).merge_size)
+    return Probe(expand_image_pads(engine_ids, pad, counts), engine_ids, [data_url(picture)], images, pad)
 
 
 # --------------------------------------------------------------------------- 3-D rotary positions

@@ -42,9 +42,10 @@ from rl_core.step_loop import JobSteps, run_steps
 from workers import loading
 from workers.engines.embedded.forked import EngineFork
 from workers.engines.spec import is_vision_language
-from workers.engines.weights import probe_token_ids
+from workers.engines.weights import Probe, probe_token_ids
 from workers.memory_plan import MemoryPlan, detect_device
 from workers.trace import StepTimer, span
+from workers.vision import load_processor, vision_probe
 from workers.worker import BatchWorker
 
 
@@ -155,7 +156,7 @@ class Job:
     kl_ctl: object  # alg.AdaptiveKLController or alg.FixedKLController
     collector: Collector  # the step's batch, sync or async
     checkpointer: Checkpointer
-    probe: list[int]  # token ids whose logprobs engine and trainer must agree on after each push
+    probe: Probe  # the prompt whose logprobs engine and trainer must agree on after each push
     start_step: int
     total_steps: int
     prompts: object = None
@@ -232,8 +233,11 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
         kl_ctl.load_state_dict(saved["kl_controller"])
         if prompts is not None and saved.get("prompts") is not None:
             prompts.load_state_dict(saved["prompts"])
+    probe = Probe.text(probe_token_ids(tokenizer))
+    if vision:  # its push carries the vision tower: the probe shows a picture
+        probe = vision_probe(load_processor(cfg.model.path), tokenizer, probe.ids)
     job = Job(cfg, tokenizer, models, worker, StepSettings.from_config(cfg, truncate_id), kl_ctl, collector,
-              checkpointer, probe_token_ids(tokenizer), start_step, total_steps, prompts, held_out,
+              checkpointer, probe, start_step, total_steps, prompts, held_out,
               memory_plan=plan)
     push_weights(rt, job, start_step)  # the engines start from the trainer's (maybe resumed) weights
     if rt.rank == 0:

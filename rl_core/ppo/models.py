@@ -12,8 +12,10 @@ from rl_core.optim import linear_anneal_schedule
 from rl_core.ppo.config import AlgorithmConfig, DistillConfig, ModelConfig
 from rl_core.ppo.distill import RemoteTeacher
 from workers import forward, layout
+from workers.engines.weights import Probe
 from workers.fsdp import iter_full_tensors
 from workers.lora import merged_weights
+from workers.vision import step_images
 from workers.worker import BatchWorker
 
 
@@ -98,12 +100,13 @@ class PPOModels:
         weights = iter_full_tensors(self.actor.model)
         return merged_weights(self.actor.model, weights) if self.lora else weights
 
-    def probe_logprobs(self, probe_ids: list[int], worker: BatchWorker) -> list[float]:
+    def probe_logprobs(self, probe: Probe, worker: BatchWorker) -> list[float]:
         """The actor's logprob of each probe token after the first, from raw logits (as SGLang reports them),
-        laid out as the trainer's micro-batches are."""
-        probe = layout.rows_to_batch([{"input_ids": probe_ids, "action_mask": [1] * len(probe_ids)}],
-                                        self.pad_token_id)
+        laid out as the trainer's micro-batches are; a vision-language probe's picture runs through the tower."""
+        batch = layout.rows_to_batch([{"input_ids": probe.ids, "action_mask": [1] * len(probe.ids)}], self.pad_token_id)
+        if probe.images is not None:  # carried as a step batch carries a row's images
+            batch.update(step_images([(probe.images["pixel_values"], probe.images["image_grid_thw"])]))
         with torch.no_grad():
-            logprobs = forward.token_logprobs(self.actor.model, worker.micro_batch(probe, [0]), temperature=1.0)
+            logprobs = forward.token_logprobs(self.actor.model, worker.micro_batch(batch, [0]), temperature=1.0)
         return logprobs[0, 1:].float().cpu().tolist()
 

@@ -224,7 +224,7 @@ class TrajectoryBuilder:
     def _show_images(self, images: list | None = None) -> None:
         """The current sequence's image pads expanded to the processor's count per image, its images kept: the
         prompt's `images`, or (None) the ones the prompt showed, for a new sequence whose state shows them again."""
-        from workers.vision import expand_image_pads, image_token_counts, load_images, vision_inputs
+        from workers.vision import data_url, expand_image_pads, image_token_counts, load_images, vision_inputs
 
         if self.processor is None:
             raise RuntimeError("the prompt shows images but the rollout has no processor; give RolloutParts the "
@@ -345,17 +345,6 @@ def image_pad_id(processor: Any, tokenizer: Any) -> int:
     """The id of `<|image_pad|>`: the processor's own, else the tokenizer's."""
     pad = getattr(processor, "image_token_id", None)
     return int(pad) if pad is not None else int(tokenizer.convert_tokens_to_ids("<|image_pad|>"))
-
-
-def data_url(image: Any) -> str:
-    """An RGB PIL image as a PNG data URL (SGLang's image_data takes it; a path would have to exist where
-    the engine runs)."""
-    import base64
-    import io
-
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode("ascii")
 
 
 def _as_ids(observation: Any) -> list[int]:

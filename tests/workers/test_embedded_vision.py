@@ -18,9 +18,9 @@ from offline.vision import IMAGE_PAD, save_vision_model
 from workers.engines.client import EngineClient, EngineError
 from workers.engines.launch import start_engine
 from workers.engines.spec import EngineSpec
-from workers.engines.weights import WeightPusher
+from workers.engines.weights import Probe, WeightPusher, WeightSyncError, check_pushed_weights, probe_token_ids
 from workers.procs import ManagedProcesses
-from workers.vision import load_processor
+from workers.vision import load_processor, vision_probe
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
@@ -176,6 +176,45 @@ def test_a_weight_push_reaches_the_vision_tower(engine_url, model, processor, im
     _, tokens, original = hf_greedy(model, processor, images["pictures"][:1], GREEDY["max_new_tokens"])
     check_matches(restored, tokens, original)
     assert pushed["output_ids"] != restored["output_ids"] or max(abs(a - b) for a, b in zip(logprobs, original)) > 1e-3
+
+
+def probe_expectation(model, probe):
+    """The model's own logprob of each probe token after the first (its picture through the tower)."""
+    images = probe.images or {}
+    ids = torch.tensor([probe.ids])
+    types = {"mm_token_type_ids": (ids == probe.image_pad_id).int()} if images else {}
+    with torch.no_grad():
+        logits = model(input_ids=ids, **images, **types).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
+
+
+@pytest.mark.timeout(120)
+def test_the_weight_probe_of_a_vision_language_policy_checks_its_vision_tower(engine_url, model, processor):
+    """After a push the job compares engine and trainer on a probe; a VL policy's shows a picture, so a vision tower
+    that is not the trainer's fails the check, which a text-only probe passes (it never runs the tower)."""
+    text = Probe.text(probe_token_ids(processor.tokenizer))
+    probe = vision_probe(processor, processor.tokenizer, text.ids)
+    assert probe.engine_ids.count(probe.image_pad_id) == 1 and probe.ids.count(probe.image_pad_id) == 4
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, param in changed.named_parameters():
+            if ".visual." in f".{name}":
+                param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(5)) * 0.5)
+    tower = [(name, param) for name, param in changed.named_parameters() if ".visual." in f".{name}"]
+    pusher = WeightPusher(torch.float32, bucket_bytes=64 << 10)
+    expected, expected_text = probe_expectation(model, probe), probe_expectation(model, text)
+
+    async def body(client):
+        await pusher.push(client, tower, "wrong tower")  # the trainer still holds the original
+        text_gap = await check_pushed_weights(client, "wrong tower", text, expected_text, 1e-4)
+        with pytest.raises(WeightSyncError, match="disagrees with the trainer"):
+            await check_pushed_weights(client, "wrong tower", probe, expected, 1e-4)
+        changed_gap = await check_pushed_weights(client, "wrong tower", probe, probe_expectation(changed, probe), 1e-4)
+        await pusher.push(client, list(model.named_parameters()), "restored")
+        return text_gap, changed_gap, await check_pushed_weights(client, "restored", probe, expected, 1e-4)
+
+    text_gap, changed_gap, restored_gap = run(engine_url, body)
+    assert text_gap < 1e-5 and changed_gap < 1e-5 and restored_gap < 1e-5
 
 
 @pytest.mark.timeout(120)

@@ -23,7 +23,7 @@ from workers.engines.client import EngineClient, EngineError
 from workers.engines.launch import start_engine
 from workers.engines.spec import EngineSpec
 from workers.engines.weights import (WeightPusher, WeightSyncError, check_pushed_weights, engine_probe_logprobs,
-                                     flatten_bucket, serialize_for_engine)
+                                     flatten_bucket, probe_token_ids, serialize_for_engine)
 from workers.procs import ManagedProcesses
 
 CONTEXT = 512
@@ -529,3 +529,24 @@ def test_a_pushed_vision_tower_changes_both_engines_alike(vl_engines, vl_request
     assert max(abs(a - b) for a, b in zip(logprobs["embedded"][1], logprobs["embedded"][0])) > 1e-3
     torch.testing.assert_close(torch.tensor(logprobs["embedded"][2]), torch.tensor(logprobs["embedded"][0]),
                                atol=1e-5, rtol=0)
+
+
+@pytest.mark.timeout(300)
+def test_both_engines_answer_the_weight_probe_of_a_vision_language_policy(vl_engines):
+    """The job's probe after each push shows a VL policy a picture (`workers.vision.vision_probe`): both engines
+    expand its one pad and give every text token the model's own logprob, as the trainer computes it."""
+    from transformers import AutoModelForImageTextToText
+
+    from workers.vision import load_processor, vision_probe
+
+    processor = load_processor(vl_engines["model"])
+    probe = vision_probe(processor, processor.tokenizer, probe_token_ids(processor.tokenizer))
+    model = AutoModelForImageTextToText.from_pretrained(vl_engines["model"], dtype=torch.float32).eval()
+    ids = torch.tensor([probe.ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids, **probe.images, mm_token_type_ids=(ids == probe.image_pad_id).int()).logits
+    expected = torch.log_softmax(logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+    compared = torch.tensor(probe.compared())
+    for kind in ENGINE_KINDS:
+        got = torch.tensor(vl_run(vl_engines, kind, lambda client: engine_probe_logprobs(client, probe)))
+        torch.testing.assert_close(got[compared], expected[compared], atol=1e-4, rtol=0, msg=kind)

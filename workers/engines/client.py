@@ -171,17 +171,26 @@ class EngineClient:
             payload["image_data"] = image_data
         return await self.post("/generate", payload, timeout_s if timeout_s is not None else self.timeout_s)
 
-    async def prompt_logprobs(self, input_ids: Sequence[int]) -> list[float] | None:
+    async def prompt_logprobs(self, input_ids: Sequence[int], image_data: Any = None,
+                              expected_ids: Sequence[int] | None = None, unnamed_id: int | None = None,
+                              ) -> list[float] | None:
         """Prefill only (`max_new_tokens: 0`, `logprob_start_len: 0`): the engine's logprob of each token of
         `input_ids` after the first, from raw logits; None when the answer does not cover exactly those tokens.
-        The weight probe and a distillation teacher's server both ask this."""
-        answer = await self.post("/generate", {
-            "input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}, timeout_s=self.timeout_s)
+        The weight probe and a distillation teacher's server both ask this. With `image_data` the engine expands
+        `input_ids`' image pads: the answer covers `expected_ids` (the expansion), whose `unnamed_id` tokens (the
+        pads: SGLang names them 0) are not compared and get logprob 0."""
+        payload = {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": 0,
+                   "sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}
+        if image_data is not None:
+            payload["image_data"] = image_data
+        answer = await self.post("/generate", payload, timeout_s=self.timeout_s)
+        expected = list(expected_ids if expected_ids is not None else input_ids)
         entries = (answer.get("meta_info") or {}).get("input_token_logprobs") or []
-        if len(entries) != len(input_ids) or [int(e[1]) for e in entries] != list(input_ids):
+        if len(entries) != len(expected) or any(int(e[1]) != token for e, token in zip(entries, expected)
+                                                if token != unnamed_id):
             return None
-        return [float(e[0]) for e in entries[1:]]  # the first token has no logprob (null)
+        # the first token has no logprob (null)
+        return [0.0 if token == unnamed_id else float(e[0]) for e, token in zip(entries[1:], expected[1:])]
 
     # ------------------------------------------------------------ info and control
 

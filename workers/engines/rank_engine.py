@@ -27,7 +27,7 @@ from workers.engines.client import EngineClient, EngineError
 from workers.engines.embedded.forked import EngineFork
 from workers.engines.launch import start_engine
 from workers.engines.spec import EngineSpec
-from workers.engines.weights import (PROBE_TOLERANCE, WeightPusher, WeightSyncError, check_pushed_weights,
+from workers.engines.weights import (PROBE_TOLERANCE, Probe, WeightPusher, WeightSyncError, check_pushed_weights,
                                      sglang_encode_bucket)
 from workers.procs import ManagedProcesses
 from workers.trace import span
@@ -80,7 +80,7 @@ class RankEngine:
         self.released = True
         return time.perf_counter() - started
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, probe_ids: list[int],
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, probe: Probe,
              trainer_logprobs: list[float], pause_in_place: bool) -> dict[str, float]:
         """Stream the trainer's weights in as `version` (resuming released memory around it), then fail fast unless
         the engine serves `version` with the trainer's logprobs on the probe. Returns timings and the probe's gap.
@@ -91,12 +91,12 @@ class RankEngine:
             # The trainer's cached activation blocks would otherwise stay reserved while the engine takes
             # its weights and KV cache back (OOM on resume; the memory plan counts on this).
             torch.cuda.empty_cache()
-        pushing = self._push_and_check(named_tensors, str(version), probe_ids, trainer_logprobs, pause_in_place)
+        pushing = self._push_and_check(named_tensors, str(version), probe, trainer_logprobs, pause_in_place)
         with self._failure_named(f"the weight push of version {version}"):
             return self._loop.run_until_complete(asyncio.wait_for(pushing, self.timeout_s))
 
     async def _push_and_check(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str,
-                              probe_ids: list[int], trainer_logprobs: list[float],
+                              probe: Probe, trainer_logprobs: list[float],
                               pause_in_place: bool) -> dict[str, Any]:
         """The push's calls in their order (module docstring): pause, resume the weights, the buckets, resume the
         KV cache, continue; then the check of version and probe."""
@@ -121,7 +121,7 @@ class RankEngine:
         stats["weight_sync/resume_s"] = resume_s
         with span("probe"):
             probing = time.perf_counter()
-            stats["weight_sync/probe_gap"] = await check_pushed_weights(self.client, version, probe_ids,
+            stats["weight_sync/probe_gap"] = await check_pushed_weights(self.client, version, probe,
                                                                         trainer_logprobs, self.probe_tolerance)
             stats["weight_sync/probe_s"] = time.perf_counter() - probing
         return stats

@@ -381,6 +381,28 @@ def _with_last(buckets: Iterable[list]) -> Iterator[tuple[list, bool]]:
 # ---------------------------------------------------------------- check
 
 
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """The fixed prompt engine and trainer must score alike after every push: `ids` as the trainer runs them. A
+    vision-language policy's probe shows one image (its weight push carries the vision tower, which only an image
+    exercises): the engine is sent `engine_ids` (one image pad) with `image_data` and expands the pad itself;
+    `images` holds the processor's `pixel_values` and `image_grid_thw` for the trainer; `image_pad_id` marks the
+    positions whose input logprobs mean nothing (the image's own: SGLang names token 0 there)."""
+    ids: list[int]
+    engine_ids: list[int]
+    image_data: list[str] | None = None
+    images: dict[str, torch.Tensor] | None = None
+    image_pad_id: int | None = None
+
+    @classmethod
+    def text(cls, ids: Sequence[int]) -> "Probe":
+        return cls([int(i) for i in ids], [int(i) for i in ids])
+
+    def compared(self) -> list[bool]:
+        """For each token after the first: whether its logprob is compared (every one but an image pad)."""
+        return [token != self.image_pad_id for token in self.ids[1:]]
+
+
 def probe_token_ids(tokenizer, min_tokens: int = 8) -> list[int]:
     """A fixed, tokenizer-independent-length probe sequence (the text, repeated if it is short)."""
     ids = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
@@ -389,28 +411,36 @@ def probe_token_ids(tokenizer, min_tokens: int = 8) -> list[int]:
     return [int(i) for i in ids[:64]]
 
 
-async def engine_probe_logprobs(client: EngineClient, probe_ids: list[int]) -> list[float]:
-    """The engine's logprob of every probe token after the first (prefill only, raw logits)."""
-    logprobs = await client.prompt_logprobs(probe_ids)
+async def engine_probe_logprobs(client: EngineClient, probe: Probe | Sequence[int]) -> list[float]:
+    """The engine's logprob of every probe token after the first (prefill only, raw logits); 0 at an image's
+    pads."""
+    probe = probe if isinstance(probe, Probe) else Probe.text(probe)
+    if probe.image_data is None:
+        logprobs = await client.prompt_logprobs(probe.ids)
+    else:
+        logprobs = await client.prompt_logprobs(probe.engine_ids, image_data=probe.image_data,
+                                                expected_ids=probe.ids, unnamed_id=probe.image_pad_id)
     if logprobs is None:
         raise WeightSyncError(f"engine {client.base_url} answered the weight probe with other input logprobs than "
-                              f"one for each of its {len(probe_ids)} tokens")
+                              f"one for each of its {len(probe.ids)} tokens")
     return logprobs
 
 
-async def check_pushed_weights(client: EngineClient, version: str, probe_ids: list[int],
+async def check_pushed_weights(client: EngineClient, version: str, probe: Probe | Sequence[int],
                                trainer_logprobs: Sequence[float], tolerance: float) -> float:
     """Raise WeightSyncError unless the engine reports `version` and the trainer's probe logprobs.
 
-    Returns the mean absolute logprob gap.
+    Returns the mean absolute logprob gap (over the compared tokens: all but an image's pads).
     """
+    probe = probe if isinstance(probe, Probe) else Probe.text(probe)
     info = await client.model_info()
     reported = (info or {}).get("weight_version")
     if str(reported) != str(version):
         raise WeightSyncError(f"engine {client.base_url} reports weight_version {reported!r} after the push "
                               f"of version {version!r}")
-    engine = await engine_probe_logprobs(client, probe_ids)
-    gap = sum(abs(a - b) for a, b in zip(engine, trainer_logprobs)) / max(len(engine), 1)
+    engine = await engine_probe_logprobs(client, probe)
+    gaps = [abs(a - b) for a, b, compared in zip(engine, trainer_logprobs, probe.compared()) if compared]
+    gap = sum(gaps) / max(len(gaps), 1)
     if not gap <= tolerance:  # also catches NaN
         raise WeightSyncError(f"engine {client.base_url} disagrees with the trainer after the push of version "
                               f"{version!r}: mean |logprob gap| {gap:.4f} on the probe > tolerance {tolerance:g} "
