@@ -7,7 +7,7 @@ tiny tokenizer), measured side by side in one run, medians over `--repeats` roun
 alternate between the three:
 - copy: one host copy of the parameters (every parameter copied into one preallocated buffer),
   the floor for moving the weights once;
-- push: `WeightPusher.push` into a running embedded engine, exactly as the job does it
+- push: `RankEngine.push` into a running embedded engine, exactly as the job does it
   (`/begin_weight_update`, flattened buckets through `/update_weights_from_tensor`,
   `/end_weight_update`), until the engine's weights are the new ones;
 - file: the path the job used before (one safetensors file in /dev/shm, loaded into the model),
@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workers.engines.client import EngineClient  # noqa: E402
 from workers.engines.launch import start_engine  # noqa: E402
 from workers.engines.spec import EngineSpec  # noqa: E402
-from workers.engines.weights import WeightPusher, check_pushed_weights, tensor_nbytes  # noqa: E402
+from workers.engines.rank_engine import RankEngine  # noqa: E402
+from workers.engines.weights import Probe, WeightPusher, tensor_nbytes  # noqa: E402
 from workers.procs import ManagedProcesses  # noqa: E402
 from bench_rollout import bench_model  # noqa: E402 - the same models as the rollout bench
 
@@ -79,7 +80,7 @@ def perturbed(named: list[tuple[str, torch.Tensor]], round_: int) -> None:
             tensor.add_(1e-4 * (round_ + 1))
 
 
-async def bench_one(name: str, model_path: str, args, workdir: Path, procs: ManagedProcesses) -> dict:
+def bench_one(name: str, model_path: str, args, workdir: Path, procs: ManagedProcesses) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -91,12 +92,12 @@ async def bench_one(name: str, model_path: str, args, workdir: Path, procs: Mana
     engine = start_engine(spec, workdir / f"{name}_engine.log", procs, deadline_s=300)
     pusher = WeightPusher(torch.float32, bucket_bytes=args.bucket_mb << 20)
     copies, pushes, files, stats = [], [], [], []
-    async with EngineClient(engine.url, timeout_s=600) as client:
+    with RankEngine(engine.url, workdir / f"{name}_engine.log", pusher, 2e-3) as ours:  # the job's push
         for round_ in range(args.repeats + 1):  # round 0 warms every path up
             perturbed(named, round_)
             copy_s = copy_seconds(named, buffer)
             started = time.perf_counter()
-            push_stats = await pusher.push(client, named, str(round_))
+            push_stats = ours.push(named, round_, None, None)
             push_s = time.perf_counter() - started
             file_s = file_seconds(named, receiver, Path("/dev/shm") / f"bench_weights_{os.getpid()}.safetensors")
             if round_:
@@ -104,12 +105,13 @@ async def bench_one(name: str, model_path: str, args, workdir: Path, procs: Mana
                 pushes.append(push_s)
                 files.append(file_s)
                 stats.append(push_stats)
-        # The push really landed: the engine reports the version and the trainer's logprobs.
-        with torch.no_grad():
-            logits = model(torch.tensor([PROBE])).logits[0]
-        expected = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(PROBE[1:])[:, None]).squeeze(-1)
-        gap = await check_pushed_weights(client, str(args.repeats), PROBE, expected.tolist(), 2e-3)
-        fixed_ms = await fixed_costs_ms(client)
+    # The push really landed: the engine answers the probe from the last version with the trainer's logprobs.
+    with torch.no_grad():
+        logits = model(torch.tensor([PROBE])).logits[0]
+    expected = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(PROBE[1:])[:, None]).squeeze(-1)
+    probe = Probe.text(PROBE)
+    answer, fixed_ms = asyncio.run(probe_and_round_trips(engine.url, probe))
+    gap = probe.gap(answer, str(args.repeats), expected.tolist(), 2e-3, engine.url)
     procs.stop(engine.proc)
     copy_s, push_s, file_s = statistics.median(copies), statistics.median(pushes), statistics.median(files)
     phases = {key.split("/")[1]: statistics.median(s[key] for s in stats) for key in stats[0]
@@ -131,14 +133,17 @@ async def bench_one(name: str, model_path: str, args, workdir: Path, procs: Mana
     return result
 
 
-async def fixed_costs_ms(client: EngineClient, repeats: int = 20) -> float:
-    """Median round trip of an empty control call: the floor of each of the push's HTTP calls."""
+async def probe_and_round_trips(url: str, probe: Probe, repeats: int = 20) -> tuple[dict, float]:
+    """The engine's answer to the probe, and the median round trip of an empty control call: the floor of each
+    of the push's HTTP calls."""
     times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        await client.model_info()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
+    async with EngineClient(url, timeout_s=600) as client:
+        answer = await client.post("/generate", probe.request())
+        for _ in range(repeats):
+            started = time.perf_counter()
+            await client.model_info()
+            times.append(time.perf_counter() - started)
+    return answer, statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -154,7 +159,7 @@ def main() -> None:
     summary = {}
     with tempfile.TemporaryDirectory(prefix="bench_weights_") as tmp, ManagedProcesses() as procs:
         for name in args.models.split(","):
-            result = asyncio.run(bench_one(name, bench_model(name, Path(tmp), context=128), args, Path(tmp), procs))
+            result = bench_one(name, bench_model(name, Path(tmp), context=128), args, Path(tmp), procs)
             key = "86m" if name == "gpt2-86m" else name
             summary.update({f"weight_push_vs_copy_{key}": round(result["push_vs_copy"], 3),
                             f"push_s_{key}": round(result["push_s"], 5), f"copy_s_{key}": round(result["copy_s"], 5),

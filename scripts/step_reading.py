@@ -19,9 +19,9 @@ its frames are, so in practice these count the main thread):
 
 - `max_depth`: how far below `ppo_step` the step's real work happens: the most frames on the path of a call that
   does real work, `ppo_step`'s own callee counted 1 and the call itself counted. Real work (`WORK`): autograd's
-  backward (torch's `Tensor.backward`), an HTTP request (aiohttp's `ClientSession._request`, urllib's `urlopen`:
-  every engine call, the weight push's included) and the loss and advantage maths (a function of
-  `rl_core/ppo/algorithms.py` called from another file).
+  backward (torch's `Tensor.backward`), an HTTP request (`EngineClient.request`, the one function that sends
+  every engine call, the weight push's included, its body aiohttp's request; urllib's `urlopen` for any other)
+  and the loss and advantage maths (a function of `rl_core/ppo/algorithms.py` called from another file).
 - `reentries`: the distinct call edges that enter a file already on the path above the caller: a file left
   and entered again (A -> B -> A), the loss computed in `step.py` below `worker.py` below `step.py`, say.
 - `batch_forms`: how many forms the step's rows take on their way from the prompt rows to the loss, counted on
@@ -65,8 +65,10 @@ DEFAULT = ["--config", "grpo_arithmetic.yaml", "algorithm.batch_size=16", "algor
            "env.num_envs=8", "trainer.total_episodes=32", "data.eval_path=null", "eval.every=0",
            "trainer.progress=false", "trainer.export_hf=false", "trainer.log_samples_every=0"]
 # Real work done outside the project: a function's name -> how its file's path ends.
-WORK = {"backward": "torch/_tensor.py", "_request": "aiohttp/client.py", "urlopen": "urllib/request.py"}
+WORK = {"backward": "torch/_tensor.py", "urlopen": "urllib/request.py"}
 MATHS = str(REPO / "rl_core" / "ppo" / "algorithms.py")  # the loss and advantage maths: real work too
+# The project's one function that sends an engine (or router) an HTTP request: aiohttp's request is its body.
+REQUEST = (str(REPO / "workers" / "engines" / "client.py"), "request")
 
 CallPath = tuple[tuple[str, str], ...]  # (file, function) of each project frame from the root down
 Edge = tuple[str, str, str, str]  # caller file and function -> callee file and function
@@ -77,10 +79,12 @@ class StepCalls:
     """The project's calls while `recording` is set, from every thread that runs Python.
 
     `root`: the code of the function the call paths start at (`ppo_step`'s); None: each thread's outermost
-    project frame. `packages`: the project's folders; `maths`: the file whose functions are real work."""
+    project frame. `packages`: the project's folders; `maths`: the file whose functions are real work; `request`: the
+    (file, function) that sends an HTTP request."""
 
-    def __init__(self, root=None, packages: tuple[str, ...] = PACKAGES, maths: str = MATHS):
-        self.root, self.packages, self.maths = root, packages, maths
+    def __init__(self, root=None, packages: tuple[str, ...] = PACKAGES, maths: str = MATHS,
+                 request: tuple[str, str] = REQUEST):
+        self.root, self.packages, self.maths, self.request = root, packages, maths, request
         self.recording = False
         self.edges: set[Edge] = set()
         self.entered: dict[str, set[str]] = defaultdict(set)
@@ -115,7 +119,8 @@ class StepCalls:
         path = self.call_path(frame)
         if path is not None:
             self.paths.add(path)
-            if callee == self.maths and not (caller is not None and caller.f_code.co_filename == self.maths):
+            maths = callee == self.maths and not (caller is not None and caller.f_code.co_filename == self.maths)
+            if maths or (callee, code.co_name) == self.request:
                 self.work_paths.add(path)
 
     def project_caller(self, frame):

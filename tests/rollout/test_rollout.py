@@ -4,6 +4,7 @@ import asyncio
 import os
 import concurrent.futures
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from rl_core.rollout.rollout import GroupRule, RolloutParts, RolloutSettings, ro
 from workers.engines.client import EngineClient
 from workers.engines.launch import start_engine
 from workers.engines.spec import EngineSpec
+from workers.engines.rank_engine import RankEngine
 from workers.engines.weights import WeightPusher
 from workers.procs import ManagedProcesses
 from workers.router import launch_router
@@ -369,7 +371,7 @@ def test_aborted_generation_continues_on_new_weights_with_per_token_versions(ser
                                                          "pad_token_id": tokenizer.pad_token_id}), num_envs=8)
     params = {"max_new_tokens": response_length, "ignore_eos": True}
     same_weights = list(AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict().items())
-    pusher = WeightPusher(torch.float32)
+    ours = RankEngine(engine_url, Path("engine.log"), WeightPusher(torch.float32), 1e-3)  # the job's handle
     version = {"now": 4}
 
     async def push_midway(engine: EngineClient, generating: asyncio.Task):
@@ -377,18 +379,18 @@ def test_aborted_generation_continues_on_new_weights_with_per_token_versions(ser
             if generating.done():
                 return  # the rollout finished first: nothing to interrupt this attempt
             await asyncio.sleep(0.001)
-        await engine.pause_generation("in_place")  # hold the running requests between two decode steps
+        await engine.post("/pause_generation", {"mode": "in_place"})  # hold the running requests between two steps
         # Announce the new version, then abort: partial outputs come back as "abort", and the
-        # continuations sent from here wait in the paused engine for the new weights.
+        # continuations sent from here wait in the paused engine for the new weights: the job's async push
+        # (paused in place, no cache flush while requests wait, continue), on the engine handle's own loop.
         version["now"] = 5
-        await engine.pause_generation("abort")
-        await pusher.push(engine, same_weights, "5", flush_cache=False)
-        await engine.continue_generation()
+        await engine.post("/pause_generation", {"mode": "abort"})
+        await asyncio.to_thread(ours.push, same_weights, 5, None, None, True)
 
     async def main():
         version["now"] = 4
         async with EngineClient(router, timeout_s=60) as client, EngineClient(engine_url) as engine:
-            await pusher.push(engine, same_weights, "4")
+            await asyncio.to_thread(ours.push, same_weights, 4, None, None)
             generating = asyncio.create_task(rollout(
                 samples, RolloutSettings(params, max_total_tokens=CONTEXT, progress=False),
                 RolloutParts(client, pool, tokenizer), lambda: version["now"]))
@@ -397,21 +399,24 @@ def test_aborted_generation_continues_on_new_weights_with_per_token_versions(ser
                 return await generating
             finally:
                 generating.cancel()
-                await engine.continue_generation()
+                await engine.post("/continue_generation")
 
     continued = 0
-    for _ in range(5):  # the pause races the (fast) tiny model; retry until it lands mid-generation
-        result = asyncio.run(main())
-        for traj in result.trajectories:
-            (seq,) = traj.sequences
-            versions = seq.versions[query_length:]
-            assert len(versions) == response_length and traj.finish_reasons == ["length"]  # the full fixed length
-            switch = versions.index(5) if 5 in versions else response_length
-            assert versions == [4] * switch + [5] * (response_length - switch)  # old policy first, then the new one
-            continued += 0 < switch < response_length
-            assert traj.min_version == (4 if switch else 5)
-        if continued:
-            break
+    try:
+        for _ in range(5):  # the pause races the (fast) tiny model; retry until it lands mid-generation
+            result = asyncio.run(main())
+            for traj in result.trajectories:
+                (seq,) = traj.sequences
+                versions = seq.versions[query_length:]
+                assert len(versions) == response_length and traj.finish_reasons == ["length"]  # the full fixed length
+                switch = versions.index(5) if 5 in versions else response_length
+                assert versions == [4] * switch + [5] * (response_length - switch)  # old policy first, then the new one
+                continued += 0 < switch < response_length
+                assert traj.min_version == (4 if switch else 5)
+            if continued:
+                break
+    finally:
+        ours.close()
     assert continued >= 1
 
 

@@ -65,7 +65,8 @@ def test_the_lines_of_an_entered_function_hold_its_decorators_and_nested_functio
 
 def record(tmp_path, monkeypatch, modules: dict[str, str]):
     """`modules` (name -> source, `PKG` standing for their package) written as a package of their own, then
-    `top.step()` run under the recorder with `step` as the root and `maths.py` the maths; the recorder back."""
+    `top.step()` run under the recorder with `step` as the root, `maths.py` the maths and `client.request` the
+    HTTP request; the recorder back."""
     package = f"steps_{uuid.uuid4().hex[:8]}"
     folder = tmp_path / package
     folder.mkdir()
@@ -74,7 +75,8 @@ def record(tmp_path, monkeypatch, modules: dict[str, str]):
         (folder / f"{name}.py").write_text(textwrap.dedent(source).replace("PKG", package))
     monkeypatch.syspath_prepend(str(tmp_path))
     top = importlib.import_module(f"{package}.top")
-    calls = step_reading.StepCalls(root=top.step.__code__, packages=(f"{folder}/",), maths=str(folder / "maths.py"))
+    calls = step_reading.StepCalls(root=top.step.__code__, packages=(f"{folder}/",), maths=str(folder / "maths.py"),
+                                   request=(str(folder / "client.py"), "request"))
     calls.recording = True
     sys.setprofile(calls.hook)
     try:
@@ -134,6 +136,53 @@ def test_max_depth_is_how_far_below_the_root_the_backward_and_the_maths_run(tmp_
     assert set(kinds) == {"_tensor.py:backward", "maths.py:loss"}
     assert [name for _, name in kinds["maths.py:loss"]] == ["step", "update", "gradient", "loss"]
     assert step_reading.max_depth([]) == 0
+
+
+def test_an_engine_request_is_real_work_where_the_client_sends_it(tmp_path, monkeypatch):
+    """The weight push's HTTP: its depth is where the client's `request` runs, however the caller wraps the call
+    (a protocol's own coroutine below the push is one frame more)."""
+    client = """
+        def request(path):
+            return len(path)
+
+        def post(path):
+            return request(path)
+    """
+    wrapped = record(tmp_path, monkeypatch, {
+        "top": """
+            from PKG import engine
+
+            def step():
+                return engine.push()
+        """,
+        "engine": """
+            from PKG import client
+
+            def push():
+                return protocol()
+
+            def protocol():
+                return client.post("/update_weights_from_tensor")
+        """,
+        "client": client})
+    flat = record(tmp_path, monkeypatch, {
+        "top": """
+            from PKG import engine
+
+            def step():
+                return engine.push()
+        """,
+        "engine": """
+            from PKG import client
+
+            def push():
+                return client.request("/update_weights_from_tensor")
+        """,
+        "client": client})
+    # push (1) -> protocol (2) -> post (3) -> request (4); push (1) -> request (2)
+    assert step_reading.max_depth(wrapped.work_paths) == 4
+    assert step_reading.max_depth(flat.work_paths) == 2
+    assert set(step_reading.deepest_work(flat.work_paths)) == {"client.py:request"}
 
 
 def test_a_reentry_is_a_call_back_into_a_file_the_path_left(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -85,7 +86,7 @@ def test_a_failed_push_reports_its_first_error_not_the_session_clean_up():
     import torch
     from aiohttp import web
 
-    from workers.engines.client import EngineError
+    from workers.engines.rank_engine import RankEngine
     from workers.engines.weights import WeightPusher
 
     async def begin(request):
@@ -97,14 +98,19 @@ def test_a_failed_push_reports_its_first_error_not_the_session_clean_up():
     async def end(request):
         return web.Response(status=503, text="scheduler is gone")
 
+    def push(url):  # the job's handle runs its own event loop: in a thread beside this test's server
+        with RankEngine(url, Path("engine.log"), WeightPusher(torch.float32), 1e-3) as engine:
+            engine.push([("w", torch.ones(4))], 1, None, None)
+
     async def main():
         routes = {"/begin_weight_update": begin, "/update_weights_from_tensor": update, "/end_weight_update": end}
-        async with serving(routes) as (_, url), EngineClient(url) as client:
-            with pytest.raises(EngineError) as err:
-                await WeightPusher(torch.float32).push(client, [("w", torch.ones(4))], "1")
+        async with serving(routes) as (_, url):
+            with pytest.raises(RuntimeError) as err:
+                await asyncio.to_thread(push, url)
         return err.value
     error = asyncio.run(main())
     assert "/update_weights_from_tensor" in str(error) and "digest sent was rejected" in str(error)
+    assert "scheduler is gone" not in str(error) and "engine.log" in str(error)
 
 
 @pytest.mark.timeout(60)

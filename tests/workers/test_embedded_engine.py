@@ -11,8 +11,8 @@ import torch
 from workers.engines.client import EngineClient, EngineError
 from workers.engines.launch import start_engine
 from workers.engines.spec import EngineSpec
-from workers.engines.weights import (WeightPusher, WeightSyncError, check_pushed_weights, flatten_bucket,
-                                     serialize_for_engine)
+from workers.engines.rank_engine import RankEngine
+from workers.engines.weights import Probe, WeightPusher, WeightSyncError, flatten_bucket, serialize_for_engine
 from tests.workers.small_models import save_small_gpt2
 from workers.procs import ManagedProcesses
 
@@ -151,7 +151,7 @@ def test_pause_blocks_new_requests_and_abort_mode_returns_partial_output(engine)
     async def body(client):
         running = asyncio.create_task(client.generate([5], LONG, rid="long"))
         await wait_running(client, running)
-        await client.pause_generation("in_place")
+        await client.post("/pause_generation", {"mode": "in_place"})
         await asyncio.sleep(0.2)
         frozen = (await engine_state(client))["tokens_generated"]
         await asyncio.sleep(0.2)
@@ -159,11 +159,11 @@ def test_pause_blocks_new_requests_and_abort_mode_returns_partial_output(engine)
         blocked = asyncio.create_task(client.generate([6], {"max_new_tokens": 2, "ignore_eos": True}))
         await asyncio.sleep(0.3)
         assert not blocked.done()
-        await client.pause_generation("abort")
+        await client.post("/pause_generation", {"mode": "abort"})
         aborted = await running
         await asyncio.sleep(0.1)
         assert not blocked.done()
-        await client.continue_generation()
+        await client.post("/continue_generation")
         return aborted, await blocked
     aborted, unblocked = run(engine, body)
     assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
@@ -194,52 +194,57 @@ def probe_expectation(model, probe):
 PROBE = [5, 6, 7, 8, 9, 10, 11, 12]
 
 
+def rank_engine(engine, pusher):
+    """The job's handle on `engine` (what pushes and checks it), with the float32 probe tolerance."""
+    return RankEngine(engine.url, engine.log_path, pusher, 2e-3)
+
+
 @pytest.mark.timeout(180)
 def test_released_weights_are_lost_until_pushed_in_buckets(engine, model_dir):
     """The GPU sequence on CPU: release -> resume weights -> push buckets -> resume KV cache -> check."""
     original = model_weights(model_dir)
     named = list(dict(original.named_parameters()).items())  # tied weights once, as the trainer sends them
-    pusher = WeightPusher(torch.float32, bucket_bytes=16 << 10)
     greedy = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    probe, expected = Probe.text(PROBE), probe_expectation(original, PROBE)
 
     async def body(client):
         before = await client.generate(PROMPTS[0], greedy)
-        await client.release_memory(["kv_cache", "weights"])
+        await client.post("/release_memory_occupation", {"tags": ["kv_cache", "weights"]})
         with pytest.raises(EngineError, match="memory released"):
             await client.generate([5], {"max_new_tokens": 2})
         with pytest.raises(EngineError, match="not released"):
-            await client.resume_memory(["cuda_graph"])
-        await client.resume_memory(["weights"])
+            await client.post("/resume_memory_occupation", {"tags": ["cuda_graph"]})
+        await client.post("/resume_memory_occupation", {"tags": ["weights"]})
         with pytest.raises(EngineError, match="memory released"):  # the KV cache is still released
             await client.generate([5], {"max_new_tokens": 2})
-        await client.resume_memory(["kv_cache"])
+        await client.post("/resume_memory_occupation", {"tags": ["kv_cache"]})
         lost = await client.generate(PROMPTS[0], {**greedy, "max_new_tokens": 2})  # zeros: contents were lost
         with pytest.raises(WeightSyncError, match="disagrees with the trainer"):
-            await check_pushed_weights(client, "default", PROBE, probe_expectation(original, PROBE), 2e-3)
-        stats = await pusher.push(client, named, "7")
-        gap = await check_pushed_weights(client, "7", PROBE, probe_expectation(original, PROBE), 2e-3)
-        return before, lost, stats, gap, await client.generate(PROMPTS[0], greedy)
-    before, lost, stats, gap, after = run(engine, body)
+            probe.gap(await client.post("/generate", probe.request()), "default", expected, 2e-3, engine.url)
+        return before, lost
+    before, lost = run(engine, body)
+    with rank_engine(engine, WeightPusher(torch.float32, bucket_bytes=16 << 10)) as ours:
+        stats = ours.push(named, 7, probe, expected)
+    after = run(engine, lambda c: c.generate(PROMPTS[0], greedy))
     assert lost["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
-    assert stats["weight_sync/buckets"] > 2 and gap < 1e-4
+    assert stats["weight_sync/buckets"] > 2 and stats["weight_sync/probe_gap"] < 1e-4
     assert after["output_ids"] == before["output_ids"] and after["meta_info"]["weight_version"] == "7"
 
 
 @pytest.mark.timeout(180)
 def test_wrong_or_partial_pushes_are_caught(engine, model_dir):
     original, noisy = model_weights(model_dir), model_weights(model_dir, seed=2)
-    pusher = WeightPusher(torch.float32, bucket_bytes=64 << 10)
-    probe = probe_expectation(original, PROBE)
+    probe, expected = Probe.text(PROBE), probe_expectation(original, PROBE)
 
     def one_tensor(name, tensor):
         return {"serialized_named_tensors": [serialize_for_engine(flatten_bucket([(name, tensor)]))],
                 "load_format": "flattened_bucket", "flush_cache": False}
 
-    async def body(client):
+    async def unsessioned(client):
         with pytest.raises(EngineError, match="must run between"):
             await client.post("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]})
-        await pusher.push(client, original.state_dict().items(), "11")
-        await check_pushed_weights(client, "11", PROBE, probe, 2e-3)
+
+    async def behind_the_trainers_back(client):
         await client.post("/begin_weight_update")
         try:
             bad_name = await client.post("/update_weights_from_tensor", one_tensor("no.such.weight", torch.zeros(2)))
@@ -254,13 +259,16 @@ def test_wrong_or_partial_pushes_are_caught(engine, model_dir):
         name = "transformer.h.0.mlp.c_fc.weight"
         await client.post("/update_weights_from_tensor", one_tensor(name, noisy.state_dict()[name]))
         await client.post("/end_weight_update")
+        return bad_name, bad_shape, await client.post("/generate", probe.request())
+    run(engine, unsessioned)
+    with rank_engine(engine, WeightPusher(torch.float32, bucket_bytes=64 << 10)) as ours:
+        ours.push(original.state_dict().items(), 11, probe, expected)
+        bad_name, bad_shape, answer = run(engine, behind_the_trainers_back)
         with pytest.raises(WeightSyncError, match="mean \\|logprob gap\\|"):
-            await check_pushed_weights(client, "11", PROBE, probe, 2e-3)
+            probe.gap(answer, "11", expected, 2e-3, engine.url)
         with pytest.raises(WeightSyncError, match="reports weight_version '11'"):
-            await check_pushed_weights(client, "12", PROBE, probe, 2e-3)
-        await pusher.push(client, original.state_dict().items(), "13")  # restore for later tests
-        return bad_name, bad_shape, await check_pushed_weights(client, "13", PROBE, probe, 2e-3)
-    bad_name, bad_shape, gap = run(engine, body)
+            probe.gap(answer, "12", expected, 2e-3, engine.url)
+        gap = ours.push(original.state_dict().items(), 13, probe, expected)["weight_sync/probe_gap"]  # restored
     assert isinstance(bad_name, EngineError) and "unknown weight names" in str(bad_name)
     assert isinstance(bad_shape, EngineError) and "shape mismatch" in str(bad_shape)
     assert gap < 1e-4
@@ -281,16 +289,11 @@ def test_alternating_pushes_never_touch_the_weights_being_served(engine, model_d
     """The engine serves from the pusher's staging buffers: each push writes the set the engine is
     not using, so after every push the engine has exactly the weights just sent."""
     models = [model_weights(model_dir, seed=s) for s in (3, 4, 5)] + [model_weights(model_dir)]
-    pusher = WeightPusher(torch.float32, bucket_bytes=32 << 10)
-
-    async def body(client):
-        gaps = []
-        for version, model in enumerate(models, start=20):
-            named = list(dict(model.named_parameters()).items())
-            await pusher.push(client, named, str(version))
-            gaps.append(await check_pushed_weights(client, str(version), PROBE, probe_expectation(model, PROBE), 2e-3))
-        return gaps
-    assert all(gap < 1e-4 for gap in run(engine, body))
+    with rank_engine(engine, WeightPusher(torch.float32, bucket_bytes=32 << 10)) as ours:
+        gaps = [ours.push(list(dict(model.named_parameters()).items()), version, Probe.text(PROBE),
+                          probe_expectation(model, PROBE))["weight_sync/probe_gap"]
+                for version, model in enumerate(models, start=20)]
+    assert all(gap < 1e-4 for gap in gaps)
 
 
 @pytest.mark.parametrize("stderr", ["pipe", "closed"])

@@ -8,6 +8,7 @@ import asyncio
 import base64
 import copy
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +19,8 @@ from offline.vision import IMAGE_PAD, save_vision_model
 from workers.engines.client import EngineClient, EngineError
 from workers.engines.launch import start_engine
 from workers.engines.spec import EngineSpec
-from workers.engines.weights import Probe, WeightPusher, WeightSyncError, check_pushed_weights, probe_token_ids
+from workers.engines.rank_engine import RankEngine
+from workers.engines.weights import Probe, WeightPusher, probe_token_ids
 from workers.procs import ManagedProcesses
 from workers.vision import load_processor, vision_probe
 
@@ -162,14 +164,13 @@ def test_a_weight_push_reaches_the_vision_tower(engine_url, model, processor, im
                 param.add_(torch.randn(param.shape, generator=generator) * 0.5)
     tower = [(name, param) for name, param in changed.named_parameters() if ".visual." in f".{name}"]
     assert tower, "the model has no vision tower parameters under 'visual'"
-    pusher = WeightPusher(torch.float32, bucket_bytes=64 << 10)
-
-    async def body(client):
-        await pusher.push(client, tower, "tower")  # the vision tower alone: the language model is untouched
-        pushed = await client.generate(ids, GREEDY, image_data=images["data"][0])
-        await pusher.push(client, list(model.named_parameters()), "restored")
-        return pushed, await client.generate(ids, GREEDY, image_data=images["data"][0])
-    pushed, restored = run(engine_url, body)
+    def generate():
+        return run(engine_url, lambda client: client.generate(ids, GREEDY, image_data=images["data"][0]))
+    with RankEngine(engine_url, Path("engine.log"), WeightPusher(torch.float32, bucket_bytes=64 << 10), 1e-4) as ours:
+        ours.push(tower, "tower", None, None)  # the vision tower alone: the language model is untouched
+        pushed = generate()
+        ours.push(list(model.named_parameters()), "restored", None, None)
+        restored = generate()
     _, tokens, logprobs = hf_greedy(changed, processor, images["pictures"][:1], GREEDY["max_new_tokens"])
     check_matches(pushed, tokens, logprobs)
     assert pushed["meta_info"]["weight_version"] == "tower"
@@ -201,19 +202,14 @@ def test_the_weight_probe_of_a_vision_language_policy_checks_its_vision_tower(en
             if ".visual." in f".{name}":
                 param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(5)) * 0.5)
     tower = [(name, param) for name, param in changed.named_parameters() if ".visual." in f".{name}"]
-    pusher = WeightPusher(torch.float32, bucket_bytes=64 << 10)
     expected, expected_text = probe_expectation(model, probe), probe_expectation(model, text)
-
-    async def body(client):
-        await pusher.push(client, tower, "wrong tower")  # the trainer still holds the original
-        text_gap = await check_pushed_weights(client, "wrong tower", text, expected_text, 1e-4)
-        with pytest.raises(WeightSyncError, match="disagrees with the trainer"):
-            await check_pushed_weights(client, "wrong tower", probe, expected, 1e-4)
-        changed_gap = await check_pushed_weights(client, "wrong tower", probe, probe_expectation(changed, probe), 1e-4)
-        await pusher.push(client, list(model.named_parameters()), "restored")
-        return text_gap, changed_gap, await check_pushed_weights(client, "restored", probe, expected, 1e-4)
-
-    text_gap, changed_gap, restored_gap = run(engine_url, body)
+    with RankEngine(engine_url, Path("engine.log"), WeightPusher(torch.float32, bucket_bytes=64 << 10), 1e-4) as ours:
+        # the trainer still holds the original: the text probe passes, the picture's does not
+        text_gap = ours.push(tower, "wrong tower", text, expected_text)["weight_sync/probe_gap"]
+        with pytest.raises(RuntimeError, match="disagrees with the trainer"):
+            ours.push(tower, "wrong tower", probe, expected)
+        changed_gap = ours.push(tower, "wrong tower", probe, probe_expectation(changed, probe))["weight_sync/probe_gap"]
+        restored_gap = ours.push(list(model.named_parameters()), "restored", probe, expected)["weight_sync/probe_gap"]
     assert text_gap < 1e-5 and changed_gap < 1e-5 and restored_gap < 1e-5
 
 

@@ -22,8 +22,9 @@ from tests.workers.small_models import save_small_gpt2
 from workers.engines.client import EngineClient, EngineError
 from workers.engines.launch import start_engine
 from workers.engines.spec import EngineSpec
-from workers.engines.weights import (WeightPusher, WeightSyncError, check_pushed_weights, engine_probe_logprobs,
-                                     flatten_bucket, probe_token_ids, serialize_for_engine)
+from workers.engines.rank_engine import RankEngine
+from workers.engines.weights import (Probe, WeightPusher, WeightSyncError, flatten_bucket, probe_token_ids,
+                                     serialize_for_engine)
 from workers.procs import ManagedProcesses
 
 CONTEXT = 512
@@ -189,62 +190,65 @@ def test_ignore_eos_stop_token_ids_and_unknown_sampling_keys(engine):
 
 @pytest.mark.timeout(300)
 def test_release_resume_and_push_in_a_session(engine, hf_model):
-    """The sync step's sequence: release -> resume weights -> begin, buckets, end -> resume KV -> check."""
-    pusher = WeightPusher(torch.float32, bucket_bytes=16 << 10)
+    """The sync step's sequence as the job's RankEngine makes it: release -> resume weights -> begin, buckets, end
+    -> resume KV -> probe. An update outside a session is refused."""
     new_model = noisy_copy(hf_model, seed=1)
     named = list(dict(new_model.named_parameters()).items())  # tied weights once, as the trainer sends them
     expected = forward_logprobs(new_model, PROBE).tolist()
 
-    async def body(client):
-        await client.release_memory(["kv_cache", "weights"])
-        try:
-            while_released = await client.generate([5], {"max_new_tokens": 2, "ignore_eos": True})
-        except EngineError as err:
-            while_released = err
-        await client.resume_memory(["weights"])
+    async def unsessioned(client):
         with pytest.raises(EngineError, match="must run between|begin_weight_update"):
             await client.post("/update_weights_from_tensor", {
                 "serialized_named_tensors": [serialize_for_engine(flatten_bucket(named[:1]))],
                 "load_format": "flattened_bucket", "flush_cache": False})
-        stats = await pusher.push(client, named, "7")
-        await client.resume_memory(["kv_cache"])
-        gap = await check_pushed_weights(client, "7", PROBE, expected, 1e-4)
-        answer = await client.generate([5], {"max_new_tokens": 2})
-        return while_released, stats, gap, (await client.model_info())["weight_version"], answer
-    while_released, stats, gap, version, answer = run(engine, body)
+
+    async def generate(client):
+        try:
+            return await client.generate([5], {"max_new_tokens": 2, "ignore_eos": True})
+        except EngineError as err:
+            return err
+    run(engine, unsessioned)
+    with RankEngine(engine.url, engine.log_path, WeightPusher(torch.float32, bucket_bytes=16 << 10), 1e-4) as ours:
+        ours.release_memory()
+        while_released = run(engine, generate)
+        stats = ours.push(named, 7, Probe.text(PROBE), expected)
+    answer, info = run(engine, lambda c: asyncio.gather(c.generate([5], {"max_new_tokens": 2}), c.model_info()))
     if engine.kind == "embedded":  # its weights are really gone: it refuses rather than answer from nothing
         assert isinstance(while_released, EngineError) and while_released.status == 400
     else:  # SGLang without the memory saver (CPU) frees nothing on release and keeps serving
         assert while_released["meta_info"]["finish_reason"]["type"] == "length"
-    assert stats["weight_sync/buckets"] > 2 and gap < 1e-4
-    assert version == "7" and answer["meta_info"]["weight_version"] == "7"
+    assert stats["weight_sync/buckets"] > 2 and stats["weight_sync/probe_gap"] < 1e-4
+    assert info["weight_version"] == "7" and answer["meta_info"]["weight_version"] == "7"
 
 
 @pytest.mark.timeout(300)
 def test_the_probe_catches_weights_that_are_not_the_trainers(engine, hf_model):
-    pusher = WeightPusher(torch.float32, bucket_bytes=64 << 10)
     original = list(dict(hf_model.named_parameters()).items())
     expected = forward_logprobs(hf_model, PROBE).tolist()
     name = "transformer.h.0.mlp.c_fc.weight"
     wrong = dict(noisy_copy(hf_model, seed=2).named_parameters())[name]
+    probe = Probe.text(PROBE)
 
-    async def body(client):
-        await pusher.push(client, original, "11")
-        first_gap = await check_pushed_weights(client, "11", PROBE, expected, 1e-4)
+    async def one_wrong_tensor(client):  # a session that sets no version: the engine still says 11
         await client.post("/begin_weight_update")
         await client.post("/update_weights_from_tensor", {
             "serialized_named_tensors": [serialize_for_engine(flatten_bucket([(name, wrong.detach())]))],
             "load_format": "flattened_bucket", "flush_cache": True})
         await client.post("/end_weight_update")
+        return await client.post("/generate", probe.request())
+    with RankEngine(engine.url, engine.log_path, WeightPusher(torch.float32, bucket_bytes=64 << 10), 1e-4) as ours:
+        first_gap = ours.push(original, 11, probe, expected)["weight_sync/probe_gap"]
+        answer = run(engine, one_wrong_tensor)
         with pytest.raises(WeightSyncError, match="mean \\|logprob gap\\|"):
-            await check_pushed_weights(client, "11", PROBE, expected, 1e-4)
+            probe.gap(answer, "11", expected, 1e-4, engine.url)
         with pytest.raises(WeightSyncError, match="reports weight_version '11'"):
-            await check_pushed_weights(client, "12", PROBE, expected, 1e-4)
-        await pusher.push(client, original, "13")
-        return first_gap, await engine_probe_logprobs(client, PROBE)
-    first_gap, restored = run(engine, body)
-    assert first_gap < 1e-4
-    torch.testing.assert_close(torch.tensor(restored), torch.tensor(expected), atol=1e-4, rtol=0)
+            probe.gap(answer, "12", expected, 1e-4, engine.url)
+        # the job's push of wrong weights: one line naming the engine, the push and its log
+        with pytest.raises(RuntimeError, match=f"engine {engine.url} failed during the weight push of version 12: "
+                                               ".*disagrees with the trainer.*its log"):
+            ours.push([(name, wrong.detach())], 12, probe, expected)
+        restored_gap = ours.push(original, 13, probe, expected)["weight_sync/probe_gap"]
+    assert first_gap < 1e-4 and restored_gap < 1e-4
 
 
 # Time for a long request to be admitted and decoding: SGLang on CPU takes about 19 s over LONG on
@@ -272,11 +276,11 @@ async def started(client, kind: str, *rids: str) -> list[asyncio.Task]:
 def test_pause_in_place_holds_new_requests_until_continue(engine):
     async def body(client):
         running, = await started(client, engine.kind, "held")
-        await client.pause_generation("in_place")
+        await client.post("/pause_generation", {"mode": "in_place"})
         blocked = asyncio.create_task(client.generate([6], {"max_new_tokens": 2, "ignore_eos": True}))
         await asyncio.sleep(1.0)
         assert not blocked.done(), "a /generate sent while paused must wait for /continue_generation"
-        await client.continue_generation()
+        await client.post("/continue_generation")
         return await running, await blocked
     kept, unblocked = run(engine, body)
     # In place: the running request lost nothing and finished on its own.
@@ -288,9 +292,9 @@ def test_pause_in_place_holds_new_requests_until_continue(engine):
 def test_pause_abort_returns_partial_output_and_continue_serves_new_requests_in_full(engine):
     async def body(client):
         running, = await started(client, engine.kind, "paused-one")
-        await client.pause_generation("abort")
+        await client.post("/pause_generation", {"mode": "abort"})
         aborted_by_pause = await running
-        await client.continue_generation()
+        await client.post("/continue_generation")
         after, = await started(client, engine.kind, "after-continue")
         return aborted_by_pause, await after
     by_pause, after = run(engine, body)
@@ -308,9 +312,9 @@ def test_flush_cache_only_when_idle(engine):
             busy = await client.flush_cache()
         except EngineError as err:
             busy = err
-        await client.pause_generation("abort")  # the job's way to end what runs
+        await client.post("/pause_generation", {"mode": "abort"})  # the job's way to end what runs
         await running
-        await client.continue_generation()
+        await client.post("/continue_generation")
         await asyncio.sleep(0.2)
         return busy, await client.flush_cache()
     busy, idle = run(engine, body)
@@ -509,16 +513,19 @@ def test_a_pushed_vision_tower_changes_both_engines_alike(vl_engines, vl_request
     tower = [(name, tensor + torch.randn(tensor.shape, generator=generator) * 0.5) for name, tensor in original
              if name.startswith("visual.")]
     assert tower
-    pusher = WeightPusher(torch.float32, bucket_bytes=4 << 20)  # one bucket: each costs SGLang on CPU a second
     prompt, images = vl_request["prompts"][0], vl_request["images"][0]
 
-    async def body(client):
-        before = await client.generate(prompt, VL_GREEDY, image_data=images)
-        await pusher.push(client, tower, "tower")
-        pushed = await client.generate(prompt, VL_GREEDY, image_data=images)
-        await pusher.push(client, original, "restored")
-        return before, pushed, await client.generate(prompt, VL_GREEDY, image_data=images)
-    answers = {kind: vl_run(vl_engines, kind, body) for kind in ENGINE_KINDS}
+    def answers_around_pushes(kind):
+        def generate():
+            return vl_run(vl_engines, kind, lambda c: c.generate(prompt, VL_GREEDY, image_data=images))
+        # one bucket: each costs SGLang on CPU a second
+        with RankEngine(vl_engines[kind], Path(), WeightPusher(torch.float32, bucket_bytes=4 << 20), 1e-4) as ours:
+            before = generate()
+            ours.push(tower, "tower", None, None)
+            pushed = generate()
+            ours.push(original, "restored", None, None)
+            return before, pushed, generate()
+    answers = {kind: answers_around_pushes(kind) for kind in ENGINE_KINDS}
     logprobs = {kind: [[e[0] for e in answer["meta_info"]["output_token_logprobs"]] for answer in answers[kind]]
                 for kind in ENGINE_KINDS}
     for step in range(3):
@@ -548,5 +555,8 @@ def test_both_engines_answer_the_weight_probe_of_a_vision_language_policy(vl_eng
     expected = torch.log_softmax(logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
     compared = torch.tensor(probe.compared())
     for kind in ENGINE_KINDS:
-        got = torch.tensor(vl_run(vl_engines, kind, lambda client: engine_probe_logprobs(client, probe)))
+        answer = vl_run(vl_engines, kind, lambda client: client.post("/generate", probe.request()))
+        entries = answer["meta_info"]["input_token_logprobs"]
+        assert probe.gap(answer, answer["meta_info"]["weight_version"], expected.tolist(), 1e-4, kind) < 1e-4
+        got = torch.tensor([entry[0] for entry in entries[1:]])
         torch.testing.assert_close(got[compared], expected[compared], atol=1e-4, rtol=0, msg=kind)

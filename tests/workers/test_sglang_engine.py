@@ -6,6 +6,7 @@ real SGLang on CPU in test_engine_conformance.py and the job-level tests.
 
 import dataclasses
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -205,11 +206,10 @@ def test_a_vision_language_model_gets_sglangs_vl_settings(tmp_path):
 def test_pushes_go_under_the_checkpoints_names(tmp_path):
     """A Qwen2.5-VL's in-memory names reach the engine as its checkpoint's (what SGLang takes); checkpoint names
     and every text model's names go as they are, byte for byte."""
-    import asyncio
     import json
 
     from workers.engines.weights import WeightPusher
-    from workers.loading import checkpoint_renamer
+    from workers.loading import checkpoint_renamer, model_checkpoint_renamer
 
     rename = checkpoint_renamer(QWEN25_VL)
     assert [rename(name) for name in ("model.visual.blocks.0.mlp.gate_up_proj.weight",
@@ -223,20 +223,6 @@ def test_pushes_go_under_the_checkpoints_names(tmp_path):
     assert checkpoint_renamer({"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
                                "vision_config": {}}) is None
 
-    class Engine:
-        """What the pusher asks of an engine: what it serves, and the buckets."""
-        def __init__(self, model_path):
-            self.model_path, self.names, self.timeout_s, self.base_url = model_path, [], 10, "fake"
-
-        async def model_info(self):
-            return {"model_path": self.model_path}
-
-        async def post(self, path, body=None, timeout_s=None):
-            if path == "/update_weights_from_tensor":
-                payload = deserialize_for_engine(body["serialized_named_tensors"][0])
-                self.names += [name for name, _ in unflatten_bucket(payload)]
-            return {"success": True}
-
     for model, config in (("vl", QWEN25_VL), ("text", {"architectures": ["Qwen2ForCausalLM"]})):
         (tmp_path / model).mkdir()
         (tmp_path / model / "config.json").write_text(json.dumps(config))
@@ -244,10 +230,10 @@ def test_pushes_go_under_the_checkpoints_names(tmp_path):
                ("model.language_model.layers.0.self_attn.q_proj.weight", torch.ones(2)),
                ("lm_head.weight", torch.ones(2))]
     sent = {}
-    for model in ("vl", "text"):
-        engine = Engine(str(tmp_path / model))
-        asyncio.run(WeightPusher(torch.float32).push(engine, tensors, "1"))
-        sent[model] = engine.names
+    for model in ("vl", "text"):  # the renamer RankEngine.launch gives the pusher for the served model
+        pusher = WeightPusher(torch.float32, rename=model_checkpoint_renamer(str(tmp_path / model)))
+        sent[model] = [name for payload, _, _ in pusher.payloads(tensors, "1")
+                       for name, _ in unflatten_bucket(deserialize_for_engine(payload["serialized_named_tensors"][0]))]
     assert sent["vl"] == ["visual.patch_embed.proj.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight"]
     assert sent["text"] == [name for name, _ in tensors]
 
@@ -325,7 +311,9 @@ def test_sglang_serves_a_vl_model_as_launched_and_takes_the_trainers_push(vl_ser
 
     from rl_core.model_builder import load
     from workers.engines.client import EngineClient
+    from workers.engines.rank_engine import RankEngine
     from workers.engines.weights import WeightPusher
+    from workers.loading import model_checkpoint_renamer
     from workers.vision import load_processor
 
     model, urls, image = vl_served
@@ -340,13 +328,17 @@ def test_sglang_serves_a_vl_model_as_launched_and_takes_the_trainers_push(vl_ser
             param.add_(torch.randn(param.shape, generator=generator) * (0.5 if ".visual." in name else 0.05))
     greedy = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
-    async def serve(url):
+    async def generate(url):
         async with EngineClient(url, timeout_s=120) as client:
-            before = await client.generate(prompt, greedy, image_data=[image])
-            await WeightPusher(torch.float32, bucket_bytes=64 << 20).push(client, trainer.state_dict().items(),
-                                                                        "pushed")
-            return before, await client.generate(prompt, greedy, image_data=[image])
-    answers = {kind: asyncio.run(serve(url)) for kind, url in urls.items()}
+            return await client.generate(prompt, greedy, image_data=[image])
+
+    def serve(url):  # the job's pusher and renamer (RankEngine.launch's) for the served model
+        pusher = WeightPusher(torch.float32, bucket_bytes=64 << 20, rename=model_checkpoint_renamer(str(model)))
+        before = asyncio.run(generate(url))
+        with RankEngine(url, Path("engine.log"), pusher, 1e-4) as engine:
+            engine.push(trainer.state_dict().items(), "pushed", None, None)
+        return before, asyncio.run(generate(url))
+    answers = {kind: serve(url) for kind, url in urls.items()}
 
     def logprobs(answer):
         return torch.tensor([entry[0] for entry in answer["meta_info"]["output_token_logprobs"]])

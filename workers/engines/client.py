@@ -171,26 +171,17 @@ class EngineClient:
             payload["image_data"] = image_data
         return await self.post("/generate", payload, timeout_s if timeout_s is not None else self.timeout_s)
 
-    async def prompt_logprobs(self, input_ids: Sequence[int], image_data: Any = None,
-                              expected_ids: Sequence[int] | None = None, unnamed_id: int | None = None,
-                              ) -> list[float] | None:
+    async def prompt_logprobs(self, input_ids: Sequence[int]) -> list[float] | None:
         """Prefill only (`max_new_tokens: 0`, `logprob_start_len: 0`): the engine's logprob of each token of
         `input_ids` after the first, from raw logits; None when the answer does not cover exactly those tokens.
-        The weight probe and a distillation teacher's server both ask this. With `image_data` the engine expands
-        `input_ids`' image pads: the answer covers `expected_ids` (the expansion), whose `unnamed_id` tokens (the
-        pads: SGLang names them 0) are not compared and get logprob 0."""
-        payload = {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": 0,
-                   "sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}
-        if image_data is not None:
-            payload["image_data"] = image_data
-        answer = await self.post("/generate", payload, timeout_s=self.timeout_s)
-        expected = list(expected_ids if expected_ids is not None else input_ids)
+        A distillation teacher's server answers this."""
+        answer = await self.post("/generate", {
+            "input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}, timeout_s=self.timeout_s)
         entries = (answer.get("meta_info") or {}).get("input_token_logprobs") or []
-        if len(entries) != len(expected) or any(int(e[1]) != token for e, token in zip(entries, expected)
-                                                if token != unnamed_id):
+        if len(entries) != len(input_ids) or [int(e[1]) for e in entries] != list(input_ids):
             return None
-        # the first token has no logprob (null)
-        return [0.0 if token == unnamed_id else float(e[0]) for e, token in zip(entries[1:], expected[1:])]
+        return [float(e[0]) for e in entries[1:]]  # the first token has no logprob (null)
 
     # ------------------------------------------------------------ info and control
 
@@ -212,20 +203,6 @@ class EngineClient:
 
     async def flush_cache(self) -> Any:
         return await self.post("/flush_cache")
-
-    async def pause_generation(self, mode: str = "abort") -> Any:
-        return await self.post("/pause_generation", {"mode": mode})
-
-    async def continue_generation(self) -> Any:
-        return await self.post("/continue_generation")
-
-    async def release_memory(self, tags: Sequence[str]) -> Any:
-        """Free the tagged memory; SGLang asserts the engine is idle, so drain or pause first."""
-        return await self.post("/release_memory_occupation", {"tags": list(tags)})
-
-    async def resume_memory(self, tags: Sequence[str]) -> Any:
-        """Re-allocate released memory; tags must have been released (SGLang raises otherwise)."""
-        return await self.post("/resume_memory_occupation", {"tags": list(tags)})
 
     async def close(self) -> None:
         if self._session is not None:

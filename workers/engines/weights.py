@@ -9,9 +9,9 @@ until its HTTP call returns (CPU staging buffers longer: see `WeightPusher`). Te
 in the engine's dtype, one bucket at a time: on GPU the host never holds a copy of the model
 for the push; on CPU the embedded engine serves from the staging buffers, so they are its weights.
 
-The check after a push (`check_pushed_weights`) asks the engine for its `weight_version` and for
-its logprobs of a fixed probe sequence (`/generate` with `max_new_tokens=0`,
-`return_logprob`, `logprob_start_len=0`), and compares them with the trainer's.
+The check after a push (`Probe`) asks the engine for its logprobs of a fixed probe sequence (`/generate` with
+`max_new_tokens=0`, `return_logprob`, `logprob_start_len=0`) and compares the answer's `weight_version` and
+logprobs with the trainer's. `workers.engines.rank_engine.RankEngine.push` makes the calls, in their order.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ import types
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
-
-from workers.engines.client import EngineClient, EngineError
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 # Mean absolute gap between engine and trainer logprobs on the probe that still counts as "same
@@ -272,9 +270,8 @@ class WeightPusher:
     session, see the server's `/end_weight_update`). `encode` (a bucket -> its payload) replaces
     this with an engine's own format: SGLang's for CUDA buckets (`sglang_encode_bucket`).
 
-    Tensors go under the served model's checkpoint names (a Qwen2/2.5-VL's differ from the trainer's:
-    `workers.loading.checkpoint_renamer`): unless `rename` is given, the first push asks the engine what it
-    serves (`/model_info`'s model_path). Text models' names go as they are.
+    `rename` gives each tensor the served model's checkpoint name (a Qwen2/2.5-VL's differ from the trainer's:
+    `workers.loading.model_checkpoint_renamer`); text models' names go as they are.
     """
 
     def __init__(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES, tp_size: int = 1,
@@ -285,7 +282,6 @@ class WeightPusher:
         self.tp_size = tp_size
         self.encode = encode
         self.rename = rename
-        self._renamer_known = rename is not None
         self._staging: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # per push parity, per bucket
         self._pushes = 0
 
@@ -307,64 +303,26 @@ class WeightPusher:
     def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
 
-    async def push(self, client: EngineClient, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                   version: str, flush_cache: bool = True) -> dict[str, float]:
-        """Send every tensor inside one weight-update session; returns bytes and seconds."""
-        started = time.perf_counter()
-        if not self._renamer_known:
-            self.rename = await self._engine_renamer(client)
-            self._renamer_known = True
+    def payloads(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str,
+                 flush_cache: bool = True) -> Iterator[tuple[dict[str, Any], int, float]]:
+        """One `/update_weights_from_tensor` body per bucket, in order (`version` and the cache flush with the last),
+        each with its tensors' bytes and the seconds its packing took. The caller sends each before asking for the
+        next: a CUDA bucket is collected only once the engine has answered for it."""
         parity = self._pushes % 2
         self._pushes += 1
-        try:  # a weight-update session; SGLang <= 0.5.20 has none (404) and takes updates without one
-            await client.post("/begin_weight_update")
-            session = True
-        except EngineError as err:
-            if err.status != 404:
-                raise
-            session = False
         rename = self.rename or (lambda name: name)
         casted = ((rename(name), self._cast(tensor)) for name, tensor in named_tensors)
-        sent_bytes = count = 0
-        pack_s = 0.0
-        try:
-            for index, (bucket, is_last) in enumerate(_with_last(bucket_named_tensors(casted, self.bucket_bytes))):
-                packing = time.perf_counter()
-                on_gpu = bucket[0][1].is_cuda
-                serialized = self.encode(bucket) if self.encode is not None else self._flatten(bucket, parity, index)
-                if on_gpu:
-                    torch.cuda.synchronize()  # the receiver reads the tensors through IPC: they must be written
-                pack_s += time.perf_counter() - packing
-                reply = await client.post("/update_weights_from_tensor", update_tensor_payload(
-                    serialized, self.tp_size, is_last, version, flush_cache), timeout_s=client.timeout_s)
-                if isinstance(reply, dict) and reply.get("success") is False:
-                    raise WeightSyncError(f"{client.base_url}/update_weights_from_tensor refused a bucket: "
-                                          f"{reply.get('message', '')}")
-                if on_gpu:
-                    torch.cuda.ipc_collect()  # the server holds no more references to this bucket
-                sent_bytes += sum(tensor_nbytes(t) for _, t in bucket)
-                count += 1
-        except BaseException:
-            if session:  # close the session if the engine still can, but report the first error, not this one
-                with contextlib.suppress(Exception):
-                    await client.post("/end_weight_update")
-            raise
-        if session:
-            await client.post("/end_weight_update")
-        return {"weight_sync/push_s": time.perf_counter() - started, "weight_sync/pack_s": pack_s,
-                "weight_sync/bytes": float(sent_bytes), "weight_sync/buckets": float(count)}
-
-    @staticmethod
-    async def _engine_renamer(client: EngineClient) -> Callable[[str], str] | None:
-        from workers.loading import model_checkpoint_renamer  # transformers: only once, at the first push
-
-        try:
-            info = await client.model_info()
-        except EngineError as err:
-            if err.status != 404:
-                raise
-            return None  # an engine that does not say what it serves gets the names as they are
-        return model_checkpoint_renamer((info or {}).get("model_path"))
+        for index, (bucket, is_last) in enumerate(_with_last(bucket_named_tensors(casted, self.bucket_bytes))):
+            packing = time.perf_counter()
+            on_gpu = bucket[0][1].is_cuda
+            serialized = self.encode(bucket) if self.encode is not None else self._flatten(bucket, parity, index)
+            if on_gpu:
+                torch.cuda.synchronize()  # the receiver reads the tensors through IPC: they must be written
+            pack_s = time.perf_counter() - packing
+            yield (update_tensor_payload(serialized, self.tp_size, is_last, version, flush_cache),
+                   sum(tensor_nbytes(t) for _, t in bucket), pack_s)
+            if on_gpu:
+                torch.cuda.ipc_collect()  # the server answered: it holds no more references to this bucket
 
 
 def _with_last(buckets: Iterable[list]) -> Iterator[tuple[list, bool]]:
@@ -402,6 +360,34 @@ class Probe:
         """For each token after the first: whether its logprob is compared (every one but an image pad)."""
         return [token != self.image_pad_id for token in self.ids[1:]]
 
+    def request(self) -> dict[str, Any]:
+        """The `/generate` body: prefill only, every prompt token's logprob from raw logits."""
+        body = {"input_ids": self.engine_ids, "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}
+        return body if self.image_data is None else {**body, "image_data": self.image_data}
+
+    def gap(self, answer: dict, version: str, trainer_logprobs: Sequence[float], tolerance: float, url: str) -> float:
+        """The mean |logprob gap| between the engine's `answer` to `request()` and the trainer (over the compared
+        tokens: all but an image's pads); WeightSyncError unless the answer comes from `version` within
+        `tolerance`."""
+        meta = (answer or {}).get("meta_info") or {}
+        if str(meta.get("weight_version")) != str(version):
+            raise WeightSyncError(f"engine {url} reports weight_version {meta.get('weight_version')!r} after the push "
+                                  f"of version {version!r}")
+        entries = meta.get("input_token_logprobs") or []
+        if len(entries) != len(self.ids) or any(int(entry[1]) != token for entry, token in zip(entries, self.ids)
+                                                if token != self.image_pad_id):
+            raise WeightSyncError(f"engine {url} answered the weight probe with other input logprobs than one for "
+                                  f"each of its {len(self.ids)} tokens")
+        gaps = [abs(float(entry[0]) - trainer) for entry, trainer, compared
+                in zip(entries[1:], trainer_logprobs, self.compared()) if compared]  # the first has none (null)
+        gap = sum(gaps) / max(len(gaps), 1)
+        if not gap <= tolerance:  # also catches NaN
+            raise WeightSyncError(f"engine {url} disagrees with the trainer after the push of version {version!r}: "
+                                  f"mean |logprob gap| {gap:.4f} on the probe > tolerance {tolerance:g} "
+                                  "(rollout.weight_check_tolerance); the engine's weights are not the trainer's")
+        return gap
+
 
 def probe_token_ids(tokenizer, min_tokens: int = 8) -> list[int]:
     """A fixed, tokenizer-independent-length probe sequence (the text, repeated if it is short)."""
@@ -409,40 +395,3 @@ def probe_token_ids(tokenizer, min_tokens: int = 8) -> list[int]:
     while len(ids) < min_tokens:
         ids = ids + ids
     return [int(i) for i in ids[:64]]
-
-
-async def engine_probe_logprobs(client: EngineClient, probe: Probe | Sequence[int]) -> list[float]:
-    """The engine's logprob of every probe token after the first (prefill only, raw logits); 0 at an image's
-    pads."""
-    probe = probe if isinstance(probe, Probe) else Probe.text(probe)
-    if probe.image_data is None:
-        logprobs = await client.prompt_logprobs(probe.ids)
-    else:
-        logprobs = await client.prompt_logprobs(probe.engine_ids, image_data=probe.image_data,
-                                                expected_ids=probe.ids, unnamed_id=probe.image_pad_id)
-    if logprobs is None:
-        raise WeightSyncError(f"engine {client.base_url} answered the weight probe with other input logprobs than "
-                              f"one for each of its {len(probe.ids)} tokens")
-    return logprobs
-
-
-async def check_pushed_weights(client: EngineClient, version: str, probe: Probe | Sequence[int],
-                               trainer_logprobs: Sequence[float], tolerance: float) -> float:
-    """Raise WeightSyncError unless the engine reports `version` and the trainer's probe logprobs.
-
-    Returns the mean absolute logprob gap (over the compared tokens: all but an image's pads).
-    """
-    probe = probe if isinstance(probe, Probe) else Probe.text(probe)
-    info = await client.model_info()
-    reported = (info or {}).get("weight_version")
-    if str(reported) != str(version):
-        raise WeightSyncError(f"engine {client.base_url} reports weight_version {reported!r} after the push "
-                              f"of version {version!r}")
-    engine = await engine_probe_logprobs(client, probe)
-    gaps = [abs(a - b) for a, b, compared in zip(engine, trainer_logprobs, probe.compared()) if compared]
-    gap = sum(gaps) / max(len(gaps), 1)
-    if not gap <= tolerance:  # also catches NaN
-        raise WeightSyncError(f"engine {client.base_url} disagrees with the trainer after the push of version "
-                              f"{version!r}: mean |logprob gap| {gap:.4f} on the probe > tolerance {tolerance:g} "
-                              "(rollout.weight_check_tolerance); the engine's weights are not the trainer's")
-    return gap
