@@ -26,8 +26,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rl_core.config import ConfigError, load_config
 from rl_core.distributed import prepare_before_process_group
 from rl_core.failures import OneLineErrorHandler, ending, say
-from rl_core.lifecycle import JobLifecycle
-from rl_core.stop_signal import STOP_GRACE_S, STOP_SIGNALS, TEST_HOLD_ENV, JobProgress, StopRequest
+from rl_core.lifecycle import RankLifecycle
+from rl_core.stop_signal import STOP_GRACE_S, STOP_SIGNALS, TEST_HOLD_ENV, StepProgress, StopRequest
 from workers.procs import exit_now
 
 # A rank that fails because another one did waits this long at most for the failed rank to exit first
@@ -74,7 +74,7 @@ class JobEntry:
     schema: type
     validate: Callable[[Any], None] | None = None
     check_models: Callable[[Any], None] | None = None
-    runtime: Callable[[Any], JobLifecycle] | None = None
+    runtime: Callable[[Any], RankLifecycle] | None = None
     children: str = ""
 
 
@@ -82,16 +82,16 @@ def run_job(argv: list[str] | None, entry: JobEntry, train: Callable, prepare=No
     """Every job's whole life: its config (`prepare(cfg, log)`, the entry point's offline assets, then the
     models' check, all before any process group), then `train(cfg, runtime, progress)` inside its runtime,
     ended by `run_main` with one line and an exit code."""
-    def job(args, progress: JobProgress):
+    def job(args, progress: StepProgress):
         cfg = parse_job_config(args, entry.description, entry.default_config, entry.schema, entry.validate,
                                prepare, entry.check_models)
-        with (entry.runtime(cfg) if entry.runtime else JobLifecycle(cfg.trainer)) as runtime:
+        with (entry.runtime(cfg) if entry.runtime else RankLifecycle(cfg.trainer)) as runtime:
             train(cfg, runtime, progress)
 
     run_main(job, argv, stop_hint="trainer.resume=auto continues from the last checkpoint", children=entry.children)
 
 
-def run_main(main: Callable[[list[str] | None, JobProgress], None], argv: list[str] | None, stop_hint: str = "",
+def run_main(main: Callable[[list[str] | None, StepProgress], None], argv: list[str] | None, stop_hint: str = "",
              children: str = "", stop_grace_s: float | None = STOP_GRACE_S) -> None:
     """Run a job's `main(argv, progress)` and end with one line and a meaningful exit code, whatever happens.
 
@@ -99,7 +99,7 @@ def run_main(main: Callable[[list[str] | None, JobProgress], None], argv: list[s
     see `StopRequest`; after a stop signal's clean-up the process ends with `os._exit`. None: no
     watchdog, and SystemExit instead of that exit (a test calling this in its own process)."""
     rank = int(os.environ.get("RANK", 0))
-    progress = JobProgress(rank, os.environ.get(TEST_HOLD_ENV))
+    progress = StepProgress(rank, os.environ.get(TEST_HOLD_ENV))
     handler = OneLineErrorHandler()
     stop = StopRequest(rank, handler, progress, stop_hint, children, stop_grace_s)
     stop.install()
@@ -117,7 +117,7 @@ def run_main(main: Callable[[list[str] | None, JobProgress], None], argv: list[s
             signal.signal(sig, signal.SIG_IGN)
         stop.uninstall()
     # Cleaned up (engines and router stopped, run directory free, logs closed) and, on a failure, the
-    # line said. A failed rank's process group is still open (JobLifecycle.close): this exit closes it
+    # line said. A failed rank's process group is still open (RankLifecycle.close): this exit closes it
     # only now, so peers learn of the failure after its cause was printed. Python's own exit would
     # also tear down torch's and the models' objects one by one: seconds per rank on a busy CPU.
     if stop_grace_s is not None:
@@ -132,7 +132,7 @@ def _exit_code(end: SystemExit) -> int:
     return 1
 
 
-def _run(main, argv, rank: int, stop: StopRequest, handler: OneLineErrorHandler, progress: JobProgress) -> None:
+def _run(main, argv, rank: int, stop: StopRequest, handler: OneLineErrorHandler, progress: StepProgress) -> None:
     try:
         # torch's `record`: writes torchrun's error file for any exception that escapes `main`.
         record(main, error_handler=handler)(argv, progress)
@@ -175,7 +175,7 @@ def _stopped(stop: StopRequest) -> None:
     stop.say(overdue=False)
     if stop.grace_s is not None:
         # The clean-up is done (children stopped, run directory free). Python's own exit would now
-        # destroy the process groups the job left open (see JobLifecycle.close) and join threads,
+        # destroy the process groups the job left open (see RankLifecycle.close) and join threads,
         # either of which can wait on a peer or a stuck call: end the process here instead.
         for stream in (sys.stdout, sys.stderr):
             try:

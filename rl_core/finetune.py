@@ -18,8 +18,8 @@ from rl_core.distributed import DataParallel
 from rl_core.logger import MetricsLogger, open_run_logger, step_line
 from rl_core.model_builder import Optimization
 from rl_core.optim import OPTIMIZER_NAMES, linear_anneal_schedule
-from rl_core.step_loop import JobSteps, run_steps as run_step_loop
-from rl_core.stop_signal import JobProgress
+from rl_core.step_loop import StepHooks, run_steps as run_step_loop
+from rl_core.stop_signal import StepProgress
 from workers.trainable import TrainableModel
 
 
@@ -135,7 +135,7 @@ class FixedDataSteps:
 
 
 def train(job: FixedDataSteps, name: str, trainable: TrainableModel, tokenizer, banner: str, total_steps: int,
-          steps_per_epoch: int, cfg, dp: DataParallel, progress: JobProgress) -> None:
+          steps_per_epoch: int, cfg, dp: DataParallel, progress: StepProgress) -> None:
     """The rest of a fixed-data job once its models are built: the resume (`trainable` under `name` in its
     checkpoints), rank 0's logger and the job's `banner` line, the steps, the export."""
     checkpointer = Checkpointer.for_run(cfg.trainer, dp.rank)
@@ -148,7 +148,7 @@ def train(job: FixedDataSteps, name: str, trainable: TrainableModel, tokenizer, 
 
 def run_steps(job: FixedDataSteps, save: Callable[[int], Path | None], start_step: int, total_steps: int,
               steps_per_epoch: int, cfg, dp: DataParallel, logger: MetricsLogger | None,
-              progress: JobProgress) -> None:
+              progress: StepProgress) -> None:
     """The shared step loop with these jobs' rules: `epoch` in every row, an evaluation before training (a run
     that starts at step 0), every `cfg.eval.every` steps and at the end (when the job has one), a console line
     every `cfg.train.log_every` steps, a checkpoint through `save` every `trainer.save_every` steps (None back:
@@ -161,7 +161,7 @@ def run_steps(job: FixedDataSteps, save: Callable[[int], Path | None], start_ste
     def one_step(step: int) -> dict:
         return {**job.one_step(step), "epoch": step / steps_per_epoch}
 
-    steps = JobSteps(one_step=one_step, save=save,
+    steps = StepHooks(one_step=one_step, save=save,
                      log=lambda step, metrics: log_step(logger, step, total_steps, metrics, job.shown,
                                                         every=cfg.train.log_every),
                      evaluate=(lambda step: job.evaluate()) if job.evaluate is not None else None,

@@ -1,10 +1,10 @@
 """One job's life on one rank, the same for every job (SFT, DPO, reward model, PPO).
 
-`with JobLifecycle(cfg.trainer) as job:` joins the process group (its timeout from
+`with RankLifecycle(cfg.trainer) as job:` joins the process group (its timeout from
 `trainer.collective_timeout_s`), optionally gives this rank its share of the node's cores,
 takes the run directory's lock on rank 0, and on every exit (success, error, Ctrl-C) frees the
 run directory and leaves the process group (a stop signal's exit leaves it by ending the process). Reading the config is the caller's job; the PPO
-job's `JobRuntime` adds its engines, router and rollout service on top of this.
+job's `PPORuntime` adds its engines, router and rollout service on top of this.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def torch_threads(num_threads: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-class JobLifecycle:
+class RankLifecycle:
     """Context manager for this rank's process group and the run directory's lock.
 
     `split_cores`: set torch's threads to `trainer_threads()` (on CPU, this rank's share of the node's
@@ -47,7 +47,7 @@ class JobLifecycle:
         self.run_dir = Path(trainer.run_dir)
         self.run_dir_lock: RunDirLock | None = None
 
-    def __enter__(self) -> "JobLifecycle":
+    def __enter__(self) -> "RankLifecycle":
         self.rank, self.world_size = init_distributed(timeout_s=self.trainer.collective_timeout_s)
         try:
             self.local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -20,13 +20,13 @@ from typing import Callable
 import torch
 
 from rl_core.profiling import profile_step
-from rl_core.stop_signal import JobProgress
+from rl_core.stop_signal import StepProgress
 from workers.gc_freeze import setup_objects_frozen
 from workers.trace import span
 
 
 @dataclass(frozen=True)
-class JobSteps:
+class StepHooks:
     """What a job gives the loop.
 
     `one_step(step)` trains step `step` (0-based) and returns its metrics (its own `perf/step_s` wins, e.g.
@@ -43,8 +43,8 @@ class JobSteps:
     first_phase: str = "update"
 
 
-def run_steps(job: JobSteps, start_step: int, total_steps: int, trainer, rank: int, device,
-              progress: JobProgress) -> None:
+def run_steps(job: StepHooks, start_step: int, total_steps: int, trainer, rank: int, device,
+              progress: StepProgress) -> None:
     """Steps `start_step + 1 .. total_steps` as logged; `trainer`: the job's trainer section (save_every,
     profile_steps, run_dir)."""
     # Everything built before the first step lives all job long: full collections skip it (see the helper).
@@ -53,8 +53,8 @@ def run_steps(job: JobSteps, start_step: int, total_steps: int, trainer, rank: i
     progress.at(total_steps, "export")
 
 
-def _steps(job: JobSteps, start_step: int, total_steps: int, trainer, rank: int, device,
-           progress: JobProgress) -> None:
+def _steps(job: StepHooks, start_step: int, total_steps: int, trainer, rank: int, device,
+           progress: StepProgress) -> None:
     failed_saves = 0
     for step in range(start_step, total_steps):
         progress.at(step + 1, job.first_phase)

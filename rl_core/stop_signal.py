@@ -1,5 +1,5 @@
 """A stop signal (SIGINT, SIGTERM) ends a rank in order, with one line that says where the job was, and within
-`STOP_GRACE_S` whatever its main thread is doing: `JobProgress` is where the job is, `StopRequest` the orderly
+`STOP_GRACE_S` whatever its main thread is doing: `StepProgress` is where the job is, `StopRequest` the orderly
 stop and its watchdog. `run_main` (rl_core/cli.py) installs both around a job.
 """
 
@@ -23,7 +23,7 @@ STOP_GRACE_S = 5.0
 TEST_HOLD_ENV = "RL_CORE_TEST_HOLD"
 
 
-class JobProgress:
+class StepProgress:
     """Where a job is, for the line a stop signal ends with. `run_main` makes one per run and
     passes it to the job, which calls `at(step, phase)` as it goes; the stop watchdog's thread
     reads it (two attribute writes, each atomic under the GIL)."""
@@ -62,7 +62,7 @@ class StopRequest:
     says the line, kills this rank's children and `os._exit`s with 128 + the signal's number. It
     stays armed until the process is gone: Python's own exit can wait on threads too."""
 
-    def __init__(self, rank: int, handler: OneLineErrorHandler, progress: JobProgress, hint: str,
+    def __init__(self, rank: int, handler: OneLineErrorHandler, progress: StepProgress, hint: str,
                  children: str, grace_s: float | None):
         self.rank, self.handler, self.progress, self.hint, self.children = rank, handler, progress, hint, children
         self.grace_s = grace_s

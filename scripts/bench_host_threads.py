@@ -11,7 +11,7 @@ timings are the host part alone. Three runs of the same work:
 - `all threads, idle`: torch's threads on every core (`--threads`, default all), nothing else running;
 - `all threads, busy neighbour`: the same beside one process that spins on a core, as SGLang's scheduler does
   while idle unless `sleep_on_idle` is set;
-- `1 thread, busy neighbour`: what a GPU rank now runs with (`JobRuntime.trainer_threads`).
+- `1 thread, busy neighbour`: what a GPU rank now runs with (`PPORuntime.trainer_threads`).
 
 On an H200 (2026-11-27) torch's 16 threads beside SGLang's scheduler made these ops take 6-8 ms each, about a
 second of a 3 s step. The last line is one JSON object; `stall_ratio` is the second run's time over the third's.

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rl_core.rewards import RewardFunctions  # noqa: E402
-from rl_core.rewards.workers import ProcessExecutor  # noqa: E402
+from rl_core.rewards.processes import ProcessExecutor  # noqa: E402
 
 
 def gsm8k_batch(count: int, seed: int = 0) -> list[tuple[str, dict]]:

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 from rl_core.config import TrainerConfig
-from rl_core.lifecycle import JobLifecycle
+from rl_core.lifecycle import RankLifecycle
 from rl_core.run_dir import RunDirInUse, RunDirLock
-from rl_core.step_loop import JobSteps, run_steps
-from rl_core.stop_signal import JobProgress
+from rl_core.step_loop import StepHooks, run_steps
+from rl_core.stop_signal import StepProgress
 from workers.net import free_port
 
 
@@ -35,7 +35,7 @@ def one_rank(monkeypatch):
 def test_a_job_that_fails_or_stops_frees_the_run_dir_and_leaves_the_process_group_to_its_exit(one_rank, tmp_path, error):
     trainer = TrainerConfig(run_dir=str(tmp_path / "run"), collective_timeout_s=30.0)
     with pytest.raises(type(error)):
-        with JobLifecycle(trainer) as job:
+        with RankLifecycle(trainer) as job:
             assert (job.rank, job.world_size, dist.get_backend()) == (0, 1, "gloo")
             with pytest.raises(RunDirInUse):  # rank 0 holds the run directory while the job runs
                 RunDirLock(trainer.run_dir).acquire()
@@ -55,7 +55,7 @@ def test_a_run_dir_in_use_stops_the_job_before_it_starts_and_closes_the_process_
     other_job = RunDirLock(tmp_path).acquire()
     try:
         with pytest.raises(RunDirInUse, match="is in use by another live job"):
-            with JobLifecycle(TrainerConfig(run_dir=str(tmp_path))):
+            with RankLifecycle(TrainerConfig(run_dir=str(tmp_path))):
                 pytest.fail("the job must not start")
         assert not dist.is_initialized()
     finally:
@@ -67,9 +67,9 @@ def test_split_cores_gives_torch_this_ranks_share_of_the_cores(one_rank, tmp_pat
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        with JobLifecycle(TrainerConfig(run_dir=str(tmp_path / "plain"))):
+        with RankLifecycle(TrainerConfig(run_dir=str(tmp_path / "plain"))):
             assert torch.get_num_threads() == 1  # the SFT, DPO and reward-model jobs keep torch's own count
-        with JobLifecycle(TrainerConfig(run_dir=str(tmp_path / "split")), split_cores=True) as job:
+        with RankLifecycle(TrainerConfig(run_dir=str(tmp_path / "split")), split_cores=True) as job:
             assert torch.get_num_threads() == job.cpu_threads() == len(os.sched_getaffinity(0))  # one rank per node
     finally:
         torch.set_num_threads(before)
@@ -79,13 +79,13 @@ def test_split_cores_gives_torch_this_ranks_share_of_the_cores(one_rank, tmp_pat
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_ppo_rank_leaves_cores_to_what_runs_beside_its_engine(one_rank, tmp_path, mode):
     from rl_core.ppo.config import PPOConfig
-    from rl_core.ppo.runtime import JobRuntime
+    from rl_core.ppo.runtime import PPORuntime
 
     cfg = PPOConfig()
     cfg.trainer.run_dir, cfg.trainer.mode = str(tmp_path / mode), mode
     before = torch.get_num_threads()
     try:
-        with JobRuntime(cfg) as rt:  # no engine starts here: the split is decided with the process group
+        with PPORuntime(cfg) as rt:  # no engine starts here: the split is decided with the process group
             cores = rt.cpu_threads()
             assert torch.get_num_threads() == rt.trainer_threads()
             assert rt.trainer_threads() == cores  # the engine decodes for a part of the step only
@@ -109,7 +109,7 @@ def test_a_ppo_rank_on_a_gpu_keeps_one_cpu_thread_for_its_bookkeeping(one_rank, 
     is no GPU here, so the rank is told it has one; nothing in the lifecycle touches the device itself."""
     import rl_core.lifecycle
     from rl_core.ppo.config import PPOConfig
-    from rl_core.ppo.runtime import JobRuntime
+    from rl_core.ppo.runtime import PPORuntime
 
     monkeypatch.setattr(rl_core.lifecycle, "device_for_rank", lambda: torch.device("cuda", 0))
     cfg = PPOConfig()
@@ -117,7 +117,7 @@ def test_a_ppo_rank_on_a_gpu_keeps_one_cpu_thread_for_its_bookkeeping(one_rank, 
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        with JobRuntime(cfg) as rt:
+        with PPORuntime(cfg) as rt:
             assert rt.device.type == "cuda" and torch.get_num_threads() == rt.trainer_threads() == 1
     finally:
         torch.set_num_threads(before)
@@ -144,10 +144,10 @@ def test_the_steps_run_with_the_setup_objects_out_of_full_collections(tmp_path, 
             raise RuntimeError("a failing step")
         return {}
 
-    steps = JobSteps(one_step=one_step, log=lambda step, metrics: None, save=lambda step: None)
+    steps = StepHooks(one_step=one_step, log=lambda step, metrics: None, save=lambda step: None)
     trainer = SimpleNamespace(profile_steps=[], run_dir=str(tmp_path), save_every=0)
     with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
-        run_steps(steps, 0, 2, trainer, 0, torch.device("cpu"), JobProgress())
+        run_steps(steps, 0, 2, trainer, 0, torch.device("cpu"), StepProgress())
     assert freed_in_a_step == [False] * (1 if fails else 2)
     # However the loop ended, the collector has everything back (a job's clean-up collects FSDP's cycles).
     assert gc.get_freeze_count() == 0

@@ -23,7 +23,7 @@ from rl_core import finetune
 from rl_core.cli import JobEntry, run_job
 from rl_core.model_builder import Placement, build_frozen, build_trained
 from rl_core.preferences import load_preference_splits
-from rl_core.stop_signal import JobProgress
+from rl_core.stop_signal import StepProgress
 from workers import decode, forward, loading
 from workers.layout import rows_to_batch
 from workers.worker import BatchWorker
@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None, prepare=None) -> None:
             lambda cfg, lifecycle, progress: train(cfg, lifecycle.data_parallel(), progress), prepare)
 
 
-def train(cfg: DPOConfig, dp: DataParallel, progress: JobProgress | None = None) -> None:
+def train(cfg: DPOConfig, dp: DataParallel, progress: StepProgress | None = None) -> None:
     """`progress`: where the job is, for the line a stop signal ends with (`run_main`'s)."""
-    progress = progress or JobProgress(dp.rank)
+    progress = progress or StepProgress(dp.rank)
     tr, beta, smoothing = cfg.train, cfg.dpo.beta, cfg.dpo.label_smoothing
     reference_path = cfg.model.reference_path or cfg.model.path
     on_every_rank(lambda: [loading.check_model_path(path, key) for key, path in

@@ -20,7 +20,7 @@ from envs.factory import load_env_class
 from rl_core.checkpoint import Checkpointer, end_if_finished, finish_run
 from rl_core.cli import JobEntry, run_job
 from rl_core.errors import JobError
-from rl_core.stop_signal import JobProgress
+from rl_core.stop_signal import StepProgress
 from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank, on_rank0, rank_seed,
                                  seed_everything)
 from rl_core.logger import MetricsLogger, open_run_logger, step_line
@@ -35,10 +35,10 @@ from rl_core.ppo.models import PPOModels
 from rl_core.ppo.step import (Experience, StepSettings, compute_advantages, forward_passes, minibatch_order,
                               reward_model_scores, score_metrics, task_scores, train_minibatch, update_metrics)
 from rl_core.rewards import load_reward_fn
-from rl_core.ppo.runtime import JobRuntime
+from rl_core.ppo.runtime import PPORuntime
 from rl_core.rollout.prompts import eval_samples, prompt_samples
 from rl_core.rollout.service import RolloutService
-from rl_core.step_loop import JobSteps, run_steps
+from rl_core.step_loop import StepHooks, run_steps
 from workers import loading
 from workers.engines.embedded.forked import EngineFork
 from workers.engines.spec import is_vision_language
@@ -56,13 +56,13 @@ def main(argv: list[str] | None = None, prepare: Callable[[PPOConfig, Callable[[
     # Forked first, before any set-up runs a multi-threaded op: see workers/engines/embedded/forked.py.
     engine_fork = EngineFork.fork()
     run_job(argv, JobEntry(__doc__, "ppo_sentiment.yaml", PPOConfig, validate, check_models,
-                           runtime=functools.partial(JobRuntime, engine_fork=engine_fork),
+                           runtime=functools.partial(PPORuntime, engine_fork=engine_fork),
                            children="engines and router"), train, prepare)
 
 
-def train(cfg: PPOConfig, rt: JobRuntime, progress: JobProgress | None = None) -> None:
+def train(cfg: PPOConfig, rt: PPORuntime, progress: StepProgress | None = None) -> None:
     """`progress`: where the loop is, for the line a stop signal ends with (`run_main`'s)."""
-    progress = progress or JobProgress(rt.rank)
+    progress = progress or StepProgress(rt.rank)
     tr = cfg.trainer
     if end_if_finished(tr, tr.total_episodes // cfg.algorithm.batch_size, f"trainer.total_episodes={tr.total_episodes}"
                        f" / algorithm.batch_size={cfg.algorithm.batch_size}", "raise trainer.total_episodes to train on",
@@ -73,7 +73,7 @@ def train(cfg: PPOConfig, rt: JobRuntime, progress: JobProgress | None = None) -
         progress.at(0, "evaluation")
         log_step(job, 0, run_evaluation(job, rt, 0))
     # The loop around each step (profiling, evaluations, the log, checkpoints) is every job's: rl_core/step_loop.py.
-    steps = JobSteps(one_step=lambda step: ppo_step(job, rt, step, progress),
+    steps = StepHooks(one_step=lambda step: ppo_step(job, rt, step, progress),
                      log=lambda step, metrics: log_step(job, step, metrics),
                      save=lambda step: save_checkpoint(job, step, rt.rank),
                      evaluate=lambda step: run_evaluation(job, rt, step), eval_due=job.eval_due, first_phase="rollout")
@@ -84,7 +84,7 @@ def train(cfg: PPOConfig, rt: JobRuntime, progress: JobProgress | None = None) -
     finish_run(cfg, job.models.actor.model, job.tokenizer, rt.rank, job.logger)
 
 
-def ppo_step(job: Job, rt: JobRuntime, step: int, progress: JobProgress) -> dict[str, float]:
+def ppo_step(job: Job, rt: PPORuntime, step: int, progress: StepProgress) -> dict[str, float]:
     """One PPO step, top to bottom: rollout, scoring, update, weight push. Its metrics; the step's sample table
     waits in `job.sample_rows` for the log."""
     cfg, models, worker, settings = job.cfg, job.models, job.worker, job.settings
@@ -137,7 +137,7 @@ def ppo_step(job: Job, rt: JobRuntime, step: int, progress: JobProgress) -> dict
     return metrics
 
 
-def run_evaluation(job: Job, rt: JobRuntime, step: int) -> dict[str, float]:
+def run_evaluation(job: Job, rt: PPORuntime, step: int) -> dict[str, float]:
     """8. Held-out prompts with the weights of `step` (the engines serve them as version `step`); the sample table
     waits in `job.eval_rows` for the log."""
     evaluation, job.eval_rows = evaluate(job.cfg, rt.rank, job.service, job.reward_model(), job.tokenizer,
@@ -181,7 +181,7 @@ class Job:
         return self.cfg.data.eval_path is not None and (step in (0, self.total_steps) or bool(every and step % every == 0))
 
 
-def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
+def start_job(cfg: PPOConfig, rt: PPORuntime) -> Job:
     """Everything before the first step, cheapest checks first: a bad import path, model path or
     prompt file costs seconds, not the minutes of loading models and starting engines."""
     env_cls = load_env_class(cfg.env.cls)
@@ -248,7 +248,7 @@ def start_job(cfg: PPOConfig, rt: JobRuntime) -> Job:
     return job
 
 
-def push_weights(rt: JobRuntime, job: Job, version: int) -> dict[str, float]:
+def push_weights(rt: PPORuntime, job: Job, version: int) -> dict[str, float]:
     """Every rank's engine gets the trainer's weights as `version`, checked by version and the probe's logprobs
     (`RankEngine.push`). Collective: the full tensors are gathered from every rank's shards."""
     models, collector = job.models, job.collector

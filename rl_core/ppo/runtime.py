@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch.distributed as dist
 
 from rl_core.distributed import on_rank0, rank_seed, wait_for_rank0
-from rl_core.lifecycle import JobLifecycle
+from rl_core.lifecycle import RankLifecycle
 from rl_core.ppo.config import PPOConfig, engine_dtype
 from rl_core.ppo.node_watch import NodeWatch, check_reachable
 from rl_core.ppo.threads import ThreadPolicy
@@ -31,7 +31,7 @@ from workers.procs import ManagedProcesses
 ENGINE_START_TIMEOUT_S = 300.0
 
 
-class JobRuntime(ThreadPolicy, JobLifecycle):
+class PPORuntime(ThreadPolicy, RankLifecycle):
     """Context manager for one rank's processes and connections; `__exit__` stops them all.
 
     The process group, the CPU split between trainer and engine (its policy: `ThreadPolicy`) and the run
@@ -57,7 +57,7 @@ class JobRuntime(ThreadPolicy, JobLifecycle):
 
     # ------------------------------------------------------------------ lifecycle
 
-    def __enter__(self) -> "JobRuntime":
+    def __enter__(self) -> "PPORuntime":
         try:
             if self.engine_fork is not None and self.cfg.rollout.engine != "embedded":
                 self.engine_fork.close()  # SGLang starts as its own command

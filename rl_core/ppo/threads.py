@@ -11,7 +11,7 @@ from rl_core.lifecycle import torch_threads
 
 
 class ThreadPolicy:
-    """The torch threads of a PPO rank's engine and trainer. A part of `JobRuntime` (rl_core/ppo/runtime.py),
+    """The torch threads of a PPO rank's engine and trainer. A part of `PPORuntime` (rl_core/ppo/runtime.py),
     whose job lifecycle gives `cpu_threads()` (this rank's cores) and `device`, and whose `cfg` the mode."""
 
     def engine_threads(self) -> int:

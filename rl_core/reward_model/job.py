@@ -33,7 +33,7 @@ from rl_core.reward_model.sampling import load_queries
 from rl_core.reward_model.training import (Log, ReferenceSamples, Reporting, build_reward_model,
                                            export_reward_model, fit_reward_model)
 from rl_core.preferences import load_preference_splits
-from rl_core.stop_signal import JobProgress
+from rl_core.stop_signal import StepProgress
 from workers.loading import check_model_path, context_length, load_tokenizer
 
 
@@ -56,7 +56,7 @@ def resolve_inputs(cfg: RMConfig, labeler) -> dict:
 
 
 def fit_and_export(cfg: RMConfig, dp: DataParallel, log: Log = print, labeler=None,
-                   progress: JobProgress | None = None) -> dict:
+                   progress: StepProgress | None = None) -> dict:
     """The whole job on this rank; returns the metrics (identical on every rank).
 
     `labeler`: the rater the fresh-sample check compares with (offline runs), or None. `progress`: where the
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None, prepare=None, get_labeler=None) -> None:
             lambda cfg, lifecycle, progress: train(cfg, lifecycle.data_parallel(), progress, get_labeler), prepare)
 
 
-def train(cfg: RMConfig, dp: DataParallel, progress: JobProgress, get_labeler=None) -> None:
+def train(cfg: RMConfig, dp: DataParallel, progress: StepProgress, get_labeler=None) -> None:
     """The job on this rank, inside the shared job lifecycle (`cli.run_job`); rank 0 ends with the
     results as one JSON line."""
     labeler = get_labeler(cfg.labeler.name) if cfg.labeler.name and get_labeler is not None else None

@@ -22,8 +22,8 @@ from rl_core.rewards.lm_human_preferences import reward_gain_bias
 from rl_core.reward_model.config import NormalizeConfig, RMConfig, RMTrainConfig, RMTrainerConfig
 from rl_core.reward_model.losses import preference_correct, preference_loss, spearman
 from rl_core.reward_model.sampling import pick_queries, sample_truncated
-from rl_core.step_loop import JobSteps, run_steps
-from rl_core.stop_signal import JobProgress
+from rl_core.step_loop import StepHooks, run_steps
+from rl_core.stop_signal import StepProgress
 from workers.fsdp import full_state_dict
 from workers.forward import raw_reward_scores, reward_scores
 from workers.layout import rows_to_batch
@@ -111,11 +111,11 @@ def heldout_metrics(model, worker: BatchWorker, examples: list, pad_id: int) -> 
 
 @dataclass
 class Reporting:
-    """Where a reward-model fit reports: `log` its console lines; `progress` (a `rl_core.stop_signal.JobProgress`) its phase
-    and step, for the line a stop signal ends with; `metrics_rows`: rank 0 writes each step's row (metrics.jsonl,
-    TensorBoard; the job's, not the offline builders')."""
+    """Where a reward-model fit reports: `log` its console lines; `progress` (a `rl_core.stop_signal.StepProgress`)
+    its phase and step, for the line a stop signal ends with; `metrics_rows`: rank 0 writes each step's row
+    (metrics.jsonl, TensorBoard; the job's, not the offline builders')."""
     log: Log = print
-    progress: JobProgress | None = None
+    progress: StepProgress | None = None
     metrics_rows: bool = False
 
 
@@ -178,9 +178,9 @@ def train_one_epoch(epoch: Epoch, trainer: RMTrainerConfig, start: int, save: Ca
             running = {"epoch/loss": epoch.totals["loss_sum"] / seen, "epoch/accuracy": epoch.totals["correct"] / seen}
             reporting.log(step_line(step, steps, {**metrics, **running}, SHOWN, prefix="[train_rm] "))
 
-    progress = reporting.progress or JobProgress(epoch.worker.rank)
+    progress = reporting.progress or StepProgress(epoch.worker.rank)
     with bar:
-        run_steps(JobSteps(one_step=epoch.one_step, log=log, save=save), start, steps, trainer, epoch.worker.rank,
+        run_steps(StepHooks(one_step=epoch.one_step, log=log, save=save), start, steps, trainer, epoch.worker.rank,
                   epoch.worker.device, progress)
     return epoch.results()
 

@@ -19,7 +19,7 @@ from envs.factory import make_env_factory
 from envs.pool import EnvPool
 from envs.threads import make_executor
 from rl_core.rewards import RewardFunctions
-from rl_core.rewards.workers import ProcessExecutor
+from rl_core.rewards.processes import ProcessExecutor
 from rl_core.rollout.rollout import (GroupRule, KeepFn, RolloutParts, RolloutResult, RolloutSettings, rollout,
                                      rollout_until)
 from rl_core.rollout.trajectory import Trajectory

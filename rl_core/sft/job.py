@@ -21,7 +21,7 @@ from rl_core.rewards import load_reward_fn
 from rl_core.sft.config import SFTConfig, validate
 from rl_core.sft.data import encode_rows, load_rows
 from rl_core.sft.training import generation_accuracy, heldout_metrics, train_step
-from rl_core.stop_signal import JobProgress
+from rl_core.stop_signal import StepProgress
 from workers import loading
 from workers.worker import BatchWorker
 
@@ -32,11 +32,11 @@ def main(argv: list[str] | None = None, prepare=None) -> None:
             lambda cfg, lifecycle, progress: train(cfg, lifecycle.data_parallel(), progress), prepare)
 
 
-def train(cfg: SFTConfig, dp: DataParallel, progress: JobProgress | None = None) -> None:
+def train(cfg: SFTConfig, dp: DataParallel, progress: StepProgress | None = None) -> None:
     """The job on `dp`: every rank of the process group (sharded), or this process alone
     (`DataParallel()`, no torch.distributed call: how the arithmetic recipe's policy is built).
     `progress`: where it is, for the line a stop signal ends with (`run_main`'s)."""
-    progress = progress or JobProgress(dp.rank)
+    progress = progress or StepProgress(dp.rank)
     tr = cfg.train
     reward_fn = load_reward_fn(cfg.eval.reward_fn) if cfg.eval.reward_fn else None
     if dp.sharded:

@@ -193,9 +193,9 @@ def test_the_job_tells_its_progress_each_phase_for_the_stop_line(tiny_model_dir,
     from rl_core.distributed import DataParallel
     from rl_core.reward_model.config import RMConfig, validate
     from rl_core.reward_model.job import fit_and_export
-    from rl_core.stop_signal import JobProgress
+    from rl_core.stop_signal import StepProgress
 
-    class Recorded(JobProgress):
+    class Recorded(StepProgress):
         def __init__(self):
             super().__init__()
             self.phases = []

@@ -256,7 +256,7 @@ def on_main_thread(completion, sample):
 def test_worker_processes_run_checkers_on_a_main_thread_and_a_hung_one_costs_only_its_call():
     import multiprocessing
 
-    from rl_core.rewards.workers import ProcessExecutor
+    from rl_core.rewards.processes import ProcessExecutor
 
     executor = ProcessExecutor(2)
     specs = {"hang": {"fn": f"{__name__}:hang"}}
@@ -334,7 +334,7 @@ def tool_call_count(completion, sample, tool_calls):
 
 
 def test_functions_that_declare_the_conversation_get_it_batched_and_in_worker_processes():
-    from rl_core.rewards.workers import ProcessExecutor
+    from rl_core.rewards.processes import ProcessExecutor
 
     chat = {"messages": [{"role": "user", "content": "2 * 21?"}, {"role": "assistant", "content": "<call>"},
                          {"role": "tool", "content": "42"}, {"role": "assistant", "content": "42"}],
