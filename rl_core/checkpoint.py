@@ -289,26 +289,28 @@ def saved_step(path: Path) -> int:
     return int(json.loads((path / "trainer_state.json").read_text())["step"])
 
 
-def finished_run(trainer, total_steps: int, limits: str, train_on: str) -> str | None:
+def finished_run(trainer, total_steps: int, limits: str, train_on: str, export: Path | None = None) -> str | None:
     """The line to end with when the checkpoint `trainer.resume` starts from is at the last step and the
-    final model is exported (`trainer.export_hf`): a finished run, which must not load models or start
-    engines and rewrite final/ for nothing. None: train. `limits`: the keys that set `total_steps`;
-    `train_on`: how to train further. Reads files only (every rank reads the same)."""
+    final model is exported (`export`; by default `<run_dir>/final` when `trainer.export_hf`): a finished run,
+    which must not load models or start engines and rewrite its export for nothing. None: train. `limits`: the
+    keys that set `total_steps`; `train_on`: how to train further. Reads files only (every rank reads the same)."""
     path = Checkpointer(Path(trainer.run_dir) / "checkpoints", rank=0).resume_path(trainer.resume)
-    final = Path(trainer.run_dir) / "final"
+    if export is None and getattr(trainer, "export_hf", False):
+        export = Path(trainer.run_dir) / "final"
     if path is None or verify(path) is not None:  # a damaged explicit one: its resume says so in one line
         return None
-    if saved_step(path) < total_steps or (trainer.export_hf and not final.is_dir()):
-        return None  # (a run stopped between its last checkpoint and the export resumes to write final/)
+    if saved_step(path) < total_steps or (export is not None and not export.is_dir()):
+        return None  # (a run stopped between its last checkpoint and the export resumes to write it)
     return (f"nothing left to train: {path} is at step {saved_step(path)}, the last one ({limits})"
-            + (f", and {final} holds the model" if trainer.export_hf else "")
+            + (f", and {export} holds the model" if export is not None else "")
             + f"; {train_on}, or give a new trainer.run_dir")
 
 
-def end_if_finished(trainer, total_steps: int, limits: str, train_on: str, rank: int) -> bool:
+def end_if_finished(trainer, total_steps: int, limits: str, train_on: str, rank: int,
+                    export: Path | None = None) -> bool:
     """Whether the run already ended (`finished_run`); then rank 0 says so in one line. Every job asks before
     it loads a model or starts an engine; every rank reads the same run directory, so all end here or none."""
-    done = finished_run(trainer, total_steps, limits, train_on)
+    done = finished_run(trainer, total_steps, limits, train_on, export)
     if done is not None and rank == 0:
         print(done, flush=True)
     return done is not None

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 
+from rl_core.checkpoint import end_if_finished
 from rl_core.cli import JobEntry, run_job
 from rl_core.config import save_config
 from rl_core.errors import JobError
@@ -63,11 +64,18 @@ def fit_and_export(cfg: RMConfig, dp: DataParallel, log: Log = print, labeler=No
     job is, for the line a stop signal ends with."""
     started = time.perf_counter()
     inputs = resolve_inputs(cfg, labeler)
+    run_dir = Path(cfg.trainer.run_dir)
+    output_dir = Path(cfg.trainer.output_dir or run_dir / "reward_model")
     tokenizer = load_tokenizer(inputs["policy"])
-    policy = build_frozen(inputs["policy"], "causal_lm", None, Placement.whole(dp.device))  # samples, unsharded
-    check_lengths(cfg, context_length(policy.config))
     seed = cfg.trainer.seed
     train, test = load_preference_splits(cfg.data, inputs["train"], inputs["test"], tokenizer, seed)
+    steps = len(train) // cfg.train.batch_size
+    if end_if_finished(cfg.trainer, steps, f"one epoch: {len(train)} comparisons / train.batch_size="
+                       f"{cfg.train.batch_size}", "add comparisons to train on", dp.rank, export=output_dir):
+        saved = run_dir / "metrics.json"  # the results it ended with, as its last line said then
+        return json.loads(saved.read_text()) if saved.is_file() else {"output_dir": str(output_dir.resolve())}
+    policy = build_frozen(inputs["policy"], "causal_lm", None, Placement.whole(dp.device))  # samples, unsharded
+    check_lengths(cfg, context_length(policy.config))
     queries = load_queries(inputs["prompts"], cfg.normalize.text_key, tokenizer, cfg.normalize.query_length)
     model = build_reward_model(inputs["init_from"], tokenizer, seed, cfg.model)
     reference = ReferenceSamples(policy, tokenizer, queries, cfg.normalize, dp)
@@ -75,8 +83,6 @@ def fit_and_export(cfg: RMConfig, dp: DataParallel, log: Log = print, labeler=No
                                Reporting(log, progress, metrics_rows=True))
     if progress is not None:
         progress.at(None, "export")
-    run_dir = Path(cfg.trainer.run_dir)
-    output_dir = Path(cfg.trainer.output_dir or run_dir / "reward_model")
     export_reward_model(model, tokenizer, output_dir, dp)
     metrics.update(output_dir=str(output_dir.resolve()), world_size=dp.size,
                    seconds=round(time.perf_counter() - started, 1))

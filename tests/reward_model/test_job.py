@@ -133,6 +133,20 @@ def test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_one(rm_run):
 
 
 @pytest.mark.timeout(200)
+def test_a_finished_run_resumed_loads_nothing_and_ends_with_its_results(rm_run):
+    """trainer.resume=auto on a run whose checkpoint is at the last step and whose model is exported: the one
+    "nothing left to train" line every job ends with, before any model loads or any sampling, and the results
+    it ended with as the last line again (the export untouched)."""
+    metrics, _, tmp, overrides = rm_run
+    export = Path(metrics["output_dir"]) / "model.safetensors"
+    written = export.stat().st_mtime_ns
+    again, stdout = run_rm(overrides + [f"trainer.run_dir={tmp / 'run'}", "trainer.resume=auto"], tmp)
+    assert f"nothing left to train: {tmp / 'run' / 'checkpoints' / 'step_00000006'} is at step 6" in stdout
+    assert "sampling" not in stdout and "normalis" not in stdout
+    assert again == metrics and export.stat().st_mtime_ns == written
+
+
+@pytest.mark.timeout(200)
 def test_checkpoint_loads_and_is_normalised_on_fresh_samples(rm_run, tiny_model_dir):
     from transformers import AutoModelForSequenceClassification
 
