@@ -1,5 +1,5 @@
-"""The recipes' offline names ("tiny", "tiny-arithmetic", "tiny-tools-arithmetic", ...) turned into paths
-before a job starts.
+"""The recipes' offline names ("tiny", "tiny-arithmetic", "tiny-tools-arithmetic", "tiny-vision-shapes", ...)
+turned into paths before a job starts.
 
 The entry points (`rl_core/train.py`, `rl_core/train_rm.py`) run this on every rank before any
 process group exists (`rl_core.distributed.prepare_before_process_group`): what is missing is
@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import Callable
 
 from offline import ARITHMETIC, ARITHMETIC_TEACHER, CHAT_ARITHMETIC, TOOLS_ARITHMETIC, TOOLS_ARITHMETIC_SFT
+from offline.vision_shapes import VISION_SHAPES
 from rl_core.offline_names import check_model_paths
 
 Log = Callable[[str], None]
 # The offline names that name a policy, each a Hugging Face model directory any model key may be given.
-MODEL_NAMES = ("tiny", ARITHMETIC, ARITHMETIC_TEACHER, TOOLS_ARITHMETIC)
+MODEL_NAMES = ("tiny", ARITHMETIC, ARITHMETIC_TEACHER, TOOLS_ARITHMETIC, VISION_SHAPES)
 
 
 def offline_model_path(value, log: Log, progress: bool = False):
@@ -39,6 +40,10 @@ def offline_model_path(value, log: Log, progress: bool = False):
         from offline.tools_arithmetic import ensure_tools_arithmetic_assets
 
         return str(ensure_tools_arithmetic_assets(log=log).model_dir)
+    if value == VISION_SHAPES:
+        from offline.vision_shapes import ensure_vision_shapes_assets
+
+        return str(ensure_vision_shapes_assets(log=log).model_dir)
     return value
 
 
@@ -54,7 +59,7 @@ def resolve_model_key(cfg, key: str, log: Log, progress: bool = False) -> None:
 
 def resolve_ppo_assets(cfg, log: Log):
     """A PPO config whose model, reward-model and data paths name no offline asset any more."""
-    check_model_paths(cfg, "ppo", ("tiny", ARITHMETIC, ARITHMETIC_TEACHER, TOOLS_ARITHMETIC))
+    check_model_paths(cfg, "ppo", MODEL_NAMES)
     if cfg.model.path == ARITHMETIC_TEACHER:  # the distillation teacher as a policy (its own GRPO run, say)
         resolve_model_key(cfg, "model.path", log)
     resolve_model_key(cfg, "distill.teacher_path", log)  # any offline policy may teach (configs/opd_arithmetic.yaml)
@@ -90,6 +95,13 @@ def resolve_ppo_assets(cfg, log: Log):
         cfg.model.path = str(tools.model_dir) if cfg.model.path == TOOLS_ARITHMETIC else cfg.model.path
         cfg.data.train_path = str(tools.train_file) if cfg.data.train_path == TOOLS_ARITHMETIC else cfg.data.train_path
         cfg.data.eval_path = str(tools.eval_file) if cfg.data.eval_path == TOOLS_ARITHMETIC else cfg.data.eval_path
+    if VISION_SHAPES in named:
+        from offline.vision_shapes import ensure_vision_shapes_assets
+
+        shapes = ensure_vision_shapes_assets(log=log)
+        cfg.model.path = str(shapes.model_dir) if cfg.model.path == VISION_SHAPES else cfg.model.path
+        cfg.data.train_path = str(shapes.train_file) if cfg.data.train_path == VISION_SHAPES else cfg.data.train_path
+        cfg.data.eval_path = str(shapes.eval_file) if cfg.data.eval_path == VISION_SHAPES else cfg.data.eval_path
     return cfg
 
 
@@ -124,14 +136,15 @@ SUMS_FILE = "checksums.json"  # sha256 by relative path
 def build_all(root, log: Log, progress: bool = False, small: bool = False):
     """Every asset the recipes name, built (or reused) under `root`: tiny policy, prompts,
     sentiment preferences and reward model, arithmetic policy, problems and SFT rows, the tool-calling
-    policy, its problems and SFT rows, the arithmetic distillation teacher, the released-model recipe's questions
-    (`small`: the tests' quick versions)."""
+    policy, its problems and SFT rows, the arithmetic distillation teacher, the released-model recipe's questions,
+    the vision recipe's pictures and policy (`small`: the tests' quick versions)."""
     from offline.arithmetic import ensure_arithmetic_assets, ensure_arithmetic_sft_data
     from offline.arithmetic_teacher import ensure_arithmetic_teacher
     from offline.assets import ensure_tiny_assets
     from offline.chat_arithmetic import ensure_chat_arithmetic
     from offline.reward_model import ensure_tiny_reward_model
     from offline.tools_arithmetic import ensure_tools_arithmetic_assets
+    from offline.vision_shapes import ensure_vision_shapes_assets
 
     tiny = ensure_tiny_assets(root, small=small, log=log, progress=progress)
     ensure_tiny_reward_model(tiny, log=log, small=small, progress=progress)
@@ -140,6 +153,7 @@ def build_all(root, log: Log, progress: bool = False, small: bool = False):
     ensure_arithmetic_teacher(root, small=small, log=log)  # the arithmetic policy fine-tuned on slip-free rows
     ensure_tools_arithmetic_assets(root, small=small, log=log)  # built last: it fine-tunes the arithmetic policy
     ensure_chat_arithmetic(root, log=log)  # questions only: the released-model recipe's model is SmolLM2's
+    ensure_vision_shapes_assets(root, small=small, log=log)  # a tiny Qwen2.5-VL and its pictures
     return tiny
 
 

@@ -1,11 +1,11 @@
 """The offline names a recipe may give instead of a path or hub name, and where they are resolved.
 
 "tiny", "tiny-arithmetic", "tiny-arithmetic-sft", "tiny-arithmetic-teacher", "tiny-tools-arithmetic",
-"tiny-tools-arithmetic-sft" and "chat-arithmetic" name the offline assets the repository ships (`assets/`), which the
-builders beside this package (`offline/`) build where they are missing. A job's entry point resolves them before the
-job starts (every rank, before any process group exists); a config that names none imports no builder, so the jobs run
-on real checkpoints without them. The names of a policy (`offline.prepare.MODEL_NAMES`) may stand for any model path:
-a job's resolver turns the one at a dotted key into its built directory with
+"tiny-tools-arithmetic-sft", "chat-arithmetic" and "tiny-vision-shapes" name the offline assets the repository ships
+(`assets/`), which the builders beside this package (`offline/`) build where they are missing. A job's entry point
+resolves them before the job starts (every rank, before any process group exists); a config that names none imports no
+builder, so the jobs run on real checkpoints without them. The names of a policy (`offline.prepare.MODEL_NAMES`) may
+stand for any model path: a job's resolver turns the one at a dotted key into its built directory with
 `offline.prepare.resolve_model_key(cfg, "distill.teacher_path", log)`.
 """
 
@@ -19,7 +19,8 @@ from workers.gguf import float_checkpoint, is_gguf
 from workers.loading import check_model_path
 
 OFFLINE_NAMES = frozenset({"tiny", "tiny-arithmetic", "tiny-arithmetic-sft", "tiny-arithmetic-teacher",
-                           "tiny-tools-arithmetic", "tiny-tools-arithmetic-sft", "chat-arithmetic"})
+                           "tiny-tools-arithmetic", "tiny-tools-arithmetic-sft", "chat-arithmetic",
+                           "tiny-vision-shapes"})
 # Each job's builder side: the config with every offline name replaced by the path of what it names.
 RESOLVERS = {"ppo": "offline.prepare:resolve_ppo_assets", "sft": "offline.prepare:resolve_sft_assets",
              "dpo": "offline.prepare:resolve_dpo_assets", "rm": "offline.prepare:resolve_rm_assets"}

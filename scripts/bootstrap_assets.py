@@ -5,14 +5,14 @@
     python scripts/bootstrap_assets.py --write-sums             # after a rebuild you mean to ship
 
 The repository ships `assets/` (tiny policy and tokenizer, sentiment prompts, preferences and
-reward model, the arithmetic chat policy and problems, the tool-calling policy and problems; about 29 MB), built by
-this project's code
+reward model, the arithmetic chat policy and problems, the tool-calling policy and problems, the vision recipe's tiny
+Qwen2.5-VL and pictures; about 39 MB), built by this project's code
 (`offline/`), so a fresh clone trains at once. `--check` rebuilds all of it in a temporary
 directory (about 25 minutes on 2 cores, half of it the tool-calling policy's fine-tuning) and compares every file's sha256 with
 `assets/checksums.json`; the builds fix their seeds and thread counts, so the same torch build on
 the same kind of CPU reproduces them bit for bit (another CPU or torch may round differently, a
 config.json records the transformers version that wrote it, and the check says which files differ).
-The tiny policy, the preferences, the reward model and the tool-calling policy build on one thread, whose
+The tiny policy, the preferences, the reward model, the tool-calling and the vision policies build on one thread, whose
 results no load can change; the arithmetic policy's fine-tuning runs on two, where reductions split
 otherwise between threads (seen twice in CI for the tiny policy when it pretrained on two) would change
 the last bits.

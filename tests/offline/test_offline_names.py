@@ -12,9 +12,10 @@ def test_the_registry_lists_every_name_the_builders_resolve():
     from offline import ARITHMETIC, ARITHMETIC_TEACHER, CHAT_ARITHMETIC, TOOLS_ARITHMETIC, TOOLS_ARITHMETIC_SFT
     from offline.arithmetic import ARITHMETIC_SFT
     from offline.prepare import MODEL_NAMES
+    from offline.vision_shapes import VISION_SHAPES
 
     assert OFFLINE_NAMES == {"tiny", ARITHMETIC, ARITHMETIC_SFT, ARITHMETIC_TEACHER, TOOLS_ARITHMETIC,
-                             TOOLS_ARITHMETIC_SFT, CHAT_ARITHMETIC}
+                             TOOLS_ARITHMETIC_SFT, CHAT_ARITHMETIC, VISION_SHAPES}
     assert set(MODEL_NAMES) <= OFFLINE_NAMES  # the policies any model key may name
 
 

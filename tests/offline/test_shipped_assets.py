@@ -23,7 +23,8 @@ def test_the_shipped_assets_are_listed_intact_and_current_so_no_recipe_rebuilds_
     shipped = json.loads((shipped_root / SUMS_FILE).read_text())
     assert {"tiny-gpt2/model.safetensors", "tiny-sentiment-rm/model.safetensors",
             "tiny-arithmetic/model.safetensors", "prompts/sentiment_train.jsonl",
-            "arithmetic/eval.jsonl", "tiny-tools-arithmetic/model.safetensors", "tools-arithmetic/eval.jsonl"} <= set(shipped)
+            "arithmetic/eval.jsonl", "tiny-tools-arithmetic/model.safetensors", "tools-arithmetic/eval.jsonl",
+            "tiny-vision-shapes/model.safetensors", "vision-shapes/eval.jsonl"} <= set(shipped)
     digests = asset_digests(shipped_root)
     changed = [name for name, digest in shipped.items() if digests.get(name) != digest]
     assert not changed, f"shipped assets differ from {SUMS_FILE}: {changed}"
