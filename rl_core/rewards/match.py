@@ -3,8 +3,7 @@
 
 `exact_answer` gives 1.0 when the completion, stripped of surrounding space, case and a closing full stop,
 is the reference `sample[answer_key]` so normalised too, else 0.0: "Red." and " red" match "red", "red and
-blue" does not. The vision recipe (configs/grpo_vision_shapes.yaml) scores its colours, shape names and
-counts with it.
+blue" does not. The vision recipe (configs/grpo_vision_shapes.yaml) scores its colours and counts with it.
 """
 
 from __future__ import annotations
