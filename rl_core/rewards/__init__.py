@@ -28,7 +28,8 @@ async ones on the rollout's event loop, each call under
 checker. A function that raises, times out or returns something other than a finite number
 fails its trajectory the way an env failure does (left out of training, counted). Multi-turn
 tasks whose reward comes from acting in the world are envs (`envs/base.py`).
-Shipped functions: `rl_core.rewards.math` (answer checker, format reward).
+Shipped functions: `rl_core.rewards.math` (answer checker, format reward), `rl_core.rewards.match` (an exact
+one-word or one-number answer).
 """
 
 from __future__ import annotations
