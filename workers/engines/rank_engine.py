@@ -103,10 +103,10 @@ class RankEngine:
                 run(post("/pause_generation", {"mode": "in_place"}))
             try:
                 with span("push"):  # resume weights, gather and send the buckets, flush, resume the KV cache
-                    resuming = time.perf_counter()
                     if self.released:
+                        resuming = time.perf_counter()
                         run(post("/resume_memory_occupation", {"tags": list(RESUME_BEFORE_PUSH)}))
-                    stats["weight_sync/resume_s"] += time.perf_counter() - resuming
+                        stats["weight_sync/resume_s"] += time.perf_counter() - resuming
                     pushing = time.perf_counter()
                     try:  # a weight-update session; SGLang <= 0.5.20 has none (404) and takes updates without one
                         run(post("/begin_weight_update"))
@@ -133,11 +133,11 @@ class RankEngine:
                     if session:
                         run(post("/end_weight_update"))
                     stats["weight_sync/push_s"] = time.perf_counter() - pushing
-                    resuming = time.perf_counter()
                     if self.released:
+                        resuming = time.perf_counter()
                         run(post("/resume_memory_occupation", {"tags": list(RESUME_AFTER_PUSH)}))
+                        stats["weight_sync/resume_s"] += time.perf_counter() - resuming
                         self.released = False
-                    stats["weight_sync/resume_s"] += time.perf_counter() - resuming
             finally:
                 if pause_in_place:
                     run(post("/continue_generation"))
