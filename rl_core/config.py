@@ -2,8 +2,9 @@
 
 OmegaConf reads the YAML and the dotlist overrides; each job describes its keys as plain
 dataclasses (`rl_core/ppo/config.py`, `rl_core/sft/config.py`, `rl_core/dpo/config.py`,
-`rl_core/reward_model/config.py`) that share the `trainer.*` section below; a comment next to each
-field describes its key (scripts/config_reference.py writes docs/config-reference.md from them).
+`rl_core/reward_model/config.py`) that share the `trainer.*` section, the `model` section's run keys
+(`ModelRunConfig`) and the optimizer keys (`OptimizerConfig`) below; a comment next to each field describes
+its key (scripts/config_reference.py writes docs/config-reference.md from them).
 `load_config` checks every key, type and allowed value, then the job's cross-field rules, *before* any
 process group or engine starts, so a typo costs one line of output instead of a crashed job.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rl_core.errors import UserError
+from rl_core.optim import OPTIMIZER_NAMES
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -28,6 +30,8 @@ _FIELD_TO_KEY = {v: k for k, v in _KEY_ALIASES.items()}
 # Keys that moved: an old config names the new key in one line instead of a guess. Every job's
 # evaluation cadence is `eval.every` (the PPO job had it as trainer.eval_every).
 MOVED_KEYS = {"trainer.eval_every": "eval.every"}
+# The weight dtypes a job's models load in (`model.dtype`), and PPO's engines serve in (`rollout.dtype`).
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ConfigError(UserError, ValueError):
@@ -61,7 +65,11 @@ class ModelRunConfig:
     """How the trainer runs its models: the keys every job's `model` section shares (a job's own section
     subclasses this with its paths)."""
 
+    # The dtype every model of the job loads in: the trained models' master weights; under mixed precision
+    # they stay fp32.
+    dtype: str = choice("float32", DTYPES)
     mixed_precision: Optional[str] = choice(None, (None, "bf16", "fp16"))  # GPU only
+    cpu_offload: bool = False  # FSDP2 parameter/optimizer offload (GPU only)
     gradient_checkpointing: bool = False  # the trained models recompute activations in backward (less memory)
     # The attention kernel by transformers' name: null = its default (sdpa where the model has it; eager for
     # Gemma 2's soft-capped scores), or e.g. flash_attention_2 on GPUs (the flash-attn package). With packing,
@@ -88,6 +96,37 @@ class ModelRunConfig:
                 "has none of; use sdpa (null) or eager")
         require(self.logits_chunk >= 0, f"config key 'model.logits_chunk' must be >= 0 (0 = no chunks), "
                                         f"got {self.logits_chunk}")
+        if self.cpu_offload:
+            import torch
+
+            require(torch.cuda.is_available(),
+                    "model.cpu_offload=true offloads FSDP2's GPU shards to host memory, and this machine has no GPU "
+                    "(CUDA); set model.cpu_offload=false")
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer keys every job's training section shares (PPO's `algorithm`, SFT's, DPO's and the reward
+    model's `train`), validated once; a section redeclares the defaults it changes."""
+
+    optimizer: str = choice("adamw", OPTIMIZER_NAMES)  # adam, adamw or tf_adam (TensorFlow's epsilon placement)
+    lr: float = 1e-5  # peak learning rate
+    adam_eps: float = 1e-8  # Adam epsilon
+    adam_betas: tuple = (0.9, 0.999)  # Adam betas: the decay rates of the gradient's mean and square averages
+    weight_decay: float = 0.0  # decoupled weight decay (adamw, tf_adam; adam adds it to the gradient)
+    max_grad_norm: Optional[float] = 1.0  # gradient clipping; null = none
+
+    def validate(self, section: str) -> None:
+        """The rules of these keys under `section` (e.g. "train"), each broken one a line naming its key."""
+        require(self.lr > 0, f"config key '{section}.lr' must be > 0, got {self.lr}")
+        require(self.adam_eps > 0, f"config key '{section}.adam_eps' must be > 0, got {self.adam_eps}")
+        betas = self.adam_betas
+        require(isinstance(betas, (list, tuple)) and len(betas) == 2
+                and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas),
+                f"config key '{section}.adam_betas' must be two numbers in [0, 1), got {betas}")
+        require(self.weight_decay >= 0, f"config key '{section}.weight_decay' must be >= 0, got {self.weight_decay}")
+        require(self.max_grad_norm is None or self.max_grad_norm > 0,
+                f"config key '{section}.max_grad_norm' must be > 0 or null, got {self.max_grad_norm}")
 
 
 @dataclass
@@ -265,10 +304,14 @@ def _coerce(ftype, value: Any, key: str, root):
     elif expected in (dict, list):
         if isinstance(value, expected):
             return value
+    elif expected is tuple:  # a fixed-length list (e.g. adam_betas): YAML's list, kept as the default's tuple
+        if isinstance(value, (list, tuple)):
+            return tuple(value)
     else:
         return value
-    raise ConfigError(f"config key '{key}' must be {expected.__name__}, got {value!r} "
-                      f"({type(value).__name__}); fix the recipe or pass {key}=<{expected.__name__}>")
+    name = "list" if expected is tuple else expected.__name__
+    raise ConfigError(f"config key '{key}' must be {name}, got {value!r} "
+                      f"({type(value).__name__}); fix the recipe or pass {key}=<{name}>")
 
 
 def _check_choices(config, prefix: str) -> None:

@@ -9,7 +9,10 @@ on this rank: FSDP2-sharded over the process group, or whole on one device. `bui
 every weight frozen, `build_trained` as a `TrainableModel` with its optimizer and schedule.
 
 `run=None`: a model that keeps its own defaults whatever the job's keys (float32, transformers' attention
-kernel, no run keys), e.g. the reward model DPO scores its samples with.
+kernel, no mixed precision, no offload, no run keys), e.g. the reward model DPO scores its samples with.
+
+A trained model's optimizer comes from its job's optimizer keys (`rl_core.config.OptimizerConfig`, the same set in
+every job) through `Optimization.from_config`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Callable, Literal
 import torch
 from torch import nn
 
+from rl_core.config import ModelRunConfig, OptimizerConfig
 from rl_core.optim import build_optimizer
 from workers import loading
 from workers.fsdp import shard_model
@@ -53,16 +57,26 @@ class Optimization:
     max_grad_norm: float | None = 1.0
     schedule: Callable | None = None
 
+    @classmethod
+    def from_config(cls, settings: OptimizerConfig, schedule: Callable | None = None,
+                    lr: float | None = None) -> "Optimization":
+        """A job's optimizer from its section's optimizer keys (`OptimizerConfig`: PPO's `algorithm`, the
+        others' `train`); `lr` overrides the section's (PPO's critic: `algorithm.critic_lr`)."""
+        return cls(settings.optimizer, settings.lr if lr is None else lr, eps=settings.adam_eps,
+                   weight_decay=settings.weight_decay, betas=tuple(settings.adam_betas),
+                   max_grad_norm=settings.max_grad_norm, schedule=schedule)
+
     def build(self, model: nn.Module) -> torch.optim.Optimizer:
         return build_optimizer([p for p in model.parameters() if p.requires_grad], self.optimizer, lr=self.lr,
                                eps=self.eps, weight_decay=self.weight_decay, betas=tuple(self.betas))
 
 
-def load(path: str, kind: Kind, run, *, pad_token_id: int | None = None, seed: int | None = None) -> nn.Module:
+def load(path: str, kind: Kind, run: ModelRunConfig | None, *, pad_token_id: int | None = None,
+         seed: int | None = None) -> nn.Module:
     """The model at `path` as `kind`: a causal LM, a value model (`loading.ValueModel`), a trained reward model,
     or a new one on a causal LM (`new_reward`: OpenAI's head init, seeded by `seed`); in `run`'s weight dtype
-    (`model.dtype` where the job has the key, else float32) with its attention kernel."""
-    dtype = getattr(torch, getattr(run, "dtype", "float32"))
+    (`model.dtype`; float32 with `run=None`) with its attention kernel."""
+    dtype = getattr(torch, run.dtype if run is not None else "float32")
     attention = run.attn_implementation if run is not None else None
     if kind == "causal_lm":
         return loading.load_causal_lm(path, dtype, attention)
@@ -75,7 +89,8 @@ def load(path: str, kind: Kind, run, *, pad_token_id: int | None = None, seed: i
     raise ValueError(f"unknown model kind {kind!r}")
 
 
-def build_frozen(path: str, kind: Kind, run, placement: Placement, *, pad_token_id: int | None = None) -> nn.Module:
+def build_frozen(path: str, kind: Kind, run: ModelRunConfig | None, placement: Placement, *,
+                 pad_token_id: int | None = None) -> nn.Module:
     """A model that is only run (reference, reward model, teacher, sampling policy): loaded, placed, every
     weight frozen, in eval mode."""
     model = load(path, kind, run, pad_token_id=pad_token_id)
@@ -84,7 +99,7 @@ def build_frozen(path: str, kind: Kind, run, placement: Placement, *, pad_token_
     return place(model, run, placement).requires_grad_(False).eval()
 
 
-def build_trained(path: str, kind: Kind, run, placement: Placement, optimization: Optimization, *,
+def build_trained(path: str, kind: Kind, run: ModelRunConfig, placement: Placement, optimization: Optimization, *,
                   pad_token_id: int | None = None, seed: int | None = None,
                   vocab_size: int | None = None) -> TrainableModel:
     """A model being trained, with its optimizer and schedule (see `make_trainable`). `vocab_size`: the
@@ -107,7 +122,8 @@ def build_export_template(path: str, lora, trained_rows: Callable[[nn.Module], i
     return with_lora(model, lora)
 
 
-def make_trainable(model: nn.Module, run, placement: Placement, optimization: Optimization) -> TrainableModel:
+def make_trainable(model: nn.Module, run: ModelRunConfig, placement: Placement,
+                   optimization: Optimization) -> TrainableModel:
     """A loaded model made trainable: activation checkpointing and sequence parallelism (`run`), LoRA adapters
     on a causal LM when `run.lora.rank` says so, placed, with its optimizer and schedule."""
     loading.prepare_for_run(model, run, trained=True)
@@ -118,10 +134,12 @@ def make_trainable(model: nn.Module, run, placement: Placement, optimization: Op
                           optimization.max_grad_norm)
 
 
-def place(model: nn.Module, run, placement: Placement) -> nn.Module:
+def place(model: nn.Module, run: ModelRunConfig | None, placement: Placement) -> nn.Module:
     """Sharded: FSDP2 over the default process group, with `run`'s mixed precision and CPU offload (the shards
-    go to the mesh's device, or stay in host memory when offloaded); else the whole model on the device."""
+    go to the mesh's device, or stay in host memory when offloaded; `run=None`: neither); else the whole model
+    on the device."""
     if not placement.sharded:
         return model.to(placement.device)
-    return shard_model(model, mixed_precision=getattr(run, "mixed_precision", None),
-                       cpu_offload=getattr(run, "cpu_offload", False))
+    if run is None:
+        return shard_model(model)
+    return shard_model(model, mixed_precision=run.mixed_precision, cpu_offload=run.cpu_offload)

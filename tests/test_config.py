@@ -241,3 +241,140 @@ def test_the_tool_timeout_must_fit_the_step_timeout_only_when_there_are_tools():
     grpo("env.step_timeout_s=2")  # no tools: the tool timeout does not matter
     with pytest.raises(ConfigError, match=r"'env.tool_timeout_s' \(30\) must be below env.step_timeout_s \(2\)"):
         grpo("env.step_timeout_s=2", "env.tools=[envs.arithmetic_tools:calc]")
+
+
+# ------------------------------------------------------------------ model run keys and optimizer keys (issue 69)
+
+JOBS = {"ppo": ("ppo_sentiment.yaml", "rl_core.ppo.config:PPOConfig", "rl_core.ppo.validation:validate", "algorithm"),
+        "rm": ("rm_sentiment.yaml", "rl_core.reward_model.config:RMConfig", "rl_core.reward_model.config:validate",
+               "train"),
+        "sft": ("sft_arithmetic.yaml", "rl_core.sft.config:SFTConfig", "rl_core.sft.config:validate", "train"),
+        "dpo": ("dpo_sentiment.yaml", "rl_core.dpo.config:DPOConfig", "rl_core.dpo.config:validate", "train")}
+
+
+def job_config(job, *overrides):
+    """`job`'s recipe loaded and validated with `overrides`, and the name of its optimizer section."""
+    import importlib
+
+    recipe, schema, validate, section = JOBS[job]
+    schema, validate = (getattr(importlib.import_module(m), n) for m, n in (s.split(":") for s in (schema, validate)))
+    return load_config(recipe, list(overrides), schema, validate), section
+
+
+def one_line(job, *overrides) -> str:
+    with pytest.raises(ConfigError) as error:
+        job_config(job, *overrides)
+    return str(error.value)
+
+
+@pytest.mark.parametrize("job", ["ppo", "rm", "sft", "dpo"])
+def test_every_job_model_section_takes_dtype_and_cpu_offload(job):
+    import torch
+
+    cfg, _ = job_config(job)
+    assert (cfg.model.dtype, cfg.model.cpu_offload) == ("float32", False)  # the defaults: as before
+    cfg, _ = job_config(job, "model.dtype=bfloat16", "model.cpu_offload=false")
+    assert (cfg.model.dtype, cfg.model.cpu_offload) == ("bfloat16", False)
+    assert one_line(job, "model.dtype=float64") == \
+        "config key 'model.dtype' = 'float64' is not one of: float32, bfloat16, float16"
+    # The suite hides the GPUs (tests/conftest.py), so offloading is refused at parse time, in one line.
+    assert not torch.cuda.is_available()
+    assert one_line(job, "model.cpu_offload=true") == (
+        "model.cpu_offload=true offloads FSDP2's GPU shards to host memory, and this machine has no GPU (CUDA); "
+        "set model.cpu_offload=false")
+
+
+@pytest.mark.parametrize("job", ["ppo", "rm", "sft", "dpo"])
+def test_every_job_training_section_takes_the_same_optimizer_keys(job):
+    import dataclasses
+
+    from rl_core.config import OptimizerConfig
+
+    cfg, section = job_config(job)
+    keys = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    assert keys == {"optimizer", "lr", "adam_eps", "adam_betas", "weight_decay", "max_grad_norm"}
+    assert keys <= {f.name for f in dataclasses.fields(getattr(cfg, section))}
+    cfg, _ = job_config(job, f"{section}.weight_decay=0.01", f"{section}.adam_betas=[0.8,0.99]")
+    settings = getattr(cfg, section)
+    assert settings.weight_decay == 0.01 and settings.adam_betas == (0.8, 0.99)  # YAML's list, kept as a tuple
+    # Each broken key is one line naming its own section's key.
+    assert one_line(job, f"{section}.lr=0") == f"config key '{section}.lr' must be > 0, got 0.0"
+    assert one_line(job, f"{section}.lr=-1e-5") == f"config key '{section}.lr' must be > 0, got -1e-05"
+    assert one_line(job, f"{section}.adam_betas=[0.9,1.0]") == \
+        f"config key '{section}.adam_betas' must be two numbers in [0, 1), got (0.9, 1.0)"
+    assert one_line(job, f"{section}.max_grad_norm=0") == \
+        f"config key '{section}.max_grad_norm' must be > 0 or null, got 0.0"
+    assert one_line(job, f"{section}.adam_betas=0.9") == (
+        f"config key '{section}.adam_betas' must be list, got 0.9 (float); fix the recipe or pass "
+        f"{section}.adam_betas=<list>")
+
+
+@pytest.mark.parametrize("job", ["ppo", "rm"])
+def test_ppo_and_rm_optimizer_sections_are_the_shared_one_with_their_own_defaults(job):
+    from rl_core.config import OptimizerConfig
+    from rl_core.ppo.config import AlgorithmConfig
+    from rl_core.reward_model.config import RMTrainConfig
+
+    cfg, section = job_config(job)
+    assert isinstance(getattr(cfg, section), OptimizerConfig)
+    defaults = {"ppo": AlgorithmConfig(), "rm": RMTrainConfig()}[job]
+    lr = {"ppo": 1.41e-5, "rm": 5e-5}[job]
+    assert (defaults.optimizer, defaults.lr, defaults.adam_eps, defaults.max_grad_norm) == ("adam", lr, 1e-5, None)
+    assert (defaults.adam_betas, defaults.weight_decay) == ((0.9, 0.999), 0.0)  # the keys they gained
+    # Keys the shared section checks that the two jobs did not check before.
+    assert one_line(job, f"{section}.weight_decay=-0.1") == \
+        f"config key '{section}.weight_decay' must be >= 0, got -0.1"
+    assert one_line(job, f"{section}.adam_eps=0") == f"config key '{section}.adam_eps' must be > 0, got 0.0"
+
+
+def test_sft_and_dpo_optimizer_defaults_are_kept():
+    from rl_core.finetune import FinetuneTrainConfig
+
+    tr = FinetuneTrainConfig()
+    assert (tr.optimizer, tr.lr, tr.adam_eps, tr.adam_betas, tr.weight_decay, tr.max_grad_norm) == \
+        ("adamw", 1e-5, 1e-8, (0.9, 0.999), 0.0, 1.0)
+
+
+def test_a_critic_lr_must_be_positive():
+    assert one_line("ppo", "algorithm.critic_lr=0") == \
+        "config key 'algorithm.critic_lr' must be > 0 or null (= algorithm.lr), got 0.0"
+
+
+def test_saved_config_with_the_new_keys_round_trips(tmp_path):
+    from rl_core.reward_model.config import RMConfig
+    from rl_core.reward_model.config import validate as validate_rm
+
+    cfg, _ = job_config("rm", "model.dtype=bfloat16", "train.adam_betas=[0.8,0.99]", "train.weight_decay=0.01")
+    save_config(cfg, tmp_path / "config.yaml")
+    again = load_config(str(tmp_path / "config.yaml"), [], RMConfig, validate_rm)
+    assert again == cfg and again.train.adam_betas == (0.8, 0.99) and again.model.dtype == "bfloat16"
+
+
+def test_the_model_builder_loads_an_sft_run_in_its_dtype_with_its_optimizer(tiny_model_dir):
+    import torch
+
+    from rl_core.model_builder import Optimization, Placement, build_trained, load
+
+    cfg, _ = job_config("sft", f"model.path={tiny_model_dir}", "model.dtype=bfloat16", "train.optimizer=adam",
+                        "train.lr=3e-4", "train.adam_eps=1e-6", "train.adam_betas=[0.8,0.95]",
+                        "train.weight_decay=0.01", "train.max_grad_norm=null")
+    assert {p.dtype for p in load(tiny_model_dir, "causal_lm", cfg.model).parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in load(tiny_model_dir, "causal_lm", None).parameters()} == {torch.float32}  # own defaults
+    optimization = Optimization.from_config(cfg.train)
+    assert optimization == Optimization("adam", 3e-4, eps=1e-6, weight_decay=0.01, betas=(0.8, 0.95),
+                                        max_grad_norm=None)
+    trainable = build_trained(tiny_model_dir, "causal_lm", cfg.model, Placement.whole(torch.device("cpu")),
+                              optimization)
+    assert {p.dtype for p in trainable.model.parameters()} == {torch.bfloat16}
+    group = trainable.optimizer.param_groups[0]
+    assert type(trainable.optimizer) is torch.optim.Adam
+    assert (group["lr"], group["eps"], group["betas"], group["weight_decay"]) == (3e-4, 1e-6, (0.8, 0.95), 0.01)
+
+
+def test_ppo_builds_the_critic_with_its_own_lr_from_the_same_section():
+    from rl_core.model_builder import Optimization
+
+    cfg, _ = job_config("ppo", "algorithm.critic_lr=2e-5", "algorithm.adam_betas=[0.8,0.99]")
+    actor, critic = Optimization.from_config(cfg.algorithm), Optimization.from_config(cfg.algorithm, lr=2e-5)
+    assert (actor.lr, critic.lr) == (cfg.algorithm.lr, 2e-5)
+    assert actor.betas == critic.betas == (0.8, 0.99) and actor.eps == critic.eps == cfg.algorithm.adam_eps

@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rl_core.config import LoraSettings, ModelRunConfig, TrainerConfig, choice, validate_checkpoint_keys
+from rl_core.config import (DTYPES, LoraSettings, ModelRunConfig, OptimizerConfig, TrainerConfig, choice,
+                            validate_checkpoint_keys)
 from rl_core.data import LONG_PROMPT_POLICIES
 from rl_core.ppo.algorithms import GROUP_KINDS, KL_KINDS, LOSS_AGG_MODES, ROLLOUT_CORRECTIONS
 from rl_core.ppo.turns import TURN_ADVANTAGES
@@ -19,7 +20,6 @@ from rl_core.rollout.rollout import RolloutSettings
 from rl_core.optim import OPTIMIZER_NAMES
 from workers.router import POLICIES
 
-DTYPES = ("float32", "bfloat16", "float16")
 RELEASE_CHOICES = ("auto", "always", "never", True, False)
 
 
@@ -28,8 +28,6 @@ class ModelConfig(ModelRunConfig):
     # "tiny" = the offline assets (assets/, rl_core/offline_names.py); otherwise any HF causal LM path or hub name.
     path: str = "tiny"
     tokenizer_path: Optional[str] = None  # null = model.path
-    dtype: str = choice("float32", DTYPES)  # master weights; under mixed precision they stay fp32
-    cpu_offload: bool = False  # FSDP2 parameter/optimizer offload (GPU only)
     # LoRA for the actor (the critic trains every weight): the engines get the merged weights on each
     # push, the reference is the actor with its adapters off, export writes the merged model or the adapter.
     # Actor, reference, critic and reward model all run with the `ModelRunConfig` keys (attention kernel,
@@ -176,7 +174,9 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
-class AlgorithmConfig:
+class AlgorithmConfig(OptimizerConfig):
+    """The PPO family's algorithm; its optimizer keys are every job's (`rl_core.config.OptimizerConfig`), with
+    OpenAI's defaults: Adam, epsilon 1e-5, no gradient clipping."""
     # gae = PPO with a critic; grpo, rloo, reinforce = group baselines, no critic
     advantage_estimator: str = choice("gae", ("gae", *GROUP_KINDS))
     group_size: int = 1  # responses per prompt (group baselines need > 1)
@@ -208,7 +208,6 @@ class AlgorithmConfig:
     critic_lr: Optional[float] = None  # null = algorithm.lr
     optimizer: str = choice("adam", OPTIMIZER_NAMES)  # tf_adam = TensorFlow's epsilon placement (OpenAI's)
     adam_eps: float = 1e-5  # Adam epsilon
-    weight_decay: float = 0.0  # decoupled weight decay
     max_grad_norm: Optional[float] = None  # gradient clipping; null = none
     anneal_lr: bool = True  # learning rate annealed linearly to zero over the run
     gamma: float = 1.0  # GAE discount

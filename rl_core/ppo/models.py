@@ -31,11 +31,9 @@ class PPOModels:
         optimizer_steps = total_steps * algo.noptepochs * algo.nminibatches
         schedule = (lambda opt: linear_anneal_schedule(opt, optimizer_steps)) if algo.anneal_lr else None
 
-        def optimization(lr: float) -> Optimization:  # over the trained weights: all, or the LoRA adapters
-            return Optimization(algo.optimizer, lr, eps=algo.adam_eps, weight_decay=algo.weight_decay,
-                                max_grad_norm=algo.max_grad_norm, schedule=schedule)
-
-        self.actor = build_trained(policy_path, "causal_lm", model_cfg, on_rank, optimization(algo.lr))
+        # The optimizer keys of algorithm.* (every job's set), over the trained weights: all, or the LoRA adapters.
+        self.actor = build_trained(policy_path, "causal_lm", model_cfg, on_rank,
+                                   Optimization.from_config(algo, schedule))
         self.lora = model_cfg.lora.rank > 0
         # No KL at all (coefficient 0, not adaptive): no reference to load or run; its logprobs are pi_old's.
         self.uses_reference = algo.kl.adaptive or algo.kl.init_coef != 0
@@ -46,7 +44,7 @@ class PPOModels:
         self.critic = None
         if algo.advantage_estimator == "gae":
             self.critic = build_trained(policy_path, "value", model_cfg, on_rank,
-                                        optimization(algo.critic_lr or algo.lr))
+                                        Optimization.from_config(algo, schedule, lr=algo.critic_lr))
         self.reward_model = None
         if reward_path is not None:
             self.reward_model = build_frozen(reward_path, "reward", model_cfg, on_rank, pad_token_id=pad_token_id)

@@ -37,7 +37,9 @@ def validate(cfg: PPOConfig) -> None:
             f"model.attn_implementation={cfg.model.attn_implementation}'s varlen kernel cannot; set "
             "algorithm.share_prompts=false (packing still drops all padding)")
     require(0.0 <= algo.gamma <= 1.0 and 0.0 <= algo.lam <= 1.0, "algorithm.gamma and algorithm.lam must be in [0, 1]")
-    require(algo.lr > 0, f"config key 'algorithm.lr' must be > 0, got {algo.lr}")
+    algo.validate("algorithm")  # the optimizer keys, as every job checks them
+    require(algo.critic_lr is None or algo.critic_lr > 0,
+            f"config key 'algorithm.critic_lr' must be > 0 or null (= algorithm.lr), got {algo.critic_lr}")
     require(algo.kl.horizon > 0, "config key 'algorithm.kl.horizon' must be > 0")
     require(algo.old_logprobs_max_gap is None or algo.old_logprobs_max_gap >= 0,
             "config key 'algorithm.old_logprobs_max_gap' must be >= 0 (or null: by the precision in use)")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rl_core.config import (ModelRunConfig, TrainerConfig, choice, require, validate_checkpoint_keys,
-                            validate_profile_steps)
+from rl_core.config import (ModelRunConfig, OptimizerConfig, TrainerConfig, choice, require,
+                            validate_checkpoint_keys, validate_profile_steps)
 from rl_core.optim import OPTIMIZER_NAMES
 from rl_core.preferences import FORMATS
 
@@ -36,7 +36,9 @@ class RMDataConfig:
 
 
 @dataclass
-class RMTrainConfig:
+class RMTrainConfig(OptimizerConfig):
+    """The reward model's training; its optimizer keys are every job's (`rl_core.config.OptimizerConfig`), with
+    OpenAI's defaults: Adam, epsilon 1e-5, no gradient clipping."""
     batch_size: int = 32  # comparisons per optimizer step
     lr: float = 5e-5  # annealed linearly to zero over the epoch
     optimizer: str = choice("adam", OPTIMIZER_NAMES)  # tf_adam = TensorFlow's epsilon placement
@@ -104,10 +106,7 @@ def validate(cfg: RMConfig) -> None:
     validate_profile_steps(cfg.trainer.profile_steps, None, "")
     cfg.model.validate(tr.packing)
     require(tr.batch_size > 0, f"config key 'train.batch_size' must be > 0, got {tr.batch_size}")
-    require(tr.lr > 0, f"config key 'train.lr' must be > 0, got {tr.lr}")
-    require(tr.adam_eps > 0, f"config key 'train.adam_eps' must be > 0, got {tr.adam_eps}")
-    require(tr.max_grad_norm is None or tr.max_grad_norm > 0,
-            f"config key 'train.max_grad_norm' must be > 0 or null, got {tr.max_grad_norm}")
+    tr.validate("train")  # the optimizer keys, as every job checks them
     require(tr.log_every > 0, f"config key 'train.log_every' must be > 0, got {tr.log_every}")
     require(data.max_length >= 2, f"config key 'data.max_length' must be >= 2, got {data.max_length}")
     # A comparison has at least two responses and must fit one micro-batch whole.
