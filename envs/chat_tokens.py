@@ -207,7 +207,7 @@ class ChatTokens:
         rendered = self.render(self.messages)
         seen = self.text + said
         after = rendered[len(seen):] if rendered.startswith(seen) else self._after_turn(history, new_messages, said,
-                                                                                         rendered)
+                                                                                        rendered)
         if after is None:
             self.divergences += 1
             self.ids = self.encode(rendered)

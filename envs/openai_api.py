@@ -53,7 +53,7 @@ def parse_request(body: Any) -> ChatRequest:
         raise ApiError(400, f"'n' must be 1 (one trajectory per session), got {body['n']!r}")
     tools = body.get("tools") or None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) and "function" in t
-                                                                   for t in tools)):
+                                                                  for t in tools)):
         raise ApiError(400, "'tools' must be a list of {type: function, function: {name, parameters}} objects")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):

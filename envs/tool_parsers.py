@@ -102,7 +102,7 @@ CODER_PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>", re
 def qwen3_coder_tool_calls(text: str) -> list[ToolCall]:
     """Qwen3-Coder's XML calls; parameter values are text (typed later by the tool's schema)."""
     return [ToolCall(f"call_{k}", m.group(1).strip(), {key.strip(): value for key, value in
-                                                        CODER_PARAMETER.findall(m.group(2))}, span=m.span())
+                                                       CODER_PARAMETER.findall(m.group(2))}, span=m.span())
             for k, m in enumerate(CODER_CALL.finditer(text))]
 
 

@@ -174,7 +174,7 @@ def held_out_pairs(settings: ToolsArithmeticSettings) -> list[tuple[int, int]]:
     seen: set[frozenset] = set()
     while len(pairs) < settings.eval_problems:
         a, b = rng.randint(settings.min_operand, settings.max_operand), rng.randint(settings.min_operand,
-                                                                                     settings.max_operand)
+                                                                                    settings.max_operand)
         if frozenset((a, b)) not in seen:
             seen.add(frozenset((a, b)))
             pairs.append((a, b))
@@ -188,7 +188,7 @@ def sample_pairs(settings: ToolsArithmeticSettings, count: int, stream: str) -> 
     pairs = []
     while len(pairs) < count:
         a, b = rng.randint(settings.min_operand, settings.max_operand), rng.randint(settings.min_operand,
-                                                                                     settings.max_operand)
+                                                                                    settings.max_operand)
         if frozenset((a, b)) not in excluded:
             pairs.append((a, b))
     return pairs

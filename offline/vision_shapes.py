@@ -236,7 +236,7 @@ def ensure_vision_shapes_assets(root: str | Path | None = None, *, small: bool =
     expected = json.loads(json.dumps({"component": VISION_SHAPES, "small": small, **dataclasses.asdict(settings),
                                       "slips": SLIPS}))
     if settings_match(paths.model_dir / "build.json", expected) and settings_match(paths.data_dir / "build.json",
-                                                                                    expected):
+                                                                                   expected):
         return paths
     base = ensure_tiny_assets(paths.root, small=small, log=log)  # the tokenizer the policy's is made from
     with file_lock(paths.root / f".{VISION_SHAPES}.lock"):

@@ -108,7 +108,7 @@ def test_prompts_encode_to_one_pad_per_image_with_their_images(tmp_path, process
         content = item.row["messages"][0]["content"]
         parts = ([{"type": "image"}] * len(item.images) + [{"type": "text", "text": content}]
                  if isinstance(content, str) else [{"type": p["type"], **({"text": p["text"]} if p.get("text") else {})}
-                                                  for p in content])
+                                                   for p in content])
         text = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
                                              tokenize=False)
         own = processor(text=[text], images=list(item.images), return_tensors="pt")

@@ -102,7 +102,7 @@ def _convert(source: Path, out: Path, key: str) -> None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
             quantized = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name,
-                                                              dtype=torch.float32)
+                                                             dtype=torch.float32)
         except Exception as err:  # noqa: BLE001 - a corrupt or unsupported file, reported in one line
             first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
             raise ModelPathError(f"{key}={source} cannot be read as a GGUF causal LM ({type(err).__name__}: {first}); "

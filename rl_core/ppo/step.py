@@ -355,7 +355,7 @@ def policy_loss(model, batch: dict[str, torch.Tensor], settings: StepSettings, k
     weighted for the engine-trainer mismatch (algorithm.rollout_correction), sync and async alike."""
     algo = settings.algo
     logprobs, entropy = forward.token_logprobs_and_entropy(model, batch, settings.temperature,
-                                                          entropy_grad=bool(algo.entropy_coef), actions_only=True)
+                                                           entropy_grad=bool(algo.entropy_coef), actions_only=True)
     mask = batch["action_mask"]
     rc = algo.rollout_correction  # the engine sampled (pi_behaviour); the ratio is against the trainer's pi_old
     weights, correction = alg.rollout_correction_weights(batch["old_logprobs"], batch["behaviour_logprobs"], mask,

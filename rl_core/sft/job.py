@@ -66,7 +66,7 @@ def train(cfg: SFTConfig, dp: DataParallel, progress: StepProgress | None = None
 
     steps = finetune.FixedDataSteps(
         one_step=lambda step: train_step(trainable, worker, finetune.step_rows(train_rows, step, tr.batch_size,
-                                                                              cfg.trainer.seed), tokenizer.pad_token_id),
+                                                                               cfg.trainer.seed), tokenizer.pad_token_id),
         evaluate=evaluate if eval_rows else None, shown=SHOWN)
     banner = f"[sft] {len(train_rows)} rows, {total_steps} steps of {tr.batch_size} on {dp.size} rank(s)"
     finetune.train(steps, "model", trainable, tokenizer, banner, total_steps, steps_per_epoch, cfg, dp, progress)

@@ -72,7 +72,7 @@ def toolbox():
 
 
 def test_the_servers_tools_are_listed_beside_the_functions_and_rendered_by_the_template(toolbox,
-                                                                                         chat_tokenizer_dir):  # noqa: F811
+                                                                                        chat_tokenizer_dir):  # noqa: F811
     assert [s["function"]["name"] for s in toolbox.schemas] == ["add", "multiply", "divide", "nap", "pid", "picture"]
     multiply = toolbox.schemas[1]
     assert multiply["type"] == "function" and multiply["function"]["description"] == "Multiply two integers."

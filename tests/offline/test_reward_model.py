@@ -66,4 +66,4 @@ def test_written_pairs_leave_out_ties_and_follow_the_labeler(tmp_path):
     assert counts == {"written": 2, "ties": 1, "empty": 1}
     rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
     assert [(r["prompt"], r["chosen"]) for r in rows] == [("q0", " He was so happy and proud."),
-                                                           ("q1", " What a wonderful day.")]
+                                                          ("q1", " What a wonderful day.")]

@@ -87,7 +87,7 @@ def teacher_dir(tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("layout", [None, "rows"])
 def test_the_local_teacher_scores_the_actions_as_its_own_forward_pass(process_group, tiny_model_dir, teacher_dir,
-                                                                       layout):
+                                                                      layout):
     from transformers import AutoModelForCausalLM
 
     algo = AlgorithmConfig(advantage_estimator="grpo", group_size=2, kl=KLConfig(init_coef=0.0, adaptive=False),

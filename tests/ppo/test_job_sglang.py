@@ -57,7 +57,7 @@ def control_calls(run_dir: Path, rank: int) -> list[tuple[str, str, int]]:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_the_job_makes_the_same_engine_calls_against_sglang_as_against_the_embedded_engine(small_job, request,
-                                                                                          tmp_path, mode):
+                                                                                           tmp_path, mode):
     embedded_dir = request.getfixturevalue(f"{mode}_run")[0]  # the shared run of this mode
     before = set(sglang_processes())
     run_job(small_job, tmp_path / "sglang", *MODES[mode], *sglang_overrides(), timeout=800)

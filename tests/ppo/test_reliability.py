@@ -247,7 +247,7 @@ def test_a_never_returning_sync_env_stops_every_rank_promptly(small_job, tmp_pat
 
 @pytest.mark.timeout(900)
 def test_ctrl_c_stops_with_one_line_and_resume_logs_every_step_once_keeping_the_last_checkpoints(small_job,
-                                                                                                  tmp_path):
+                                                                                                 tmp_path):
     run_dir = tmp_path / "interrupted"
     common = ["trainer.total_episodes=40", "trainer.save_every=1", "trainer.keep_last=2"]
     job = Job(small_job, run_dir, *common)

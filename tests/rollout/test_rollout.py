@@ -602,7 +602,7 @@ class NumberedBatches:
 
 
 def test_two_batches_in_flight_generate_side_by_side_within_the_staleness_bound_and_queue_in_order(router_url,
-                                                                                                    tokenizer):
+                                                                                                   tokenizer):
     """async.batches_in_flight=2: the producer starts batch 1 while batch 0 generates (else batch 0 waits for
     ever here), still starts no batch the staleness bound would drop, and hands batches over in the order
     they started, each with the prompt position after it (the resume point)."""

@@ -108,7 +108,7 @@ def test_the_trainers_forwards_build_no_kv_cache(tiny_model_dir, layout):
                          [(1.0, False, False), (0.7, False, False), (1.0, True, False), (0.7, True, False),
                           (1.0, False, True), (0.7, False, True)])
 def test_packed_logprobs_entropy_values_and_gradients_equal_the_padded_ones(tiny_model_dir, temperature, share_prompts,
-                                                                           one_row):
+                                                                            one_row):
     torch.manual_seed(0)
     policy = load_causal_lm(tiny_model_dir)
     critic = ValueModel.from_pretrained(tiny_model_dir, torch.float32)
