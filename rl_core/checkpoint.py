@@ -346,13 +346,11 @@ def export_hf(model, tokenizer, base_path: str, out_dir: Path, rank: int, lora: 
     print(f"final model saved to {out_dir}", flush=True)
 
 
-def finish_run(cfg, model, tokenizer, rank: int, logger) -> None:
-    """Every causal-LM job's end (PPO, SFT, DPO): the Hugging Face export to `<run_dir>/final`
-    (`trainer.export_hf`; collective when sharded), and rank 0's metrics logger closed."""
+def export_final(cfg, model, tokenizer, rank: int) -> None:
+    """Every causal-LM job's export (PPO, SFT, DPO): the Hugging Face model in `<run_dir>/final` when
+    `trainer.export_hf` (collective when sharded)."""
     if cfg.trainer.export_hf:
         export_hf(model, tokenizer, cfg.model.path, Path(cfg.trainer.run_dir) / "final", rank, cfg.model.lora)
-    if logger is not None:
-        logger.close()
 
 
 # A vision-language model's processor besides its tokenizer: the image (and video) sizing an engine serving the

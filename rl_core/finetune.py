@@ -1,25 +1,23 @@
 """What the jobs that train on fixed data (SFT, DPO) share: the optimisation section of their
 config, the optimizer and schedule built from it, the rows of each step, the console line, and all of the
-job after its models are built (resume, logger, steps, export)."""
+job after its models are built, on every job's run (`rl_core.training_run`)."""
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from rl_core.checkpoint import Checkpointer, end_if_finished, finish_run
+from rl_core.checkpoint import end_if_finished, export_final
 from rl_core.config import (LoraSettings, TrainerConfig, choice, require, validate_checkpoint_keys,
                             validate_profile_steps)
 from rl_core.distributed import DataParallel
-from rl_core.logger import MetricsLogger, open_run_logger, step_line
 from rl_core.model_builder import Optimization
 from rl_core.optim import OPTIMIZER_NAMES, linear_anneal_schedule
-from rl_core.step_loop import StepHooks, run_steps as run_step_loop
 from rl_core.stop_signal import StepProgress
+from rl_core.training_run import ConsoleLine, TrainingRun
 from workers.trainable import TrainableModel
 
 
@@ -136,54 +134,15 @@ class FixedDataSteps:
 
 def train(job: FixedDataSteps, name: str, trainable: TrainableModel, tokenizer, banner: str, total_steps: int,
           steps_per_epoch: int, cfg, dp: DataParallel, progress: StepProgress) -> None:
-    """The rest of a fixed-data job once its models are built: the resume (`trainable` under `name` in its
-    checkpoints), rank 0's logger and the job's `banner` line, the steps, the export."""
-    checkpointer = Checkpointer.for_run(cfg.trainer, dp.rank)
-    start_step, _ = checkpointer.maybe_resume(cfg.trainer.resume, {name: trainable})
-    logger = open_logger(cfg, dp, start_step, banner)
-    run_steps(job, lambda step: checkpointer.save(step, {name: trainable}, {}), start_step, total_steps,
-              steps_per_epoch, cfg, dp, logger, progress)
-    finish_run(cfg, trainable.model, tokenizer, dp.rank, logger)
-
-
-def run_steps(job: FixedDataSteps, save: Callable[[int], Path | None], start_step: int, total_steps: int,
-              steps_per_epoch: int, cfg, dp: DataParallel, logger: MetricsLogger | None,
-              progress: StepProgress) -> None:
-    """The shared step loop with these jobs' rules: `epoch` in every row, an evaluation before training (a run
-    that starts at step 0), every `cfg.eval.every` steps and at the end (when the job has one), a console line
-    every `cfg.train.log_every` steps, a checkpoint through `save` every `trainer.save_every` steps (None back:
-    it could not be written, with `trainer.on_checkpoint_error=continue`)."""
+    """The rest of a fixed-data job once its models are built, on every job's run (`rl_core.training_run`):
+    `trainable` checkpointed under `name`, the job's `banner` line, `epoch` in every row, an evaluation before
+    training, every `eval.every` steps and at the end (when the job has one), a console line every
+    `train.log_every` steps, the export."""
+    run = TrainingRun(cfg, dp.rank, {name: trainable}, total_steps, ConsoleLine(job.shown, every=cfg.train.log_every))
+    if dp.rank == 0:
+        print(banner, flush=True)
     every = cfg.eval.every
-    if job.evaluate is not None and start_step == 0:  # the baseline every later evaluation compares with
-        progress.at(0, "evaluation")
-        log_step(logger, 0, total_steps, job.evaluate(), job.shown)
-
-    def one_step(step: int) -> dict:
-        return {**job.one_step(step), "epoch": step / steps_per_epoch}
-
-    steps = StepHooks(one_step=one_step, save=save,
-                     log=lambda step, metrics: log_step(logger, step, total_steps, metrics, job.shown,
-                                                        every=cfg.train.log_every),
-                     evaluate=(lambda step: job.evaluate()) if job.evaluate is not None else None,
-                     eval_due=lambda step: step == total_steps or bool(every and step % every == 0))
-    run_step_loop(steps, start_step, total_steps, cfg.trainer, dp.rank, dp.device, progress)
-
-
-def open_logger(cfg, dp: DataParallel, start_step: int, banner: str) -> MetricsLogger | None:
-    """Rank 0's metrics logger (rows after `start_step` dropped, as a resumed run rewrites them) and the job's
-    one line about its data and steps; None on the other ranks."""
-    if dp.rank != 0:
-        return None
-    logger = open_run_logger(cfg, start_step)
-    print(banner, flush=True)
-    return logger
-
-
-def log_step(logger: MetricsLogger | None, step: int, total: int, metrics: dict, shown: tuple[str, ...],
-             every: int = 1) -> None:
-    """Rank 0: the metrics row, and a console line at evaluations and every `every` steps."""
-    if logger is None:
-        return
-    logger.log(step, metrics)
-    if step == 0 or step == total or step % every == 0 or any(key.startswith("eval/") for key in metrics):
-        print(step_line(step, total, metrics, shown), flush=True)
+    run.run_steps(lambda step: {**job.one_step(step), "epoch": step / steps_per_epoch}, dp.device, progress,
+                  evaluate=(lambda step: job.evaluate()) if job.evaluate is not None else None,
+                  eval_due=lambda step: step in (0, total_steps) or bool(every and step % every == 0))
+    run.finish(lambda: export_final(cfg, trainable.model, tokenizer, dp.rank))

@@ -6,7 +6,7 @@ from rl_core.metric_docs.schema import Group, Metric as M
 
 FINETUNE_GROUPS: tuple[Group, ...] = (
     Group("SFT, DPO and reward model: shared", "The training step's numbers the three fixed-data jobs share "
-          "(`rl_core/finetune.py`, `rl_core/step_loop.py`). Each logs a row per step from step 1 (the SFT and DPO "
+          "(`rl_core/finetune.py`, `rl_core/training_run.py`). Each logs a row per step from step 1 (the SFT and DPO "
           "jobs also a step-0 row with the evaluation before training); `perf/step_s`, `perf/eval_s`, "
           "`memory/trainer_peak_gib`, `profile/*` and `checkpoint/failed` are as in their own groups.", (
         M("epoch", "epochs", "SFT and DPO: epochs of the training data done before this step's batch, "
@@ -80,5 +80,10 @@ FINETUNE_GROUPS: tuple[Group, ...] = (
         M("train/accuracy", "fraction", "Share of the batch's comparisons whose preferred response scores "
           "strictly above every other (ties count as wrong), before the update.",
           "About chance (1 / responses per comparison) at the start, then rising well above it."),
+        M("epoch/loss", "loss", "`train/loss` averaged over every comparison of the epoch so far (this step's "
+          "included); at the last step the `train_loss` of `<run_dir>/metrics.json`.",
+          "Falls more smoothly than `train/loss`."),
+        M("epoch/accuracy", "fraction", "`train/accuracy` over every comparison of the epoch so far; at the last "
+          "step the `train_accuracy` of `<run_dir>/metrics.json`.", "Rises from about chance."),
     )),
 )

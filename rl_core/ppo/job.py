@@ -17,13 +17,12 @@ from typing import Callable
 import torch.distributed as dist
 
 from envs.factory import load_env_class
-from rl_core.checkpoint import Checkpointer, end_if_finished, finish_run
+from rl_core.checkpoint import end_if_finished, export_final
 from rl_core.cli import JobEntry, run_job
 from rl_core.errors import JobError
 from rl_core.stop_signal import StepProgress
 from rl_core.distributed import (broadcast_object, max_over_ranks, on_every_rank, on_rank0, rank_seed,
                                  seed_everything)
-from rl_core.logger import MetricsLogger, open_run_logger, step_line
 from rl_core.ppo.collect import Collector, make_collector
 from rl_core.ppo.config import PPOConfig, release_mode, rollout_settings
 from rl_core.ppo.validation import check_models, validate
@@ -38,7 +37,7 @@ from rl_core.rewards import load_reward_fn
 from rl_core.ppo.runtime import PPORuntime
 from rl_core.rollout.prompts import eval_samples, prompt_samples
 from rl_core.rollout.service import RolloutService
-from rl_core.step_loop import StepHooks, run_steps
+from rl_core.training_run import ConsoleLine, TrainingRun
 from workers import loading
 from workers.engines.embedded.forked import EngineFork
 from workers.engines.spec import is_vision_language
@@ -69,19 +68,15 @@ def train(cfg: PPOConfig, rt: PPORuntime, progress: StepProgress | None = None) 
                        rt.rank):  # before any engine starts
         return
     job = start_job(cfg, rt)  # checks, prompts, engines, models, resume, logger, first push, rollout service
-    if job.eval_due(0) and job.start_step == 0:  # the baseline every later evaluation compares with
-        progress.at(0, "evaluation")
-        log_step(job, 0, run_evaluation(job, rt, 0))
-    # The loop around each step (profiling, evaluations, the log, checkpoints) is every job's: rl_core/step_loop.py.
-    steps = StepHooks(one_step=lambda step: ppo_step(job, rt, step, progress),
-                     log=lambda step, metrics: log_step(job, step, metrics),
-                     save=lambda step: save_checkpoint(job, step, rt.rank),
-                     evaluate=lambda step: run_evaluation(job, rt, step), eval_due=job.eval_due, first_phase="rollout")
-    run_steps(steps, job.start_step, job.total_steps, cfg.trainer, rt.rank, rt.device, progress)
+    # Around each step (the evaluation before training, profiling, evaluations, the log, checkpoints) is every
+    # job's run: rl_core/training_run.py.
+    job.run.run_steps(lambda step: ppo_step(job, rt, step, progress), rt.device, progress,
+                      evaluate=lambda step: run_evaluation(job, rt, step), eval_due=job.eval_due,
+                      log=lambda step, metrics: log_step(job, step, metrics), first_phase="rollout")
     # Rank 0's last evaluation runs on every rank's engine: no rank may stop its engine before it ends.
     dist.barrier()
     rt.stop_node_watch()  # other nodes may finish first and stop their engines
-    finish_run(cfg, job.models.actor.model, job.tokenizer, rt.rank, job.logger)
+    job.run.finish(lambda: export_final(cfg, job.models.actor.model, job.tokenizer, rt.rank))
 
 
 def ppo_step(job: Job, rt: PPORuntime, step: int, progress: StepProgress) -> dict[str, float]:
@@ -132,7 +127,7 @@ def ppo_step(job: Job, rt: PPORuntime, step: int, progress: StepProgress) -> dic
     with timer("sync"):  # 7. new weights into every engine, checked by version and probe logprobs
         metrics.update(push_weights(rt, job, step + 1))
     metrics.update(step_metrics(timer, trajectories, step + 1, job))
-    if job.logger is not None:  # rank 0 logs
+    if rt.rank == 0:  # rank 0 logs
         job.sample_rows = sample_rows(job.tokenizer, exp, scores, n=4)
     return metrics
 
@@ -155,13 +150,10 @@ class Job:
     settings: StepSettings
     kl_ctl: object  # alg.AdaptiveKLController or alg.FixedKLController
     collector: Collector  # the step's batch, sync or async
-    checkpointer: Checkpointer
+    run: TrainingRun  # resume, rank 0's logger and console line, the step loop, checkpoints, the export
     probe: Probe  # the prompt whose logprobs engine and trainer must agree on after each push
-    start_step: int
-    total_steps: int
     prompts: object = None
     held_out: tuple | None = None
-    logger: MetricsLogger | None = None
     service: RolloutService | None = None
     probe_gap: float = float("inf")  # the last push's, max over ranks (see StepSettings.old_logprobs_from_engine)
     memory_plan: MemoryPlan | None = None  # its memory_plan/* go into this run's first logged step
@@ -178,7 +170,7 @@ class Job:
 
     def eval_due(self, step: int) -> bool:
         every = self.cfg.eval.every
-        return self.cfg.data.eval_path is not None and (step in (0, self.total_steps) or bool(every and step % every == 0))
+        return self.cfg.data.eval_path is not None and (step in (0, self.run.total_steps) or bool(every and step % every == 0))
 
 
 def start_job(cfg: PPOConfig, rt: PPORuntime) -> Job:
@@ -227,21 +219,21 @@ def start_job(cfg: PPOConfig, rt: PPORuntime) -> Job:
         truncate_id = loading.single_token_id(tokenizer, cfg.reward.truncate_token, "reward.truncate_token")
     kl_ctl = (alg.AdaptiveKLController(algo.kl.init_coef, algo.kl.target, algo.kl.horizon)
               if algo.kl.adaptive else alg.FixedKLController(algo.kl.init_coef))
-    checkpointer = Checkpointer.for_run(cfg.trainer, rt.rank)
-    start_step, saved = checkpointer.maybe_resume(cfg.trainer.resume, models.trained())
-    if saved:
-        kl_ctl.load_state_dict(saved["kl_controller"])
-        if prompts is not None and saved.get("prompts") is not None:
-            prompts.load_state_dict(saved["prompts"])
+    # Checkpoints hold the trained models, and rank 0's KL controller and place in the prompts.
+    run = TrainingRun(cfg, rt.rank, models.trained(), total_steps, ConsoleLine(SHOWN),
+                      state=lambda: {"kl_controller": kl_ctl.state_dict(), "prompts": collector.resume_state()}
+                      if rt.rank == 0 else None)
+    if run.saved:
+        kl_ctl.load_state_dict(run.saved["kl_controller"])
+        if prompts is not None and run.saved.get("prompts") is not None:
+            prompts.load_state_dict(run.saved["prompts"])
     probe = Probe.text(probe_token_ids(tokenizer))
     if vision:  # its push carries the vision tower: the probe shows a picture
         probe = vision_probe(load_processor(cfg.model.path), tokenizer, probe.ids)
     job = Job(cfg, tokenizer, models, worker, StepSettings.from_config(cfg, truncate_id), kl_ctl, collector,
-              checkpointer, probe, start_step, total_steps, prompts, held_out,
-              memory_plan=plan)
-    push_weights(rt, job, start_step)  # the engines start from the trainer's (maybe resumed) weights
+              run, probe, prompts, held_out, memory_plan=plan)
+    push_weights(rt, job, run.start_step)  # the engines start from the trainer's (maybe resumed) weights
     if rt.rank == 0:
-        job.logger = open_run_logger(cfg, start_step)  # rows after the checkpoint's step are dropped
         job.service = rt.start_rollout_service(tokenizer, rollout_settings(cfg.rollout, max_positions,
                                                                            cfg.trainer.progress))
         collector.start(job.service, rt.dead_engines)
@@ -263,18 +255,9 @@ def push_weights(rt: PPORuntime, job: Job, version: int) -> dict[str, float]:
     return stats
 
 
-def save_checkpoint(job: Job, step: int, rank: int) -> Path | None:
-    """Collective: models and optimizers, and rank 0's KL controller and prompt position (None back: it could
-    not be written, said why, and training goes on)."""
-    state = None
-    if rank == 0:
-        state = {"kl_controller": job.kl_ctl.state_dict(), "prompts": job.collector.resume_state()}
-    return job.checkpointer.save(step, job.models.trained(), state)
-
-
 def step_metrics(timer: StepTimer, trajectories: list, step: int, job: Job) -> dict[str, float]:
     """Phase times and throughput (rank 0 logs them)."""
-    if job.logger is None:
+    if job.run.logger is None:
         return {}
     metrics = timer.metrics()
     step_s = metrics["perf/step_s"]
@@ -287,20 +270,19 @@ def step_metrics(timer: StepTimer, trajectories: list, step: int, job: Job) -> d
 def log_step(job: Job, step: int, metrics: dict) -> None:
     """Rank 0: the metrics row, the console line, and the sample tables when due (the step's and the
     evaluation's, each handed over once)."""
-    logger, every = job.logger, job.cfg.trainer.log_samples_every
+    run, every = job.run, job.cfg.trainer.log_samples_every
     eval_rows, job.eval_rows = job.eval_rows, None
     sample_rows, job.sample_rows = job.sample_rows, None
-    if logger is None:
+    if run.logger is None:
         return
-    if step == job.start_step + 1 and job.memory_plan is not None:
+    if step == run.start_step + 1 and job.memory_plan is not None:
         metrics = {**metrics, **job.memory_plan.metrics()}
-    logger.log(step, metrics)
-    if step > 0:
-        print(step_line(step, job.total_steps, metrics, SHOWN), flush=True)
+    run.log(step, metrics, line=step > 0)  # the evaluation's own lines below
+    logger = run.logger
     if eval_rows is not None:
         logger.log_samples(step, eval_rows, table="eval_samples")
         print_eval(step, metrics)
-    if sample_rows is not None and every and ((step - 1) % every == 0 or step == job.total_steps):
+    if sample_rows is not None and every and ((step - 1) % every == 0 or step == run.total_steps):
         logger.log_samples(step, sample_rows)
 
 

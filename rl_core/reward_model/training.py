@@ -12,18 +12,18 @@ from typing import Any, Callable
 
 import torch
 
-from rl_core.checkpoint import Checkpointer, save_model_directory
+from rl_core.checkpoint import save_model_directory
 from rl_core.config import validate_profile_steps
 from rl_core.distributed import DataParallel, rank_seed
-from rl_core.logger import MetricsLogger, open_run_logger, progress_bar, step_line
+from rl_core.logger import progress_bar
 from rl_core import model_builder
 from rl_core.optim import linear_anneal_schedule
 from rl_core.rewards.lm_human_preferences import reward_gain_bias
-from rl_core.reward_model.config import NormalizeConfig, RMConfig, RMTrainConfig, RMTrainerConfig
+from rl_core.reward_model.config import NormalizeConfig, RMConfig, RMTrainConfig
 from rl_core.reward_model.losses import preference_correct, preference_loss, spearman
 from rl_core.reward_model.sampling import pick_queries, sample_truncated
-from rl_core.step_loop import StepHooks, run_steps
 from rl_core.stop_signal import StepProgress
+from rl_core.training_run import ConsoleLine, TrainingRun
 from workers.fsdp import full_state_dict
 from workers.forward import raw_reward_scores, reward_scores
 from workers.layout import rows_to_batch
@@ -111,9 +111,9 @@ def heldout_metrics(model, worker: BatchWorker, examples: list, pad_id: int) -> 
 
 @dataclass
 class Reporting:
-    """Where a reward-model fit reports: `log` its console lines; `progress` (a `rl_core.stop_signal.StepProgress`)
-    its phase and step, for the line a stop signal ends with; `metrics_rows`: rank 0 writes each step's row
-    (metrics.jsonl, TensorBoard; the job's, not the offline builders')."""
+    """Where a reward-model fit reports: `log` its console lines (the step lines among them); `progress` (a
+    `rl_core.stop_signal.StepProgress`) its phase and step, for the line a stop signal ends with; `metrics_rows`:
+    rank 0 writes each step's row (metrics.jsonl, TensorBoard; the job's, not the offline builders')."""
     log: Log = print
     progress: StepProgress | None = None
     metrics_rows: bool = False
@@ -150,39 +150,15 @@ class Epoch:
         loss_sum, correct = self.worker.sum_over_ranks([sum(metrics["loss_sum"]), sum(metrics["correct"])])
         self.totals["loss_sum"] += loss_sum
         self.totals["correct"] += correct
+        seen = (step + 1) * size
         return {"train/loss": loss_sum / size, "train/accuracy": correct / size, "train/lr": lr,
-                "train/grad_norm": metrics["grad_norm"][0]}
+                "train/grad_norm": metrics["grad_norm"][0],
+                "epoch/loss": self.totals["loss_sum"] / seen, "epoch/accuracy": self.totals["correct"] / seen}
 
     def results(self) -> dict[str, float]:
         seen = self.steps * self.cfg.batch_size
         return {"train_loss": self.totals["loss_sum"] / seen, "train_accuracy": self.totals["correct"] / seen,
                 "train_steps": self.steps}
-
-
-def train_one_epoch(epoch: Epoch, trainer: RMTrainerConfig, start: int, save: Callable[[int], Path | None],
-                    logger: MetricsLogger | None, reporting: Reporting) -> dict[str, float]:
-    """Steps `start + 1 ..` of the epoch on the shared step loop (profiling, checkpoints every
-    `trainer.save_every` steps through `save`); rank 0's rows go to `logger`, a console line every
-    `train.log_every` steps to `reporting.log`."""
-    steps, every = epoch.steps, epoch.cfg.log_every
-    # A bar (with its ETA) on rank 0 as well: on a CPU the epoch can take minutes.
-    bar = progress_bar(total=steps, initial=start, desc="[train_rm] training the reward model", unit="step",
-                       enabled=trainer.progress and epoch.worker.rank == 0)
-
-    def log(step: int, metrics: dict) -> None:
-        bar.update()
-        if logger is not None:
-            logger.log(step, metrics)
-        if step % every == 0 or step == steps:
-            seen = step * epoch.cfg.batch_size  # the epoch's running means so far
-            running = {"epoch/loss": epoch.totals["loss_sum"] / seen, "epoch/accuracy": epoch.totals["correct"] / seen}
-            reporting.log(step_line(step, steps, {**metrics, **running}, SHOWN, prefix="[train_rm] "))
-
-    progress = reporting.progress or StepProgress(epoch.worker.rank)
-    with bar:
-        run_steps(StepHooks(one_step=epoch.one_step, log=log, save=save), start, steps, trainer, epoch.worker.rank,
-                  epoch.worker.device, progress)
-    return epoch.results()
 
 
 SHOWN = ("train/lr", "train/grad_norm", "epoch/loss", "epoch/accuracy")  # the console line's metrics
@@ -279,43 +255,49 @@ def fit_reward_model(model, reference: ReferenceSamples, train_examples: list, t
     bar = (lambda what: f"[train_rm] {what}") if show else (lambda what: None)
     worker = BatchWorker.for_job(cfg.model, dp.rank, dp.size, dp.device, cfg.train.max_tokens_per_device,
                                  cfg.train.packing)
-    checkpointer = Checkpointer.for_run(tr, dp.rank)
-    # A checkpoint holds the weights, optimizer, schedule and RNG mid-epoch, and what came before training
-    # (the first normalisation, the held-out baseline): a resumed run goes on from its step as if never stopped.
-    start, saved = checkpointer.maybe_resume(tr.resume, {"reward_model": trainable})
-    phase = reporting.progress.at if reporting.progress is not None else (lambda step, name: None)
     epoch = Epoch(trainable, worker, train_examples, cfg.train, pad_id,
                   torch.randperm(len(train_examples), generator=torch.Generator().manual_seed(tr.seed)).tolist())
-    if start:
-        gain_before, bias_before, before = saved["gain_before"], saved["bias_before"], saved["before"]
-        epoch.totals.update(loss_sum=saved["loss_sum"], correct=saved["correct"])
-        set_reward_gain_bias(model, gain_before, bias_before)
-    else:
-        # OpenAI: normalise before training too, so the loss sees rewards at unit scale from step one.
-        phase(None, "normalisation before training")
-        gain_before, bias_before = normalize_reward(model, reference, worker, tr.seed,
-                                                    bar("sampling to normalise before training"))
-        before = heldout_metrics(model, worker, test_examples, pad_id)
-    reporting.log(f"[train_rm] {len(train_examples)} train / {len(test_examples)} held-out comparisons, {steps} "
-                  f"steps on {dp.size} rank(s); held-out accuracy before training {before['accuracy']:.3f}")
-
-    def save(step: int) -> Path | None:
-        return checkpointer.save(step, {"reward_model": trainable}, {
-            "gain_before": gain_before, "bias_before": bias_before, "before": before, **epoch.totals})
-
-    logger = open_run_logger(cfg, start) if reporting.metrics_rows and dp.rank == 0 else None
+    before_training: dict = {}  # the first normalisation's gain and bias, the held-out baseline
+    # A checkpoint holds the weights, optimizer, schedule and RNG mid-epoch, what came before training and the
+    # epoch's sums so far: a resumed run goes on from its step as if never stopped.
+    run = TrainingRun(cfg, dp.rank, {"reward_model": trainable}, steps,
+                      ConsoleLine(SHOWN, every=cfg.train.log_every, prefix="[train_rm] ", say=reporting.log),
+                      state=lambda: {**before_training, **epoch.totals}, rows=reporting.metrics_rows)
+    progress = reporting.progress or StepProgress(dp.rank)
     try:
-        stats = train_one_epoch(epoch, tr, start, save, logger, reporting)
+        if run.start_step:
+            before_training.update({key: run.saved[key] for key in ("gain_before", "bias_before", "before")})
+            epoch.totals.update(loss_sum=run.saved["loss_sum"], correct=run.saved["correct"])
+            set_reward_gain_bias(model, before_training["gain_before"], before_training["bias_before"])
+        else:
+            # OpenAI: normalise before training too, so the loss sees rewards at unit scale from step one.
+            progress.at(None, "normalisation before training")
+            gain, bias = normalize_reward(model, reference, worker, tr.seed, bar("sampling to normalise before training"))
+            before_training.update(gain_before=gain, bias_before=bias,
+                                   before=heldout_metrics(model, worker, test_examples, pad_id))
+        reporting.log(f"[train_rm] {len(train_examples)} train / {len(test_examples)} held-out comparisons, {steps} "
+                      f"steps on {dp.size} rank(s); held-out accuracy before training "
+                      f"{before_training['before']['accuracy']:.3f}")
+        # A bar (with its ETA) on rank 0 as well: on a CPU the epoch can take minutes.
+        with progress_bar(total=steps, initial=run.start_step, desc="[train_rm] training the reward model",
+                          unit="step", enabled=show) as steps_bar:
+
+            def one_step(step: int) -> dict[str, float]:
+                metrics = epoch.one_step(step)
+                steps_bar.update()
+                return metrics
+
+            run.run_steps(one_step, dp.device, progress)
     finally:
-        if logger is not None:
-            logger.close()
-    phase(None, "evaluation and normalisation after training")
+        run.close()
+    progress.at(None, "evaluation and normalisation after training")
     after = heldout_metrics(model, worker, test_examples, pad_id)
     gain, bias = normalize_reward(model, reference, worker, tr.seed + 1, bar("sampling to normalise after training"))
     check = fresh_sample_check(model, reference, worker, tr.seed + 2, labeler,
                                bar("sampling to check on fresh samples"))
     return {"heldout_accuracy": after["accuracy"], "heldout_loss": after["loss"],
-            "heldout_accuracy_before": before["accuracy"], **stats, "gain_before": gain_before,
+            "heldout_accuracy_before": before_training["before"]["accuracy"], **epoch.results(),
+            "gain_before": before_training["gain_before"],
             "gain": gain, "bias": bias, **check}
 
 
