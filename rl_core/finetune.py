@@ -11,29 +11,25 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from rl_core.checkpoint import end_if_finished, export_final
-from rl_core.config import (LoraSettings, TrainerConfig, choice, require, validate_checkpoint_keys,
-                            validate_profile_steps)
+from rl_core.config import (LoraSettings, OptimizerConfig, TrainerConfig, choice, require,
+                            validate_checkpoint_keys, validate_profile_steps)
 from rl_core.distributed import DataParallel
 from rl_core.model_builder import Optimization
-from rl_core.optim import OPTIMIZER_NAMES, linear_anneal_schedule
+from rl_core.optim import linear_anneal_schedule
 from rl_core.stop_signal import StepProgress
 from rl_core.training_run import ConsoleLine, TrainingRun
 from workers.trainable import TrainableModel
 
 
 @dataclass
-class FinetuneTrainConfig:
+class FinetuneTrainConfig(OptimizerConfig):
+    """SFT's and DPO's training; its optimizer keys are every job's (`rl_core.config.OptimizerConfig`), whose
+    defaults are these jobs': AdamW, epsilon 1e-8, gradients clipped at norm 1."""
     batch_size: int = 32  # rows (SFT) or pairs (DPO) per optimizer step, over all ranks
     epochs: int = 1  # passes over the training data
     max_steps: Optional[int] = None  # stop earlier than `epochs`
-    lr: float = 1e-5  # peak learning rate
     schedule: str = choice("linear", ("linear", "constant"))  # after warmup: annealed to zero, or held
     warmup_steps: int = 0  # steps of linear warmup from zero
-    optimizer: str = choice("adamw", OPTIMIZER_NAMES)  # adam, adamw or tf_adam (TensorFlow's epsilon placement)
-    weight_decay: float = 0.0  # decoupled weight decay (adamw)
-    adam_eps: float = 1e-8  # Adam epsilon
-    adam_betas: tuple = (0.9, 0.999)  # Adam betas
-    max_grad_norm: Optional[float] = 1.0  # gradient clipping; null = none
     max_tokens_per_device: int = 8192  # per micro-batch: its padded size, or with packing its real tokens
     # Padding-free micro-batches (workers.layout.pack): the model runs on the rows' real tokens back to
     # back, attention kept inside each row; the same losses and gradients as padded rows.
@@ -65,12 +61,8 @@ def validate_training(tr: FinetuneTrainConfig, trainer: FinetuneTrainerConfig, l
     require(tr.batch_size > 0, f"config key 'train.batch_size' must be > 0, got {tr.batch_size}")
     require(tr.epochs > 0, f"config key 'train.epochs' must be > 0, got {tr.epochs}")
     require(tr.max_steps is None or tr.max_steps > 0, f"config key 'train.max_steps' must be > 0 or null, got {tr.max_steps}")
-    require(tr.lr > 0, f"config key 'train.lr' must be > 0, got {tr.lr}")
-    require(len(tr.adam_betas) == 2 and all(0 <= b < 1 for b in tr.adam_betas),
-            f"config key 'train.adam_betas' must be two numbers in [0, 1), got {tr.adam_betas}")
+    tr.validate("train")  # the optimizer keys, as every job checks them
     require(tr.warmup_steps >= 0, f"config key 'train.warmup_steps' must be >= 0, got {tr.warmup_steps}")
-    require(tr.max_grad_norm is None or tr.max_grad_norm > 0,
-            f"config key 'train.max_grad_norm' must be > 0 or null, got {tr.max_grad_norm}")
     require(tr.log_every > 0, f"config key 'train.log_every' must be > 0, got {tr.log_every}")
 
 
@@ -109,8 +101,7 @@ def optimization(tr: FinetuneTrainConfig, steps: int) -> Optimization:
     else:
         schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731
             opt, lambda step: min(1.0, (step + 1) / max(1, tr.warmup_steps)))
-    return Optimization(tr.optimizer, tr.lr, eps=tr.adam_eps, weight_decay=tr.weight_decay,
-                        betas=tuple(tr.adam_betas), max_grad_norm=tr.max_grad_norm, schedule=schedule)
+    return Optimization.from_config(tr, schedule)
 
 
 def step_rows(rows: list, step: int, batch_size: int, seed: int) -> list:

@@ -327,9 +327,15 @@ def test_ppo_and_rm_optimizer_sections_are_the_shared_one_with_their_own_default
     assert one_line(job, f"{section}.adam_eps=0") == f"config key '{section}.adam_eps' must be > 0, got 0.0"
 
 
-def test_sft_and_dpo_optimizer_defaults_are_kept():
+@pytest.mark.parametrize("job", ["sft", "dpo"])
+def test_sft_and_dpo_optimizer_sections_are_the_shared_one_with_their_defaults_kept(job):
+    from rl_core.config import OptimizerConfig
     from rl_core.finetune import FinetuneTrainConfig
 
+    cfg, section = job_config(job)
+    assert isinstance(getattr(cfg, section), OptimizerConfig)
+    assert one_line(job, f"{section}.weight_decay=-0.1") == \
+        f"config key '{section}.weight_decay' must be >= 0, got -0.1"
     tr = FinetuneTrainConfig()
     assert (tr.optimizer, tr.lr, tr.adam_eps, tr.adam_betas, tr.weight_decay, tr.max_grad_norm) == \
         ("adamw", 1e-5, 1e-8, (0.9, 0.999), 0.0, 1.0)

@@ -245,9 +245,8 @@ def fit_reward_model(model, reference: ReferenceSamples, train_examples: list, t
                                                     f"{cfg.train.batch_size}, one epoch")
     placement = model_builder.Placement() if dp.sharded else model_builder.Placement.whole(dp.device)
     # OpenAI: one epoch, LR annealed linearly to zero.
-    optimization = model_builder.Optimization(cfg.train.optimizer, cfg.train.lr, eps=cfg.train.adam_eps,
-                                              max_grad_norm=cfg.train.max_grad_norm,
-                                              schedule=lambda optimizer: linear_anneal_schedule(optimizer, steps))
+    optimization = model_builder.Optimization.from_config(
+        cfg.train, lambda optimizer: linear_anneal_schedule(optimizer, steps))
     trainable = model_builder.make_trainable(model, cfg.model, placement, optimization)
     model, pad_id = trainable.model, tokenizer.pad_token_id
     # Bars (with ETAs) on rank 0: on a CPU each sampling phase can take minutes.
