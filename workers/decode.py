@@ -1,5 +1,11 @@
 """Greedy or sampled decoding with a sharded model on every rank, for the jobs' evaluations and the
-reward model's normalisation samples (the PPO job generates through its engines instead)."""
+reward model's normalisation samples (the PPO job generates through its engines instead: the jobs on fixed data
+start no engine, and their few hundred short samples would not repay starting one).
+
+Written here rather than through transformers' `generate`: the draws come from the caller's seeded generator
+(the same samples whatever else used the global random stream, on every resume), EOS ends nothing (OpenAI's
+fixed-length samples), and every batch runs exactly `max_new_tokens` forwards, so a sharded model's collectives
+line up on every rank without `generate`'s per-token agreement between ranks."""
 
 from __future__ import annotations
 
