@@ -6,33 +6,14 @@ logger closes.
 """
 
 import json
-import os
 
-import pytest
 import torch
 
 from rl_core.model_builder import Optimization, Placement, build_trained
 from rl_core.sft.config import SFTConfig
 from rl_core.stop_signal import StepProgress
 from rl_core.training_run import ConsoleLine, TrainingRun
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    import torch.distributed as dist
-
-    from rl_core.distributed import init_distributed
-
-    keys = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    saved = {key: os.environ.pop(key) for key in keys if key in os.environ}
-    init_distributed(timeout_s=60)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        for key in keys:
-            os.environ.pop(key, None)
-        os.environ.update(saved)
+from tests.test_checkpoint_integrity import process_group  # noqa: F401  (the one-rank gloo group)
 
 
 class Job:
@@ -82,7 +63,7 @@ def logged_steps(run_dir) -> list[int]:
 
 
 def test_a_run_resumes_with_the_weights_and_state_it_saved_and_logs_every_step_once(process_group, tiny_model_dir,
-                                                                                    tmp_path):
+                                                                                    tmp_path):  # noqa: F811
     first = Job(tiny_model_dir, tmp_path, total_steps=4, resume="never")
     first.train()
     assert first.evaluated == [0, 4]  # the baseline before training, and the end
